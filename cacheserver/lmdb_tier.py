@@ -1,0 +1,145 @@
+"""The persistent tier: blocks in LMDB, verified on every read.
+
+The only module that imports `lmdb`. Two named databases in one environment:
+`blocks` (storage key -> payload) and `meta` (storage key -> checksum, size, tenant,
+epoch, clock). Both are written in one transaction, so a block is visible only once
+all of its bytes and its checksum are committed; a torn write is never visible.
+Reads use `buffers=True` (zero-copy from the memory map) and verify the xxh3-128
+checksum before anything leaves the read transaction; a mismatch deletes the block and
+is reported to the caller as a miss.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import lmdb
+import xxhash
+
+from kvshare.errors import ConfigError, ResourceExhausted
+from policy.types import StorageKey, TenantId
+
+# checksum (16) | size (8) | epoch (4) | clock (8) | then the tenant id in UTF-8
+_META = struct.Struct(">16sQIQ")
+
+
+@dataclass(frozen=True, slots=True)
+class StoredMeta:
+    key: StorageKey
+    tenant: TenantId
+    size: int
+    epoch: int
+    clock: int
+
+
+@dataclass(frozen=True, slots=True)
+class PendingWrite:
+    key: StorageKey
+    tenant: TenantId
+    epoch: int
+    clock: int
+    payload: bytes | memoryview
+
+
+def checksum(payload: bytes | memoryview) -> bytes:
+    return xxhash.xxh3_128_digest(payload)
+
+
+def _pack_meta(w: PendingWrite, digest: bytes) -> bytes:
+    return _META.pack(digest, len(w.payload), w.epoch, w.clock) + w.tenant.encode("utf-8")
+
+
+def _unpack_meta(key: bytes, raw: bytes | memoryview) -> tuple[bytes, StoredMeta]:
+    digest, size, epoch, clock = _META.unpack_from(raw)
+    tenant = TenantId(bytes(raw[_META.size :]).decode("utf-8"))
+    return digest, StoredMeta(StorageKey(bytes(key)), tenant, size, epoch, clock)
+
+
+class LmdbTier:
+    def __init__(self, path: Path, *, map_bytes: int, sync_writes: bool) -> None:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            self._env = lmdb.open(
+                str(path), map_size=map_bytes, max_dbs=4, subdir=True, sync=sync_writes,
+                metasync=sync_writes, readahead=False, max_readers=256, lock=True,
+            )
+        except lmdb.Error as error:
+            raise ConfigError(f"cannot open LMDB in {path}: {error}; check the data dir "
+                              "is writable and not used by another kvshare server") from None
+        except OSError as error:
+            raise ConfigError(f"cannot create data dir {path}: {error.strerror}") from None
+        self._blocks = self._env.open_db(b"blocks")
+        self._meta = self._env.open_db(b"meta")
+        self.map_bytes = map_bytes
+        self.integrity_failures = 0
+        self._lock = threading.Lock()  # guards integrity_failures
+
+    def close(self) -> None:
+        self._env.sync(True)
+        self._env.close()
+
+    def scan(self) -> Iterator[StoredMeta]:
+        with self._env.begin(db=self._meta, buffers=True) as txn:
+            for key, raw in txn.cursor():
+                yield _unpack_meta(key, raw)[1]
+
+    def read_many(self, keys: Sequence[StorageKey]) -> list[bytes | None]:
+        """Payloads for `keys` (None where absent or corrupt), one read transaction."""
+        out: list[bytes | None] = []
+        corrupt: list[StorageKey] = []
+        with self._env.begin(buffers=True) as txn:
+            for key in keys:
+                raw_meta = txn.get(key, db=self._meta)
+                raw = txn.get(key, db=self._blocks)
+                if raw_meta is None or raw is None:
+                    out.append(None)
+                    continue
+                digest, meta = _unpack_meta(key, raw_meta)
+                if len(raw) != meta.size or checksum(raw) != digest:
+                    corrupt.append(key)
+                    out.append(None)
+                    continue
+                out.append(bytes(raw))  # the one copy out of the memory map
+        if corrupt:
+            self._drop_corrupt(corrupt)
+        return out
+
+    def _drop_corrupt(self, keys: Sequence[StorageKey]) -> None:
+        with self._lock:
+            self.integrity_failures += len(keys)
+        self.delete(keys)
+
+    def write(self, writes: Sequence[PendingWrite], deletes: Sequence[StorageKey]) -> list[bool]:
+        """Delete `deletes`, then insert `writes` first-writer-wins, in one durable commit.
+
+        Returns, per write, whether it was stored (False: the key already existed).
+        """
+        try:
+            with self._env.begin(write=True) as txn:
+                for key in deletes:
+                    txn.delete(key, db=self._blocks)
+                    txn.delete(key, db=self._meta)
+                stored = []
+                for w in writes:
+                    fresh = txn.put(w.key, w.payload, db=self._blocks, overwrite=False)
+                    if fresh:
+                        txn.put(w.key, _pack_meta(w, checksum(w.payload)), db=self._meta)
+                    stored.append(bool(fresh))
+                return stored
+        except lmdb.MapFullError:
+            raise ResourceExhausted(
+                f"LMDB map full at {self.map_bytes} bytes; raise [storage] lmdb_map_bytes or "
+                "lower [storage] disk_budget_bytes so evictions keep it below the map"
+            ) from None
+
+    def delete(self, keys: Sequence[StorageKey]) -> int:
+        with self._env.begin(write=True) as txn:
+            deleted = 0
+            for key in keys:
+                deleted += bool(txn.delete(key, db=self._blocks))
+                txn.delete(key, db=self._meta)
+            return deleted

@@ -1,0 +1,175 @@
+"""Assemble and run the server: data dir, policy, store, gRPC services.
+
+Start-up fails fast with one line naming what to change (unwritable data dir, data dir
+in use, port in use, non-loopback listen without TLS). Shutdown (SIGTERM/SIGINT)
+stops accepting RPCs, lets in-flight ones finish within a grace period, then drains the
+writer and closes LMDB cleanly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import ipaddress
+import logging
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from cacheserver.config import ServerConfig
+from cacheserver.service import BlockStoreService
+from cacheserver.store import BlockStore
+from cacheserver.wire import AuthInterceptor
+from kvshare.errors import ConfigError
+from kvshare.v1 import kvshare_pb2, kvshare_pb2_grpc
+from policy import AccessPolicy
+from policy.devmode import dev_access
+from policy.identity import TokenAuthenticator
+from policy.naming import BlockNamer, load_or_create_server_secret
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = kvshare_pb2.DESCRIPTOR.services_by_name["BlockStore"].full_name
+SHUTDOWN_GRACE_S = 10.0
+GRPC_SLACK_BYTES = 1 << 20  # room for protobuf framing around max_message_bytes of payload
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    cert_chain: Path
+    private_key: Path
+    client_ca: Path | None = None  # set: clients must present a certificate signed by it
+
+
+def is_loopback(listen: str) -> bool:
+    host = listen.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def prepare_data_dir(data_dir: Path) -> IO[str]:
+    """Create the data dir and take its lock; the lock is held until the file is closed."""
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        lock = (data_dir / "server.lock").open("a+")
+    except OSError as error:
+        raise ConfigError(f"data dir {data_dir} is not writable ({error.strerror}); "
+                          "pick another --data-dir or fix its permissions") from None
+    try:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        raise ConfigError(f"data dir {data_dir} is in use by another kvshare server; "
+                          "stop it or pick another --data-dir") from None
+    if not os.access(data_dir, os.W_OK):
+        raise ConfigError(f"data dir {data_dir} is not writable; fix its permissions")
+    return lock
+
+
+class Server:
+    def __init__(self, config: ServerConfig, tls: TlsFiles | None = None) -> None:
+        if not is_loopback(config.listen) and tls is None and not config.allow_insecure_listen:
+            raise ConfigError(
+                f"refusing to listen on non-loopback {config.listen} without TLS; give "
+                "--tls-cert/--tls-key, or --allow-insecure-listen on a trusted network")
+        self.config = config
+        self._tls = tls
+        self._lock_file = prepare_data_dir(config.data_dir)
+        access = config.access or dev_access(config.data_dir)
+        epochs = {t.id: t.epoch for t in access.tenants}
+        namer = BlockNamer(load_or_create_server_secret(config.data_dir), epochs)
+        self.policy = AccessPolicy(TokenAuthenticator(access.credentials), namer,
+                                   {t.id: t.quota_bytes for t in access.tenants})
+        self.store = BlockStore(config.data_dir, config.storage, self.policy.quotas_bytes, epochs)
+        self.health = health.aio.HealthServicer()
+        self._server: grpc.aio.Server | None = None
+        self.address = ""
+
+    async def start(self) -> str:
+        max_message = self.config.limits.max_message_bytes + GRPC_SLACK_BYTES
+        server = grpc.aio.server(
+            interceptors=[AuthInterceptor(self.policy)],
+            options=[("grpc.max_receive_message_length", max_message),
+                     ("grpc.max_send_message_length", max_message),
+                     ("grpc.so_reuseport", 0)],
+        )
+        kvshare_pb2_grpc.add_BlockStoreServicer_to_server(
+            BlockStoreService(self.store, self.policy, self.config.limits), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME), server)
+        port = self._bind(server)
+        await server.start()
+        for name in ("", SERVICE_NAME):
+            await _maybe_await(self.health.set(name, health_pb2.HealthCheckResponse.SERVING))
+        self._server = server
+        host = self.config.listen.rsplit(":", 1)[0]
+        self.address = f"{host}:{port}"
+        return self.address
+
+    def _bind(self, server: grpc.aio.Server) -> int:
+        try:
+            if self._tls is None:
+                port = server.add_insecure_port(self.config.listen)
+            else:
+                port = server.add_secure_port(self.config.listen, _server_credentials(self._tls))
+        except RuntimeError:
+            port = 0
+        if port == 0:
+            raise ConfigError(f"cannot listen on {self.config.listen}: the port is in use or the "
+                              "address is not on this host; pick another --listen")
+        return port
+
+    async def wait_for_termination(self) -> None:
+        assert self._server is not None
+        await self._server.wait_for_termination()
+
+    async def stop(self, grace_s: float = SHUTDOWN_GRACE_S) -> None:
+        if self._server is not None:
+            await self._server.stop(grace_s)
+            self._server = None
+        self.store.close()
+        self._lock_file.close()
+
+
+async def _maybe_await(value: object) -> None:
+    if asyncio.iscoroutine(value):
+        await value
+
+
+def _server_credentials(tls: TlsFiles) -> grpc.ServerCredentials:
+    try:
+        chain = tls.cert_chain.read_bytes()
+        key = tls.private_key.read_bytes()
+        ca = tls.client_ca.read_bytes() if tls.client_ca else None
+    except OSError as error:
+        raise ConfigError(f"cannot read TLS file {error.filename}: {error.strerror}") from None
+    return grpc.ssl_server_credentials([(key, chain)], root_certificates=ca,
+                                       require_client_auth=ca is not None)
+
+
+async def serve(config: ServerConfig, tls: TlsFiles | None = None) -> None:
+    """Run until SIGTERM or SIGINT; print `serving on HOST:PORT` when ready."""
+    server = Server(config, tls)
+    address = await server.start()
+    mode = " (dev mode: tenant 'dev', token in " + str(config.data_dir / "dev.token") + ")" \
+        if config.is_dev_mode else ""
+    print(f"kvshare serving on {address}{mode}", flush=True)
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    await stopping.wait()
+    log.info("draining in-flight RPCs (grace %.0f s)", SHUTDOWN_GRACE_S)
+    await server.stop()
+    print("kvshare stopped cleanly", flush=True)

@@ -1,0 +1,296 @@
+"""The block store: a memory tier over an LMDB tier, with one writer thread.
+
+Invariants:
+- A block is visible (to lookup and get) only after its durable commit: new entries
+  join the disk index after the commit that wrote them.
+- First writer wins: a key already on disk is never overwritten.
+- The disk index is the authority on what exists; the memory tier only ever holds a
+  subset of it (dropping a block from disk drops it from memory too).
+- All index and memory-tier state is touched under `_lock`; LMDB I/O happens outside
+  it (reads on executor threads, writes on the writer thread).
+
+Writes go through one writer thread that groups every queued block into one LMDB
+transaction (group commit): with `sync_writes`, one fsync acknowledges many puts.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cacheserver.config import StorageConfig
+from cacheserver.index import BlockIndex, Entry, NoRoom
+from cacheserver.lmdb_tier import LmdbTier, PendingWrite
+from cacheserver.memory_tier import MemoryTier
+from kvshare.errors import KvshareError, ResourceExhausted
+from policy.types import StorageKey, TenantId
+
+log = logging.getLogger(__name__)
+MAX_BATCH_BYTES = 256 << 20  # bound one commit's size so a burst cannot stall reads long
+MAX_BATCH_BLOCKS = 4096
+
+
+@dataclass
+class TenantCounters:
+    lookups: int = 0
+    lookup_hits: int = 0
+    blocks_served: int = 0
+    bytes_served: int = 0
+    blocks_stored: int = 0
+    bytes_stored: int = 0
+
+
+@dataclass
+class _PutJob:
+    key: StorageKey
+    tenant: TenantId
+    epoch: int
+    payload: bytes
+    clock: int = 0
+    future: concurrent.futures.Future[bool] = field(default_factory=concurrent.futures.Future)
+
+
+class BlockStore:
+    def __init__(self, data_dir: Path, storage: StorageConfig, quotas_bytes: Mapping[str, int],
+                 epochs: Mapping[TenantId, int]) -> None:
+        self._disk = LmdbTier(data_dir / "lmdb", map_bytes=storage.effective_map_bytes(),
+                              sync_writes=storage.sync_writes)
+        self._index = BlockIndex(storage.disk_budget_bytes, quotas_bytes)
+        self._memory = MemoryTier(storage.memory_budget_bytes)
+        self._epochs = dict(epochs)
+        self._lock = threading.Lock()
+        self.counters: dict[TenantId, TenantCounters] = {}
+        self._queue: queue.Queue[_PutJob | None] = queue.Queue()
+        self._rebuild_index()
+        self._writer = threading.Thread(target=self._write_loop, name="kvshare-writer", daemon=True)
+        self._writer.start()
+
+    # -- start-up -------------------------------------------------------------------
+
+    def _rebuild_index(self) -> None:
+        """Load the disk index; reclaim blocks of retired epochs or removed tenants."""
+        stale: list[StorageKey] = []
+        live = []
+        for meta in self._disk.scan():
+            if meta.tenant in self._epochs and meta.epoch == self._epochs[meta.tenant]:
+                live.append(meta)
+            else:
+                stale.append(meta.key)
+        for meta in sorted(live, key=lambda m: m.clock):
+            self._index.add(meta.key, meta.tenant, meta.size, clock=meta.clock)
+        if stale:
+            self._disk.delete(stale)
+            log.info("reclaimed %d blocks of retired epochs or removed tenants", len(stale))
+        if self._index.used_bytes > self._index.budget_bytes:  # the budget was lowered
+            victims = []
+            excess = self._index.used_bytes - self._index.budget_bytes
+            for key, entry in self._index.oldest_first():
+                if excess <= 0:
+                    break
+                victims.append(key)
+                excess -= entry.size
+            self._remove_everywhere(victims)
+            self._disk.delete(victims)
+
+    # -- reads ------------------------------------------------------------------------
+
+    def count(self, tenant: TenantId) -> TenantCounters:
+        counters = self.counters.get(tenant)
+        if counters is None:
+            counters = self.counters[tenant] = TenantCounters()
+        return counters
+
+    def lookup(self, tenant: TenantId, keys: Sequence[StorageKey]) -> int:
+        with self._lock:
+            present = 0
+            for key in keys:
+                if not self._index.touch(key):
+                    break
+                present += 1
+            counters = self.count(tenant)
+            counters.lookups += 1
+            counters.lookup_hits += present
+            return present
+
+    def read_from_memory(self, keys: Sequence[StorageKey]) -> list[bytes]:
+        """Leading payloads held in memory (fast; safe to call on the event loop)."""
+        out: list[bytes] = []
+        with self._lock:
+            for key in keys:
+                payload = self._memory.get(key)
+                if payload is None or not self._index.touch(key):
+                    break
+                out.append(payload)
+        return out
+
+    def is_stored(self, key: StorageKey) -> bool:
+        with self._lock:
+            return key in self._index
+
+    def read_from_disk(self, tenant: TenantId, keys: Sequence[StorageKey],
+                       max_bytes: int) -> list[bytes]:
+        """Leading payloads (about `max_bytes` of them, at least one) read through from
+        LMDB and promoted to memory. Blocking: run it off the event loop."""
+        with self._lock:
+            wanted = []
+            total = 0
+            for key in keys:
+                entry = self._index.get(key)
+                if entry is None or (wanted and total + entry.size > max_bytes):
+                    break
+                wanted.append(key)
+                total += entry.size
+        payloads = self._disk.read_many(wanted)
+        out: list[bytes] = []
+        with self._lock:
+            for key, payload in zip(wanted, payloads, strict=True):
+                if payload is None:
+                    self._remove_everywhere([key])  # corrupt or gone: a miss from now on
+                    break
+                if self._index.touch(key):
+                    self._memory.admit(key, tenant, payload)
+                out.append(payload)
+        return out
+
+    def note_served(self, tenant: TenantId, blocks: int, nbytes: int) -> None:
+        with self._lock:
+            counters = self.count(tenant)
+            counters.blocks_served += blocks
+            counters.bytes_served += nbytes
+
+    # -- writes -----------------------------------------------------------------------
+
+    def submit_put(self, tenant: TenantId, key: StorageKey, payload: bytes) -> concurrent.futures.Future[bool]:
+        """Queue a block for the writer; the future is True (stored) or False (already present)."""
+        job = _PutJob(key, tenant, self._epochs.get(tenant, 0), payload)
+        with self._lock:
+            if key in self._index:
+                self._index.touch(key)
+                job.future.set_result(False)
+                return job.future
+        self._queue.put(job)
+        return job.future
+
+    def _write_loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            batch = [job]
+            size = len(job.payload)
+            while size < MAX_BATCH_BYTES and len(batch) < MAX_BATCH_BLOCKS:
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self._queue.put(None)  # finish this batch, then stop
+                    break
+                batch.append(nxt)
+                size += len(nxt.payload)
+            self._commit(batch)
+
+    def _plan(self, batch: Sequence[_PutJob]) -> tuple[list[_PutJob], list[tuple[StorageKey, Entry]]]:
+        """Reserve room for the batch in the index; returns admitted jobs and evicted entries."""
+        admitted: list[_PutJob] = []
+        evicted: list[tuple[StorageKey, Entry]] = []
+        for job in batch:
+            if job.key in self._index or any(a.key == job.key for a in admitted):
+                job.future.set_result(False)
+                continue
+            try:
+                victims = self._index.victims_for(job.tenant, len(job.payload))
+            except NoRoom as error:
+                job.future.set_exception(ResourceExhausted(
+                    f"no room for a {len(job.payload)}-byte block: {error.reason}; raise the "
+                    "tenant's quota_bytes or [storage] disk_budget_bytes"))
+                continue
+            for victim in victims:
+                entry = self._index.remove(victim)
+                if entry is not None:
+                    evicted.append((victim, entry))
+            self._index.add(job.key, job.tenant, len(job.payload))
+            job.clock = self._index.clock
+            admitted.append(job)
+        return admitted, evicted
+
+    def _commit(self, batch: Sequence[_PutJob]) -> None:
+        with self._lock:
+            admitted, evicted = self._plan(batch)
+            for key, _ in evicted:
+                self._memory.drop(key)
+            # Entries are in the index for planning only; hide them until committed.
+            for job in admitted:
+                self._index.remove(job.key)
+        if not admitted and not evicted:
+            return
+        writes = [PendingWrite(j.key, j.tenant, j.epoch, j.clock, j.payload) for j in admitted]
+        try:
+            stored = self._disk.write(writes, [k for k, _ in evicted])
+        except Exception as error:  # the batch failed as a whole: nothing was written
+            with self._lock:
+                for key, entry in evicted:
+                    self._index.add(key, entry.tenant, entry.size, clock=entry.clock)
+            failure = error if isinstance(error, KvshareError) else ResourceExhausted(
+                "the disk tier could not commit; check free space and permissions of the data dir")
+            if not isinstance(error, KvshareError):
+                log.exception("LMDB commit failed")
+            for job in admitted:
+                job.future.set_exception(failure)
+            return
+        with self._lock:
+            for job, fresh in zip(admitted, stored, strict=True):
+                if fresh:
+                    self._index.add(job.key, job.tenant, len(job.payload), clock=job.clock)
+                    self._memory.admit(job.key, job.tenant, job.payload)
+                    counters = self.count(job.tenant)
+                    counters.blocks_stored += 1
+                    counters.bytes_stored += len(job.payload)
+        for job, fresh in zip(admitted, stored, strict=True):
+            job.future.set_result(fresh)
+
+    # -- deletes, stats, shutdown -----------------------------------------------------
+
+    def _remove_everywhere(self, keys: Sequence[StorageKey]) -> None:
+        for key in keys:
+            self._index.remove(key)
+            self._memory.drop(key)
+
+    def delete(self, keys: Sequence[StorageKey]) -> int:
+        with self._lock:
+            present = [k for k in keys if k in self._index]
+            self._remove_everywhere(present)
+        return self._disk.delete(present) if present else 0
+
+    def delete_tenant(self, tenant: TenantId) -> int:
+        with self._lock:
+            keys = self._index.keys_of(tenant)
+            self._remove_everywhere(keys)
+        return self._disk.delete(keys) if keys else 0
+
+    def tenant_usage(self, tenant: TenantId) -> tuple[int, int]:
+        with self._lock:
+            return self._index.tenant_blocks(tenant), self._index.tenant_bytes(tenant)
+
+    def tier_usage(self) -> dict[str, tuple[int, int, int]]:
+        """name -> (blocks, bytes, budget_bytes)."""
+        with self._lock:
+            return {
+                "memory": (len(self._memory), self._memory.used_bytes, self._memory.budget_bytes),
+                "lmdb": (len(self._index), self._index.used_bytes, self._index.budget_bytes),
+            }
+
+    @property
+    def integrity_failures(self) -> int:
+        return self._disk.integrity_failures
+
+    def close(self) -> None:
+        """Finish queued writes, then close LMDB cleanly."""
+        self._queue.put(None)
+        self._writer.join()
+        self._disk.close()

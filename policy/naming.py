@@ -1,0 +1,83 @@
+"""Server-side block names: keyed, per tenant, never the client's digest.
+
+    k_name(tenant, epoch) = HKDF-SHA256(server_secret, info=enc("kvshare/name/v1", tenant, epoch))
+    storage_key           = HMAC-SHA256(k_name, enc(model, digest))
+
+The same digest in two tenants gives unrelated names, so a cross-tenant probe is an
+ordinary miss; stored names reveal nothing about prompts; bumping a tenant's epoch
+makes all of its blocks unreachable at once (crypto-shredding on off-boarding).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+from collections.abc import Mapping
+from pathlib import Path
+
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from kvshare.encoding import enc
+from kvshare.errors import ConfigError
+from policy.types import BlockDigest, ModelName, StorageKey, TenantId
+
+SERVER_SECRET_BYTES = 32
+NAME_INFO_LABEL = "kvshare/name/v1"
+
+
+def derive_naming_key(server_secret: bytes, tenant: TenantId, epoch: int) -> bytes:
+    hkdf = HKDF(
+        algorithm=hashes.SHA256(),
+        length=32,
+        salt=None,
+        info=enc(NAME_INFO_LABEL, tenant, epoch),
+    )
+    return hkdf.derive(server_secret)
+
+
+class BlockNamer:
+    """Maps (tenant, model, digest) to the storage key under the tenant's current epoch."""
+
+    def __init__(self, server_secret: bytes, epochs: Mapping[TenantId, int]) -> None:
+        if len(server_secret) < SERVER_SECRET_BYTES:
+            raise ConfigError(f"server secret must be at least {SERVER_SECRET_BYTES} bytes")
+        self._secret = server_secret
+        self._epochs = dict(epochs)
+        self._keys: dict[TenantId, bytes] = {}
+
+    def epoch(self, tenant: TenantId) -> int:
+        return self._epochs.get(tenant, 0)
+
+    def _naming_key(self, tenant: TenantId) -> bytes:
+        key = self._keys.get(tenant)
+        if key is None:
+            key = derive_naming_key(self._secret, tenant, self.epoch(tenant))
+            self._keys[tenant] = key
+        return key
+
+    def storage_key(self, tenant: TenantId, model: ModelName, digest: BlockDigest) -> StorageKey:
+        mac = hmac.new(self._naming_key(tenant), enc(model, digest), hashlib.sha256)
+        return StorageKey(mac.digest())
+
+
+def load_or_create_server_secret(data_dir: Path) -> bytes:
+    """The server's naming secret, generated once in the data dir (mode 0600)."""
+    path = data_dir / "server.secret"
+    if path.exists():
+        secret = path.read_bytes()
+        if len(secret) != SERVER_SECRET_BYTES:
+            raise ConfigError(
+                f"{path} is {len(secret)} bytes, expected {SERVER_SECRET_BYTES}; "
+                "restore it from backup (a new secret makes every stored block unreachable)"
+            )
+        return secret
+    secret = secrets.token_bytes(SERVER_SECRET_BYTES)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(secret)
+        f.flush()
+        os.fsync(f.fileno())
+    return secret

@@ -1,0 +1,51 @@
+"""Types that carry the trust boundary.
+
+A `BlockDigest` is what a client sent; a `StorageKey` is what the server stores under.
+Only `policy.naming` makes a `StorageKey`, so handing a client digest straight to the
+store is a type error under `mypy --strict`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import NewType
+
+from kvshare.errors import InvalidArgument
+
+TenantId = NewType("TenantId", str)
+ModelName = NewType("ModelName", str)
+BlockDigest = NewType("BlockDigest", bytes)
+StorageKey = NewType("StorageKey", bytes)
+
+DIGEST_BYTES = 32
+MAX_MODEL_CHARS = 512  # a model id plus its layout string; longer is a client bug
+_TENANT_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
+
+
+def is_valid_tenant_id(value: str) -> bool:
+    return _TENANT_RE.fullmatch(value) is not None
+
+
+def parse_tenant_id(value: str) -> TenantId:
+    if not is_valid_tenant_id(value):
+        raise InvalidArgument(
+            "tenant must match [a-z0-9][a-z0-9._-]{0,62}; set `tenant` to a configured tenant id"
+        )
+    return TenantId(value)
+
+
+def parse_model(value: str) -> ModelName:
+    if not value:
+        raise InvalidArgument("model is empty; name the model and its KV layout in `model`")
+    if len(value) > MAX_MODEL_CHARS:
+        raise InvalidArgument(f"model is {len(value)} characters; the limit is {MAX_MODEL_CHARS}")
+    return ModelName(value)
+
+
+def parse_digest(value: bytes, position: int) -> BlockDigest:
+    if len(value) != DIGEST_BYTES:
+        raise InvalidArgument(
+            f"digest {position} is {len(value)} bytes; every digest must be "
+            f"{DIGEST_BYTES} bytes (SHA-256 of the block chain)"
+        )
+    return BlockDigest(value)

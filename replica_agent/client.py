@@ -1,0 +1,205 @@
+"""`BlockClient`: the Python client of the kvshare block store (DESIGN §9 names).
+
+    c = BlockClient("127.0.0.1:50051", token="...")   # tls=ClientTls(...) for TLS/mTLS
+    c.put(tenant, model, digests, payloads)           # -> list[bool]: True = newly stored
+    c.lookup(tenant, model, digests) -> int           # leading digests present
+    c.get(tenant, model, digests) -> list[bytes]      # leading present payloads
+    c.close()
+
+Misses are results: `lookup` counts, `get` returns the leading blocks that exist.
+Errors raise `BlockStoreError`, whose `.code()` is the `grpc.StatusCode` and whose
+subclass mirrors the server's exception (e.g. `isinstance(e, PermissionDenied)`).
+Thread-safe: one client (one HTTP/2 channel) may be shared by threads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import grpc
+
+from kvshare import errors
+from kvshare.v1 import kvshare_pb2 as pb
+from kvshare.v1 import kvshare_pb2_grpc as pb_grpc
+
+DEFAULT_FRAME_BYTES = 4 << 20
+MAX_MESSAGE_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class ClientTls:
+    """TLS for the client: the server's CA, and a client certificate for mTLS."""
+
+    root_ca: Path | None = None  # None: the system trust store
+    client_cert: Path | None = None
+    client_key: Path | None = None
+    server_name: str | None = None  # override when the address is not in the certificate
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        def read(p: Path | None) -> bytes | None:
+            return p.read_bytes() if p is not None else None
+
+        return grpc.ssl_channel_credentials(read(self.root_ca), read(self.client_key),
+                                            read(self.client_cert))
+
+
+class BlockStoreError(errors.KvshareError):
+    """A failed RPC. `.code()` is the gRPC status; `.details()` the server's message."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self._code = code
+        self._details = details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+_SUBCLASSES: dict[grpc.StatusCode, type[BlockStoreError]] = {}
+
+
+def _error_class(code: grpc.StatusCode) -> type[BlockStoreError]:
+    """A subclass of both BlockStoreError and the matching kvshare error, made once."""
+    cls = _SUBCLASSES.get(code)
+    if cls is None:
+        base = next((c for c in errors.KvshareError.__subclasses__() if c.status == code.name),
+                    None)
+        bases: tuple[type, ...] = (BlockStoreError, base) if base else (BlockStoreError,)
+        cls = type(f"BlockStore{code.name.title().replace('_', '')}", bases, {})
+        _SUBCLASSES[code] = cls
+    return cls
+
+
+def _raise(error: grpc.RpcError) -> BlockStoreError:
+    code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+    details = error.details() if hasattr(error, "details") else str(error)
+    return _error_class(code)(code, details or "")
+
+
+class BlockClient:
+    def __init__(self, address: str, token: str, *, tls: ClientTls | None = None,
+                 timeout_s: float | None = 30.0, frame_bytes: int = DEFAULT_FRAME_BYTES,
+                 options: Sequence[tuple[str, Any]] = ()) -> None:
+        channel_options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                           ("grpc.max_send_message_length", MAX_MESSAGE_BYTES), *options]
+        if tls is not None:
+            if tls.server_name:
+                channel_options.append(("grpc.ssl_target_name_override", tls.server_name))
+            self._channel = grpc.secure_channel(address, tls.credentials(), channel_options)
+        else:
+            self._channel = grpc.insecure_channel(address, channel_options)
+        self._stub = pb_grpc.BlockStoreStub(self._channel)
+        self._metadata = (("authorization", f"Bearer {token}"),)
+        self.timeout_s = timeout_s
+        self.frame_bytes = frame_bytes
+
+    def __enter__(self) -> BlockClient:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def lookup(self, tenant: str, model: str, digests: Sequence[bytes]) -> int:
+        request = pb.LookupRequest(tenant=tenant, model=model, digests=digests)
+        try:
+            response = self._stub.Lookup(request, timeout=self.timeout_s, metadata=self._metadata)
+        except grpc.RpcError as error:
+            raise _raise(error) from None
+        return int(response.present)
+
+    def get(self, tenant: str, model: str, digests: Sequence[bytes]) -> list[bytes]:
+        request = pb.GetRequest(tenant=tenant, model=model, digests=digests,
+                                max_frame_bytes=self.frame_bytes)
+        blocks: list[bytes] = []
+        partial: bytearray | None = None
+        try:
+            for frame in self._stub.Get(request, timeout=self.timeout_s, metadata=self._metadata):
+                for chunk in frame.chunks:
+                    if chunk.offset == 0 and len(chunk.data) == chunk.block_bytes:
+                        blocks.append(chunk.data)  # a whole block in one chunk: no copy
+                        continue
+                    if chunk.offset == 0:
+                        partial = bytearray(chunk.block_bytes)
+                    if partial is None or chunk.index != len(blocks):
+                        raise BlockStoreError(grpc.StatusCode.DATA_LOSS,
+                                              "server sent chunks out of order")
+                    partial[chunk.offset:chunk.offset + len(chunk.data)] = chunk.data
+                    if chunk.offset + len(chunk.data) == chunk.block_bytes:
+                        blocks.append(bytes(partial))
+                        partial = None
+        except grpc.RpcError as error:
+            raise _raise(error) from None
+        return blocks
+
+    def put(self, tenant: str, model: str, digests: Sequence[bytes],
+            payloads: Sequence[bytes | bytearray | memoryview]) -> list[bool]:
+        """Store blocks; per block True if newly stored, False if it was already present."""
+        if len(digests) != len(payloads):
+            raise ValueError(f"{len(digests)} digests but {len(payloads)} payloads; pass one "
+                             "payload per digest")
+        frames = _put_frames(tenant, model, digests, payloads, self.frame_bytes)
+        try:
+            response = self._stub.Put(frames, timeout=self.timeout_s, metadata=self._metadata)
+        except grpc.RpcError as error:
+            raise _raise(error) from None
+        stored = [False] * len(digests)
+        for result in response.results:
+            stored[result.index] = result.outcome == pb.PUT_OUTCOME_STORED
+        return stored
+
+    def delete(self, tenant: str, model: str, digests: Sequence[bytes]) -> int:
+        return self._delete(pb.DeleteRequest(tenant=tenant, model=model, digests=digests))
+
+    def delete_tenant(self, tenant: str) -> int:
+        """Delete every block of `tenant` (needs the `admin` action)."""
+        return self._delete(pb.DeleteRequest(tenant=tenant, whole_tenant=True))
+
+    def _delete(self, request: pb.DeleteRequest) -> int:
+        try:
+            response = self._stub.Delete(request, timeout=self.timeout_s, metadata=self._metadata)
+        except grpc.RpcError as error:
+            raise _raise(error) from None
+        return int(response.deleted)
+
+    def stats(self) -> pb.StatsResponse:
+        try:
+            return self._stub.Stats(pb.StatsRequest(), timeout=self.timeout_s,
+                                    metadata=self._metadata)
+        except grpc.RpcError as error:
+            raise _raise(error) from None
+
+
+def _put_frames(tenant: str, model: str, digests: Sequence[bytes],
+                payloads: Sequence[bytes | bytearray | memoryview],
+                frame_bytes: int) -> Iterator[pb.PutFrame]:
+    frame = pb.PutFrame(header=pb.PutHeader(tenant=tenant, model=model))
+    filled = 0
+    for digest, payload in zip(digests, payloads, strict=True):
+        view = memoryview(payload).cast("B")
+        offset = 0
+        while True:
+            take = min(len(view) - offset, frame_bytes - filled)
+            data = payload if take == len(view) and isinstance(payload, bytes) \
+                else bytes(view[offset:offset + take])
+            frame.chunks.add(digest=digest if offset == 0 else b"", block_bytes=len(view),
+                             offset=offset, data=data)
+            offset += take
+            filled += take
+            if filled >= frame_bytes:
+                yield frame
+                frame, filled = pb.PutFrame(), 0
+            if offset >= len(view):
+                break
+    if frame.chunks or frame.HasField("header"):
+        yield frame

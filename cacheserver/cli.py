@@ -14,32 +14,68 @@ from kvshare.errors import ConfigError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", type=Path, metavar="FILE",
-                        help="TOML server config (tenants, principals, storage, limits). "
-                             "Without it: dev mode, one tenant 'dev' whose token is written "
-                             "to <data-dir>/dev.token")
-    parser.add_argument("--listen", metavar="HOST:PORT",
-                        help="address to serve on (default 127.0.0.1:50051; port 0 picks a "
-                             "free port, printed in the 'serving on' line)")
-    parser.add_argument("--data-dir", type=Path, metavar="DIR",
-                        help="where blocks, the server secret and the dev token live "
-                             "(default ./kvshare-data)")
-    parser.add_argument("--memory-budget-bytes", type=int, metavar="N",
-                        help="byte budget of the in-memory tier (default 1 GiB)")
-    parser.add_argument("--disk-budget-bytes", type=int, metavar="N",
-                        help="byte budget of the LMDB tier (default 8 GiB)")
-    parser.add_argument("--no-sync-writes", action="store_true",
-                        help="acknowledge puts without fsync (faster; a crash may lose the "
-                             "last acknowledged blocks, never serve torn ones)")
-    parser.add_argument("--tls-cert", type=Path, metavar="PEM",
-                        help="server certificate chain; with --tls-key enables TLS")
+    parser.add_argument(
+        "--config",
+        type=Path,
+        metavar="FILE",
+        help="TOML server config (tenants, principals, storage, limits). "
+        "Without it: dev mode, one tenant 'dev' whose token is written "
+        "to <data-dir>/dev.token",
+    )
+    parser.add_argument(
+        "--listen",
+        metavar="HOST:PORT",
+        help="address to serve on (default 127.0.0.1:50051; port 0 picks a "
+        "free port, printed in the 'serving on' line)",
+    )
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        metavar="DIR",
+        help="where blocks, the server secret and the dev token live (default ./kvshare-data)",
+    )
+    parser.add_argument(
+        "--memory-budget-bytes",
+        type=int,
+        metavar="N",
+        help="byte budget of the in-memory tier (default 1 GiB)",
+    )
+    parser.add_argument(
+        "--disk-budget-bytes",
+        type=int,
+        metavar="N",
+        help="byte budget of the LMDB tier (default 8 GiB)",
+    )
+    parser.add_argument(
+        "--no-sync-writes",
+        action="store_true",
+        help="acknowledge puts without fsync (faster; a crash may lose the "
+        "last acknowledged blocks, never serve torn ones)",
+    )
+    parser.add_argument(
+        "--tls-cert",
+        type=Path,
+        metavar="PEM",
+        help="server certificate chain; with --tls-key enables TLS",
+    )
     parser.add_argument("--tls-key", type=Path, metavar="PEM", help="server private key")
-    parser.add_argument("--tls-client-ca", type=Path, metavar="PEM",
-                        help="CA bundle for client certificates; set: mTLS is required")
-    parser.add_argument("--allow-insecure-listen", action="store_true",
-                        help="allow a non-loopback --listen without TLS (trusted networks only)")
-    parser.add_argument("--log-level", default="info",
-                        choices=["debug", "info", "warning", "error"], help="log verbosity")
+    parser.add_argument(
+        "--tls-client-ca",
+        type=Path,
+        metavar="PEM",
+        help="CA bundle for client certificates; set: mTLS is required",
+    )
+    parser.add_argument(
+        "--allow-insecure-listen",
+        action="store_true",
+        help="allow a non-loopback --listen without TLS (trusted networks only)",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="log verbosity",
+    )
 
 
 def _config_from(args: argparse.Namespace) -> ServerConfig:
@@ -63,8 +99,11 @@ def _config_from(args: argparse.Namespace) -> ServerConfig:
 def run(args: argparse.Namespace) -> int:
     from cacheserver.server import TlsFiles, serve
 
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     try:
         if (args.tls_cert is None) != (args.tls_key is None):
             raise ConfigError("give both --tls-cert and --tls-key, or neither")

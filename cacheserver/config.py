@@ -15,14 +15,15 @@ from pathlib import Path
 from typing import Any
 
 from kvshare.errors import ConfigError
-from policy.config import AccessConfig, TenantConfig, line_of, parse_access
+from policy.config import AccessConfig, line_of, parse_access
 
 MiB = 1 << 20
 GiB = 1 << 30
 DEFAULT_LISTEN = "127.0.0.1:50051"
 DEFAULT_DATA_DIR = "./kvshare-data"
-TOP_KEYS = frozenset({"listen", "data_dir", "allow_insecure_listen", "tenants", "principals",
-                      "storage", "limits"})
+TOP_KEYS = frozenset(
+    {"listen", "data_dir", "allow_insecure_listen", "tenants", "principals", "storage", "limits"}
+)
 
 
 @dataclass(frozen=True)
@@ -65,13 +66,10 @@ class ServerConfig:
     def is_dev_mode(self) -> bool:
         return self.access is None
 
-    def quotas_bytes(self) -> dict[str, int]:
-        tenants: tuple[TenantConfig, ...] = self.access.tenants if self.access else ()
-        return {t.id: t.quota_bytes for t in tenants}
 
-
-def _positive_ints(raw: Mapping[str, Any], cls: type[Any], table: str, source: str,
-                   text: str) -> Any:
+def _positive_ints(
+    raw: Mapping[str, Any], cls: type[Any], table: str, source: str, text: str
+) -> Any:
     defaults = cls()
     values: dict[str, Any] = {}
     for key, value in raw.items():
@@ -82,8 +80,10 @@ def _positive_ints(raw: Mapping[str, Any], cls: type[Any], table: str, source: s
             raise ConfigError(f"{where}: {table}.{key}: unknown key; allowed: {allowed}")
         expected = type(getattr(defaults, key))
         if type(value) is not expected or (expected is int and value < 0):
-            raise ConfigError(f"{where}: {table}.{key}: must be {expected.__name__}"
-                              + (" >= 0" if expected is int else ""))
+            raise ConfigError(
+                f"{where}: {table}.{key}: must be {expected.__name__}"
+                + (" >= 0" if expected is int else "")
+            )
         values[key] = value
     return replace(defaults, **values)
 
@@ -107,27 +107,38 @@ def load_config(path: Path) -> ServerConfig:
     source = str(path)
     for key in raw:
         if key not in TOP_KEYS:
-            raise ConfigError(f"{source}:{line_of(text, key)}: {key}: unknown key; "
-                              f"allowed: {', '.join(sorted(TOP_KEYS))}")
+            raise ConfigError(
+                f"{source}:{line_of(text, key)}: {key}: unknown key; "
+                f"allowed: {', '.join(sorted(TOP_KEYS))}"
+            )
     tenants = raw.get("tenants", [])
     principals = raw.get("principals", [])
     if not isinstance(tenants, list) or not isinstance(principals, list):
-        raise ConfigError(f"{source}: tenants and principals must be arrays of tables "
-                          "([[tenants]], [[principals]])")
+        raise ConfigError(
+            f"{source}: tenants and principals must be arrays of tables "
+            "([[tenants]], [[principals]])"
+        )
     access = parse_access(tenants, principals, source=source, text=text)
     listen = raw.get("listen", DEFAULT_LISTEN)
     data_dir = raw.get("data_dir", DEFAULT_DATA_DIR)
     insecure = raw.get("allow_insecure_listen", False)
-    if not isinstance(listen, str) or not isinstance(data_dir, str) or not isinstance(insecure, bool):
-        raise ConfigError(f"{source}: listen and data_dir must be strings, "
-                          "allow_insecure_listen a boolean")
+    if (
+        not isinstance(listen, str)
+        or not isinstance(data_dir, str)
+        or not isinstance(insecure, bool)
+    ):
+        raise ConfigError(
+            f"{source}: listen and data_dir must be strings, allow_insecure_listen a boolean"
+        )
     return ServerConfig(
         listen=listen,
         data_dir=Path(data_dir),  # relative to the working directory, like --data-dir
         allow_insecure_listen=insecure,
-        storage=_positive_ints(_table(raw, "storage", source, text), StorageConfig, "storage",
-                               source, text),
-        limits=_positive_ints(_table(raw, "limits", source, text), LimitsConfig, "limits",
-                              source, text),
+        storage=_positive_ints(
+            _table(raw, "storage", source, text), StorageConfig, "storage", source, text
+        ),
+        limits=_positive_ints(
+            _table(raw, "limits", source, text), LimitsConfig, "limits", source, text
+        ),
         access=access,
     )

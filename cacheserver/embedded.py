@@ -20,8 +20,9 @@ class EmbeddedServer:
         self.config = config
         self._tls = tls
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="kvshare-server",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="kvshare-server", daemon=True
+        )
         self.server: Server | None = None
         self.address = ""
 
@@ -52,6 +53,10 @@ class EmbeddedServer:
         self.start()
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.stop()

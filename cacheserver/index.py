@@ -37,7 +37,9 @@ class NoRoom(Exception):
 
 
 class BlockIndex:
-    def __init__(self, budget_bytes: int, quotas_bytes: Mapping[str, int] | None = None) -> None:
+    def __init__(
+        self, budget_bytes: int, quotas_bytes: Mapping[TenantId, int] | None = None
+    ) -> None:
         self.budget_bytes = budget_bytes
         self.quotas_bytes = dict(quotas_bytes or {})
         self.used_bytes = 0
@@ -123,7 +125,9 @@ class BlockIndex:
         quota = self.quotas_bytes.get(tenant, 0)
         if size > self.budget_bytes or (quota and size > quota):
             limit = min(self.budget_bytes, quota) if quota else self.budget_bytes
-            raise NoRoom(f"block of {size} bytes exceeds the {limit}-byte limit of this tier/tenant")
+            raise NoRoom(
+                f"block of {size} bytes exceeds the {limit}-byte limit of this tier/tenant"
+            )
         planned: dict[StorageKey, int] = {}
         tenant_used = self.tenant_bytes(tenant)
         if quota:
@@ -147,7 +151,11 @@ class BlockIndex:
         self, tenant: TenantId, planned: Mapping[StorageKey, int]
     ) -> Iterator[tuple[StorageKey, int]]:
         """Eviction candidates for the global budget, in the order of the module docstring."""
-        over = [t for t, q in self.quotas_bytes.items() if q and self.tenant_bytes(t) > q and t != tenant]
+        over = [
+            t
+            for t, q in self.quotas_bytes.items()
+            if q and self.tenant_bytes(t) > q and t != tenant
+        ]
         for other in over:
             excess = self.tenant_bytes(other) - self.quotas_bytes[other]
             for key, entry in self._by_tenant.get(other, {}).items():
@@ -161,7 +169,9 @@ class BlockIndex:
             if key not in planned:
                 yield key, entry.size
 
-    def _lru_among_unquoted(self, planned: Mapping[StorageKey, int]) -> Iterator[tuple[StorageKey, int]]:
+    def _lru_among_unquoted(
+        self, planned: Mapping[StorageKey, int]
+    ) -> Iterator[tuple[StorageKey, int]]:
         """Blocks of tenants without a quota, least recently used first, across tenants."""
         iters = {
             t: iter(blocks.items())

@@ -53,7 +53,7 @@ def _pack_meta(w: PendingWrite, digest: bytes) -> bytes:
     return _META.pack(digest, len(w.payload), w.epoch, w.clock) + w.tenant.encode("utf-8")
 
 
-def _unpack_meta(key: bytes, raw: bytes | memoryview) -> tuple[bytes, StoredMeta]:
+def _unpack_meta(key: bytes | memoryview, raw: bytes | memoryview) -> tuple[bytes, StoredMeta]:
     digest, size, epoch, clock = _META.unpack_from(raw)
     tenant = TenantId(bytes(raw[_META.size :]).decode("utf-8"))
     return digest, StoredMeta(StorageKey(bytes(key)), tenant, size, epoch, clock)
@@ -64,12 +64,21 @@ class LmdbTier:
         try:
             path.mkdir(parents=True, exist_ok=True)
             self._env = lmdb.open(
-                str(path), map_size=map_bytes, max_dbs=4, subdir=True, sync=sync_writes,
-                metasync=sync_writes, readahead=False, max_readers=256, lock=True,
+                str(path),
+                map_size=map_bytes,
+                max_dbs=4,
+                subdir=True,
+                sync=sync_writes,
+                metasync=sync_writes,
+                readahead=False,
+                max_readers=256,
+                lock=True,
             )
         except lmdb.Error as error:
-            raise ConfigError(f"cannot open LMDB in {path}: {error}; check the data dir "
-                              "is writable and not used by another kvshare server") from None
+            raise ConfigError(
+                f"cannot open LMDB in {path}: {error}; check the data dir "
+                "is writable and not used by another kvshare server"
+            ) from None
         except OSError as error:
             raise ConfigError(f"cannot create data dir {path}: {error.strerror}") from None
         self._blocks = self._env.open_db(b"blocks")

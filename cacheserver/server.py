@@ -9,11 +9,13 @@ writer and closes LMDB cleanly.
 from __future__ import annotations
 
 import asyncio
+import errno
 import fcntl
 import ipaddress
 import logging
 import os
 import signal
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -62,17 +64,46 @@ def prepare_data_dir(data_dir: Path) -> IO[str]:
         data_dir.mkdir(parents=True, exist_ok=True)
         lock = (data_dir / "server.lock").open("a+")
     except OSError as error:
-        raise ConfigError(f"data dir {data_dir} is not writable ({error.strerror}); "
-                          "pick another --data-dir or fix its permissions") from None
+        raise ConfigError(
+            f"data dir {data_dir} is not writable ({error.strerror}); "
+            "pick another --data-dir or fix its permissions"
+        ) from None
     try:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         lock.close()
-        raise ConfigError(f"data dir {data_dir} is in use by another kvshare server; "
-                          "stop it or pick another --data-dir") from None
+        raise ConfigError(
+            f"data dir {data_dir} is in use by another kvshare server; "
+            "stop it or pick another --data-dir"
+        ) from None
     if not os.access(data_dir, os.W_OK):
         raise ConfigError(f"data dir {data_dir} is not writable; fix its permissions")
     return lock
+
+
+def check_can_bind(listen: str) -> None:
+    """Fail with a clear message before gRPC logs its own multi-line bind error."""
+    host, _, port_text = listen.rpartition(":")
+    host = host.strip("[]") or "0.0.0.0"
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise ConfigError(f"--listen {listen!r} is not HOST:PORT") from None
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            reason = (
+                "the port is in use"
+                if error.errno == errno.EADDRINUSE
+                else f"cannot bind ({error.strerror})"
+            )
+            raise ConfigError(
+                f"cannot listen on {listen}: {reason}; pick another --listen"
+            ) from None
 
 
 class Server:
@@ -80,15 +111,19 @@ class Server:
         if not is_loopback(config.listen) and tls is None and not config.allow_insecure_listen:
             raise ConfigError(
                 f"refusing to listen on non-loopback {config.listen} without TLS; give "
-                "--tls-cert/--tls-key, or --allow-insecure-listen on a trusted network")
+                "--tls-cert/--tls-key, or --allow-insecure-listen on a trusted network"
+            )
         self.config = config
         self._tls = tls
         self._lock_file = prepare_data_dir(config.data_dir)
         access = config.access or dev_access(config.data_dir)
         epochs = {t.id: t.epoch for t in access.tenants}
         namer = BlockNamer(load_or_create_server_secret(config.data_dir), epochs)
-        self.policy = AccessPolicy(TokenAuthenticator(access.credentials), namer,
-                                   {t.id: t.quota_bytes for t in access.tenants})
+        self.policy = AccessPolicy(
+            TokenAuthenticator(access.credentials),
+            namer,
+            {t.id: t.quota_bytes for t in access.tenants},
+        )
         self.store = BlockStore(config.data_dir, config.storage, self.policy.quotas_bytes, epochs)
         self.health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
@@ -98,16 +133,24 @@ class Server:
         max_message = self.config.limits.max_message_bytes + GRPC_SLACK_BYTES
         server = grpc.aio.server(
             interceptors=[AuthInterceptor(self.policy)],
-            options=[("grpc.max_receive_message_length", max_message),
-                     ("grpc.max_send_message_length", max_message),
-                     ("grpc.so_reuseport", 0)],
+            options=[
+                ("grpc.max_receive_message_length", max_message),
+                ("grpc.max_send_message_length", max_message),
+                ("grpc.so_reuseport", 0),
+            ],
         )
         kvshare_pb2_grpc.add_BlockStoreServicer_to_server(
-            BlockStoreService(self.store, self.policy, self.config.limits), server)
+            BlockStoreService(self.store, self.policy, self.config.limits), server
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME), server)
+            (
+                SERVICE_NAME,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
+            server,
+        )
         port = self._bind(server)
         await server.start()
         for name in ("", SERVICE_NAME):
@@ -118,6 +161,7 @@ class Server:
         return self.address
 
     def _bind(self, server: grpc.aio.Server) -> int:
+        check_can_bind(self.config.listen)
         try:
             if self._tls is None:
                 port = server.add_insecure_port(self.config.listen)
@@ -126,8 +170,10 @@ class Server:
         except RuntimeError:
             port = 0
         if port == 0:
-            raise ConfigError(f"cannot listen on {self.config.listen}: the port is in use or the "
-                              "address is not on this host; pick another --listen")
+            raise ConfigError(
+                f"cannot listen on {self.config.listen}: the port is in use or the "
+                "address is not on this host; pick another --listen"
+            )
         return port
 
     async def wait_for_termination(self) -> None:
@@ -154,16 +200,20 @@ def _server_credentials(tls: TlsFiles) -> grpc.ServerCredentials:
         ca = tls.client_ca.read_bytes() if tls.client_ca else None
     except OSError as error:
         raise ConfigError(f"cannot read TLS file {error.filename}: {error.strerror}") from None
-    return grpc.ssl_server_credentials([(key, chain)], root_certificates=ca,
-                                       require_client_auth=ca is not None)
+    return grpc.ssl_server_credentials(
+        [(key, chain)], root_certificates=ca, require_client_auth=ca is not None
+    )
 
 
 async def serve(config: ServerConfig, tls: TlsFiles | None = None) -> None:
     """Run until SIGTERM or SIGINT; print `serving on HOST:PORT` when ready."""
     server = Server(config, tls)
     address = await server.start()
-    mode = " (dev mode: tenant 'dev', token in " + str(config.data_dir / "dev.token") + ")" \
-        if config.is_dev_mode else ""
+    mode = (
+        " (dev mode: tenant 'dev', token in " + str(config.data_dir / "dev.token") + ")"
+        if config.is_dev_mode
+        else ""
+    )
     print(f"kvshare serving on {address}{mode}", flush=True)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()

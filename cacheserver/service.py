@@ -32,16 +32,20 @@ class BlockStoreService(pb_grpc.BlockStoreServicer):
         self._policy = policy
         self._limits = limits
 
-    def _keys(self, tenant: str, model: str, digests: Sequence[bytes],
-              action: Action) -> tuple[TenantId, list[StorageKey]]:
+    def _keys(
+        self, tenant: str, model: str, digests: Sequence[bytes], action: Action
+    ) -> tuple[TenantId, list[StorageKey]]:
         tenant_id = self._policy.admit(current_principal.get(), tenant, action)
         model_name = parse_model(model)
         if len(digests) > self._limits.max_digests_per_call:
             raise InvalidArgument(
                 f"{len(digests)} digests exceed max_digests_per_call "
-                f"{self._limits.max_digests_per_call}; split the call or raise it in [limits]")
-        keys = [self._policy.storage_key(tenant_id, model_name, parse_digest(d, i))
-                for i, d in enumerate(digests)]
+                f"{self._limits.max_digests_per_call}; split the call or raise it in [limits]"
+            )
+        keys = [
+            self._policy.storage_key(tenant_id, model_name, parse_digest(d, i))
+            for i, d in enumerate(digests)
+        ]
         return tenant_id, keys
 
     async def Lookup(self, request: pb.LookupRequest, context: Context) -> pb.LookupResponse:
@@ -50,8 +54,10 @@ class BlockStoreService(pb_grpc.BlockStoreServicer):
 
     async def Get(self, request: pb.GetRequest, context: Context) -> AsyncIterator[pb.GetFrame]:
         tenant, keys = self._keys(request.tenant, request.model, request.digests, Action.READ)
-        frame_bytes = min(request.max_frame_bytes or self._limits.get_frame_bytes,
-                          self._limits.max_message_bytes - (64 << 10))
+        frame_bytes = min(
+            request.max_frame_bytes or self._limits.get_frame_bytes,
+            self._limits.max_message_bytes - (64 << 10),
+        )
         loop = asyncio.get_running_loop()
         framer = _Framer(frame_bytes)
         served = served_bytes = 0
@@ -59,7 +65,8 @@ class BlockStoreService(pb_grpc.BlockStoreServicer):
             payloads = self._store.read_from_memory(keys[served:])
             if not payloads:
                 payloads = await loop.run_in_executor(
-                    None, self._store.read_from_disk, tenant, keys[served:], DISK_BATCH_BYTES)
+                    None, self._store.read_from_disk, tenant, keys[served:], DISK_BATCH_BYTES
+                )
                 if not payloads:
                     break  # the first miss ends the stream
             for frame in framer.frames(served, payloads):
@@ -71,20 +78,27 @@ class BlockStoreService(pb_grpc.BlockStoreServicer):
             yield last
         self._store.note_served(tenant, served, served_bytes)
 
-    async def Put(self, request_iterator: AsyncIterator[pb.PutFrame],
-                  context: Context) -> pb.PutResponse:
+    async def Put(
+        self, request_iterator: AsyncIterator[pb.PutFrame], context: Context
+    ) -> pb.PutResponse:
         assembler: _BlockAssembler | None = None
         futures = []
         async for frame in request_iterator:
             if assembler is None:
                 if not frame.HasField("header"):
                     raise InvalidArgument("the first Put frame must carry `header` (tenant, model)")
-                tenant = self._policy.admit(current_principal.get(), frame.header.tenant, Action.WRITE)
+                tenant = self._policy.admit(
+                    current_principal.get(), frame.header.tenant, Action.WRITE
+                )
                 assembler = _BlockAssembler(tenant, parse_model(frame.header.model), self._limits)
             for index, digest, payload in assembler.add(frame.chunks):
                 key = self._policy.storage_key(assembler.tenant, assembler.model, digest)
-                futures.append((index, asyncio.wrap_future(
-                    self._store.submit_put(assembler.tenant, key, payload))))
+                futures.append(
+                    (
+                        index,
+                        asyncio.wrap_future(self._store.submit_put(assembler.tenant, key, payload)),
+                    )
+                )
         if assembler is None:
             raise InvalidArgument("empty Put stream; send a first frame with `header`")
         assembler.finish()
@@ -106,16 +120,25 @@ class BlockStoreService(pb_grpc.BlockStoreServicer):
         for tenant in sorted(self._policy.visible_tenants(principal)):
             blocks, nbytes = self._store.tenant_usage(tenant)
             c = self._store.count(tenant)
-            response.tenants.append(pb.TenantStats(
-                tenant=tenant, blocks=blocks, bytes=nbytes,
-                quota_bytes=self._policy.quotas_bytes.get(tenant, 0), lookups=c.lookups,
-                lookup_hits=c.lookup_hits, blocks_served=c.blocks_served,
-                bytes_served=c.bytes_served, blocks_stored=c.blocks_stored,
-                bytes_stored=c.bytes_stored))
+            response.tenants.append(
+                pb.TenantStats(
+                    tenant=tenant,
+                    blocks=blocks,
+                    bytes=nbytes,
+                    quota_bytes=self._policy.quotas_bytes.get(tenant, 0),
+                    lookups=c.lookups,
+                    lookup_hits=c.lookup_hits,
+                    blocks_served=c.blocks_served,
+                    bytes_served=c.bytes_served,
+                    blocks_stored=c.blocks_stored,
+                    bytes_stored=c.bytes_stored,
+                )
+            )
         if self._policy.is_admin(principal):
             for name, (blocks, nbytes, budget) in self._store.tier_usage().items():
-                response.tiers.append(pb.TierStats(name=name, blocks=blocks, bytes=nbytes,
-                                                   budget_bytes=budget))
+                response.tiers.append(
+                    pb.TierStats(name=name, blocks=blocks, bytes=nbytes, budget_bytes=budget)
+                )
             response.integrity_failures = self._store.integrity_failures
         return response
 
@@ -128,9 +151,12 @@ async def _put_results(futures: Sequence[tuple[int, asyncio.Future[bool]]]) -> p
         if isinstance(outcome, BaseException):
             refused = refused or outcome
             continue
-        response.results.append(pb.PutResult(
-            index=index,
-            outcome=pb.PUT_OUTCOME_STORED if outcome else pb.PUT_OUTCOME_ALREADY_PRESENT))
+        response.results.append(
+            pb.PutResult(
+                index=index,
+                outcome=pb.PUT_OUTCOME_STORED if outcome else pb.PUT_OUTCOME_ALREADY_PRESENT,
+            )
+        )
     if refused is not None:
         stored = len(response.results)
         if isinstance(refused, ResourceExhausted):
@@ -152,9 +178,14 @@ class _Framer:
             offset = 0
             while offset < len(payload) or (offset == 0 and not payload):
                 take = min(len(payload) - offset, self._frame_bytes - self._filled)
-                data = payload if (offset == 0 and take == len(payload)) else payload[offset:offset + take]
-                self._frame.chunks.add(index=first_index + i, block_bytes=len(payload),
-                                       offset=offset, data=data)
+                data = (
+                    payload
+                    if (offset == 0 and take == len(payload))
+                    else payload[offset : offset + take]
+                )
+                self._frame.chunks.add(
+                    index=first_index + i, block_bytes=len(payload), offset=offset, data=data
+                )
                 offset += take
                 self._filled += take
                 if self._filled >= self._frame_bytes:
@@ -190,12 +221,14 @@ class _BlockAssembler:
             elif self._digest is None or chunk.offset != self._received:
                 raise InvalidArgument(
                     f"block {self._count}: chunk at offset {chunk.offset}, expected "
-                    f"{self._received}; send each block's chunks in order, starting at offset 0")
+                    f"{self._received}; send each block's chunks in order, starting at offset 0"
+                )
             self._parts.append(chunk.data)
             self._received += len(chunk.data)
             if self._received > self._expected:
-                raise InvalidArgument(f"block {self._count}: more bytes than its block_bytes "
-                                      f"{self._expected}")
+                raise InvalidArgument(
+                    f"block {self._count}: more bytes than its block_bytes {self._expected}"
+                )
             if self._received == self._expected:
                 yield self._complete()
 
@@ -203,7 +236,8 @@ class _BlockAssembler:
         if chunk.block_bytes > self._limits.max_block_bytes:
             raise InvalidArgument(
                 f"block {self._count} is {chunk.block_bytes} bytes, over max_block_bytes "
-                f"{self._limits.max_block_bytes}; raise it in [limits] or use smaller blocks")
+                f"{self._limits.max_block_bytes}; raise it in [limits] or use smaller blocks"
+            )
         if chunk.block_bytes == 0:
             raise InvalidArgument(f"block {self._count} is empty; blocks carry at least one byte")
         self._digest = parse_digest(chunk.digest, self._count)
@@ -220,8 +254,10 @@ class _BlockAssembler:
 
     def finish(self) -> None:
         if self._digest is not None:
-            raise InvalidArgument(f"block {self._count} ended after {self._received} of "
-                                  f"{self._expected} bytes; nothing of it was stored")
+            raise InvalidArgument(
+                f"block {self._count} ended after {self._received} of "
+                f"{self._expected} bytes; nothing of it was stored"
+            )
 
 
 __all__ = ["BlockStoreService", "PermissionDenied"]

@@ -27,7 +27,7 @@ from cacheserver.config import StorageConfig
 from cacheserver.index import BlockIndex, Entry, NoRoom
 from cacheserver.lmdb_tier import LmdbTier, PendingWrite
 from cacheserver.memory_tier import MemoryTier
-from kvshare.errors import KvshareError, ResourceExhausted
+from kvshare.errors import KvshareError, ResourceExhausted, Unavailable
 from policy.types import StorageKey, TenantId
 
 log = logging.getLogger(__name__)
@@ -56,10 +56,18 @@ class _PutJob:
 
 
 class BlockStore:
-    def __init__(self, data_dir: Path, storage: StorageConfig, quotas_bytes: Mapping[str, int],
-                 epochs: Mapping[TenantId, int]) -> None:
-        self._disk = LmdbTier(data_dir / "lmdb", map_bytes=storage.effective_map_bytes(),
-                              sync_writes=storage.sync_writes)
+    def __init__(
+        self,
+        data_dir: Path,
+        storage: StorageConfig,
+        quotas_bytes: Mapping[TenantId, int],
+        epochs: Mapping[TenantId, int],
+    ) -> None:
+        self._disk = LmdbTier(
+            data_dir / "lmdb",
+            map_bytes=storage.effective_map_bytes(),
+            sync_writes=storage.sync_writes,
+        )
         self._index = BlockIndex(storage.disk_budget_bytes, quotas_bytes)
         self._memory = MemoryTier(storage.memory_budget_bytes)
         self._epochs = dict(epochs)
@@ -132,12 +140,13 @@ class BlockStore:
         with self._lock:
             return key in self._index
 
-    def read_from_disk(self, tenant: TenantId, keys: Sequence[StorageKey],
-                       max_bytes: int) -> list[bytes]:
+    def read_from_disk(
+        self, tenant: TenantId, keys: Sequence[StorageKey], max_bytes: int
+    ) -> list[bytes]:
         """Leading payloads (about `max_bytes` of them, at least one) read through from
         LMDB and promoted to memory. Blocking: run it off the event loop."""
         with self._lock:
-            wanted = []
+            wanted: list[StorageKey] = []
             total = 0
             for key in keys:
                 entry = self._index.get(key)
@@ -165,7 +174,9 @@ class BlockStore:
 
     # -- writes -----------------------------------------------------------------------
 
-    def submit_put(self, tenant: TenantId, key: StorageKey, payload: bytes) -> concurrent.futures.Future[bool]:
+    def submit_put(
+        self, tenant: TenantId, key: StorageKey, payload: bytes
+    ) -> concurrent.futures.Future[bool]:
         """Queue a block for the writer; the future is True (stored) or False (already present)."""
         job = _PutJob(key, tenant, self._epochs.get(tenant, 0), payload)
         with self._lock:
@@ -195,7 +206,9 @@ class BlockStore:
                 size += len(nxt.payload)
             self._commit(batch)
 
-    def _plan(self, batch: Sequence[_PutJob]) -> tuple[list[_PutJob], list[tuple[StorageKey, Entry]]]:
+    def _plan(
+        self, batch: Sequence[_PutJob]
+    ) -> tuple[list[_PutJob], list[tuple[StorageKey, Entry]]]:
         """Reserve room for the batch in the index; returns admitted jobs and evicted entries."""
         admitted: list[_PutJob] = []
         evicted: list[tuple[StorageKey, Entry]] = []
@@ -206,9 +219,12 @@ class BlockStore:
             try:
                 victims = self._index.victims_for(job.tenant, len(job.payload))
             except NoRoom as error:
-                job.future.set_exception(ResourceExhausted(
-                    f"no room for a {len(job.payload)}-byte block: {error.reason}; raise the "
-                    "tenant's quota_bytes or [storage] disk_budget_bytes"))
+                job.future.set_exception(
+                    ResourceExhausted(
+                        f"no room for a {len(job.payload)}-byte block: {error.reason}; raise the "
+                        "tenant's quota_bytes or [storage] disk_budget_bytes"
+                    )
+                )
                 continue
             for victim in victims:
                 entry = self._index.remove(victim)
@@ -236,8 +252,14 @@ class BlockStore:
             with self._lock:
                 for key, entry in evicted:
                     self._index.add(key, entry.tenant, entry.size, clock=entry.clock)
-            failure = error if isinstance(error, KvshareError) else ResourceExhausted(
-                "the disk tier could not commit; check free space and permissions of the data dir")
+            failure = (
+                error
+                if isinstance(error, KvshareError)
+                else Unavailable(
+                    "the disk tier could not commit; check free space and permissions "
+                    "of the data dir"
+                )
+            )
             if not isinstance(error, KvshareError):
                 log.exception("LMDB commit failed")
             for job in admitted:

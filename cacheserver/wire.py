@@ -23,10 +23,12 @@ from kvshare.errors import KvshareError
 from policy import AccessPolicy, Principal
 
 log = logging.getLogger(__name__)
-UNAUTHENTICATED_METHODS = frozenset({
-    "/grpc.health.v1.Health/Check",
-    "/grpc.health.v1.Health/Watch",
-})
+UNAUTHENTICATED_METHODS = frozenset(
+    {
+        "/grpc.health.v1.Health/Check",
+        "/grpc.health.v1.Health/Watch",
+    }
+)
 current_principal: contextvars.ContextVar[Principal] = contextvars.ContextVar("principal")
 T = TypeVar("T")
 
@@ -35,17 +37,27 @@ def _status(error: KvshareError) -> grpc.StatusCode:
     return getattr(grpc.StatusCode, error.status, grpc.StatusCode.INTERNAL)
 
 
-async def abort_for(context: grpc.aio.ServicerContext[Any, Any], error: BaseException, method: str) -> None:
+async def abort_for(
+    context: grpc.aio.ServicerContext[Any, Any], error: BaseException, method: str
+) -> None:
     if isinstance(error, KvshareError):
         await context.abort(_status(error), str(error))
     request_id = uuid.uuid4().hex[:12]
-    log.error("internal error in %s (request id %s)", method, request_id,
-              exc_info=(type(error), error, error.__traceback__))
+    log.error(
+        "internal error in %s (request id %s)",
+        method,
+        request_id,
+        exc_info=(type(error), error, error.__traceback__),
+    )
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error (request id {request_id})")
 
 
-def _wrap_unary(behavior: Callable[..., Awaitable[T]], principal: Principal | None,
-                error: KvshareError | None, method: str) -> Callable[..., Awaitable[T]]:
+def _wrap_unary(
+    behavior: Callable[..., Awaitable[T]],
+    principal: Principal | None,
+    error: KvshareError | None,
+    method: str,
+) -> Callable[..., Awaitable[T]]:
     async def wrapped(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> T:
         if error is not None:
             await context.abort(_status(error), str(error))
@@ -53,7 +65,7 @@ def _wrap_unary(behavior: Callable[..., Awaitable[T]], principal: Principal | No
         current_principal.set(principal)
         try:
             return await behavior(request, context)
-        except (KvshareError, Exception) as exc:
+        except Exception as exc:
             if isinstance(exc, grpc.aio.AbortError):
                 raise
             await abort_for(context, exc, method)
@@ -62,9 +74,15 @@ def _wrap_unary(behavior: Callable[..., Awaitable[T]], principal: Principal | No
     return wrapped
 
 
-def _wrap_stream(behavior: Callable[..., AsyncIterator[T]], principal: Principal | None,
-                 error: KvshareError | None, method: str) -> Callable[..., AsyncIterator[T]]:
-    async def wrapped(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[T]:
+def _wrap_stream(
+    behavior: Callable[..., AsyncIterator[T]],
+    principal: Principal | None,
+    error: KvshareError | None,
+    method: str,
+) -> Callable[..., AsyncIterator[T]]:
+    async def wrapped(
+        request: Any, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[T]:
         if error is not None:
             await context.abort(_status(error), str(error))
         assert principal is not None
@@ -72,12 +90,15 @@ def _wrap_stream(behavior: Callable[..., AsyncIterator[T]], principal: Principal
         try:
             async for item in behavior(request, context):
                 yield item
-        except (KvshareError, Exception) as exc:
+        except Exception as exc:
             if isinstance(exc, grpc.aio.AbortError):
                 raise
             await abort_for(context, exc, method)
 
     return wrapped
+
+
+Handler = grpc.RpcMethodHandler[Any, Any]
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
@@ -86,14 +107,14 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Handler | None]],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> Handler | None:
         handler = await continuation(handler_call_details)
-        method: str = handler_call_details.method  # type: ignore[attr-defined]
+        method = str(handler_call_details.method)
         if handler is None or method in UNAUTHENTICATED_METHODS:
             return handler
-        metadata = handler_call_details.invocation_metadata or ()  # type: ignore[attr-defined]
+        metadata = handler_call_details.invocation_metadata or ()
         authorization = next((str(v) for k, v in metadata if k == "authorization"), None)
         principal: Principal | None = None
         error: KvshareError | None = None
@@ -104,12 +125,25 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         return _rewrap(handler, principal, error, method)
 
 
-def _rewrap(handler: Any, principal: Principal | None, error: KvshareError | None,
-            method: str) -> grpc.RpcMethodHandler:
+def _rewrap(
+    handler: Any, principal: Principal | None, error: KvshareError | None, method: str
+) -> Handler:
+    """The same handler (a namedtuple) with its one behaviour wrapped."""
+    replaced: Handler
     if handler.unary_unary is not None:
-        return handler._replace(unary_unary=_wrap_unary(handler.unary_unary, principal, error, method))  # type: ignore[no-any-return]
-    if handler.stream_unary is not None:
-        return handler._replace(stream_unary=_wrap_unary(handler.stream_unary, principal, error, method))  # type: ignore[no-any-return]
-    if handler.unary_stream is not None:
-        return handler._replace(unary_stream=_wrap_stream(handler.unary_stream, principal, error, method))  # type: ignore[no-any-return]
-    return handler._replace(stream_stream=_wrap_stream(handler.stream_stream, principal, error, method))  # type: ignore[no-any-return]
+        replaced = handler._replace(
+            unary_unary=_wrap_unary(handler.unary_unary, principal, error, method)
+        )
+    elif handler.stream_unary is not None:
+        replaced = handler._replace(
+            stream_unary=_wrap_unary(handler.stream_unary, principal, error, method)
+        )
+    elif handler.unary_stream is not None:
+        replaced = handler._replace(
+            unary_stream=_wrap_stream(handler.unary_stream, principal, error, method)
+        )
+    else:
+        replaced = handler._replace(
+            stream_stream=_wrap_stream(handler.stream_stream, principal, error, method)
+        )
+    return replaced

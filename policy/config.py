@@ -98,12 +98,18 @@ def _parse_principal(
     tenants = _parse_str_list(raw.get("tenants", []), f"{table}.tenants", err, index)
     for tenant in tenants:
         if tenant not in tenant_ids:
-            raise err.error(f"{table}.tenants", f"names tenant {tenant!r}, which is not defined in [[tenants]]", index)
+            raise err.error(
+                f"{table}.tenants",
+                f"names tenant {tenant!r}, which is not defined in [[tenants]]",
+                index,
+            )
     actions = _parse_str_list(raw.get("actions", []), f"{table}.actions", err, index)
     allowed = {a.value for a in Action}
     for action in actions:
         if action not in allowed:
-            raise err.error(f"{table}.actions", f"unknown action {action!r}; use {sorted(allowed)}", index)
+            raise err.error(
+                f"{table}.actions", f"unknown action {action!r}; use {sorted(allowed)}", index
+            )
     principal = Principal(
         name=name,
         tenants=frozenset(TenantId(t) for t in tenants),

@@ -16,7 +16,7 @@ from policy.identity import Action, Principal, TokenCredential, hash_token
 from policy.types import TenantId
 
 DEV_TENANT = TenantId("dev")
-DEV_TOKEN_FILE = "dev.token"
+DEV_TOKEN_FILE = "dev.token"  # noqa: S105 (a file name)
 
 
 def load_or_create_dev_token(data_dir: Path) -> str:

@@ -43,8 +43,9 @@ class ClientTls:
         def read(p: Path | None) -> bytes | None:
             return p.read_bytes() if p is not None else None
 
-        return grpc.ssl_channel_credentials(read(self.root_ca), read(self.client_key),
-                                            read(self.client_cert))
+        return grpc.ssl_channel_credentials(
+            read(self.root_ca), read(self.client_key), read(self.client_cert)
+        )
 
 
 class BlockStoreError(errors.KvshareError):
@@ -69,8 +70,9 @@ def _error_class(code: grpc.StatusCode) -> type[BlockStoreError]:
     """A subclass of both BlockStoreError and the matching kvshare error, made once."""
     cls = _SUBCLASSES.get(code)
     if cls is None:
-        base = next((c for c in errors.KvshareError.__subclasses__() if c.status == code.name),
-                    None)
+        base = next(
+            (c for c in errors.KvshareError.__subclasses__() if c.status == code.name), None
+        )
         bases: tuple[type, ...] = (BlockStoreError, base) if base else (BlockStoreError,)
         cls = type(f"BlockStore{code.name.title().replace('_', '')}", bases, {})
         _SUBCLASSES[code] = cls
@@ -84,11 +86,21 @@ def _raise(error: grpc.RpcError) -> BlockStoreError:
 
 
 class BlockClient:
-    def __init__(self, address: str, token: str, *, tls: ClientTls | None = None,
-                 timeout_s: float | None = 30.0, frame_bytes: int = DEFAULT_FRAME_BYTES,
-                 options: Sequence[tuple[str, Any]] = ()) -> None:
-        channel_options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                           ("grpc.max_send_message_length", MAX_MESSAGE_BYTES), *options]
+    def __init__(
+        self,
+        address: str,
+        token: str,
+        *,
+        tls: ClientTls | None = None,
+        timeout_s: float | None = 30.0,
+        frame_bytes: int = DEFAULT_FRAME_BYTES,
+        options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
+        channel_options = [
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            *options,
+        ]
         if tls is not None:
             if tls.server_name:
                 channel_options.append(("grpc.ssl_target_name_override", tls.server_name))
@@ -103,8 +115,12 @@ class BlockClient:
     def __enter__(self) -> BlockClient:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.close()
 
     def close(self) -> None:
@@ -119,8 +135,9 @@ class BlockClient:
         return int(response.present)
 
     def get(self, tenant: str, model: str, digests: Sequence[bytes]) -> list[bytes]:
-        request = pb.GetRequest(tenant=tenant, model=model, digests=digests,
-                                max_frame_bytes=self.frame_bytes)
+        request = pb.GetRequest(
+            tenant=tenant, model=model, digests=digests, max_frame_bytes=self.frame_bytes
+        )
         blocks: list[bytes] = []
         partial: bytearray | None = None
         try:
@@ -132,9 +149,10 @@ class BlockClient:
                     if chunk.offset == 0:
                         partial = bytearray(chunk.block_bytes)
                     if partial is None or chunk.index != len(blocks):
-                        raise BlockStoreError(grpc.StatusCode.DATA_LOSS,
-                                              "server sent chunks out of order")
-                    partial[chunk.offset:chunk.offset + len(chunk.data)] = chunk.data
+                        raise BlockStoreError(
+                            grpc.StatusCode.DATA_LOSS, "server sent chunks out of order"
+                        )
+                    partial[chunk.offset : chunk.offset + len(chunk.data)] = chunk.data
                     if chunk.offset + len(chunk.data) == chunk.block_bytes:
                         blocks.append(bytes(partial))
                         partial = None
@@ -142,12 +160,18 @@ class BlockClient:
             raise _raise(error) from None
         return blocks
 
-    def put(self, tenant: str, model: str, digests: Sequence[bytes],
-            payloads: Sequence[bytes | bytearray | memoryview]) -> list[bool]:
+    def put(
+        self,
+        tenant: str,
+        model: str,
+        digests: Sequence[bytes],
+        payloads: Sequence[bytes | bytearray | memoryview],
+    ) -> list[bool]:
         """Store blocks; per block True if newly stored, False if it was already present."""
         if len(digests) != len(payloads):
-            raise ValueError(f"{len(digests)} digests but {len(payloads)} payloads; pass one "
-                             "payload per digest")
+            raise ValueError(
+                f"{len(digests)} digests but {len(payloads)} payloads; pass one payload per digest"
+            )
         frames = _put_frames(tenant, model, digests, payloads, self.frame_bytes)
         try:
             response = self._stub.Put(frames, timeout=self.timeout_s, metadata=self._metadata)
@@ -174,15 +198,20 @@ class BlockClient:
 
     def stats(self) -> pb.StatsResponse:
         try:
-            return self._stub.Stats(pb.StatsRequest(), timeout=self.timeout_s,
-                                    metadata=self._metadata)
+            return self._stub.Stats(
+                pb.StatsRequest(), timeout=self.timeout_s, metadata=self._metadata
+            )
         except grpc.RpcError as error:
             raise _raise(error) from None
 
 
-def _put_frames(tenant: str, model: str, digests: Sequence[bytes],
-                payloads: Sequence[bytes | bytearray | memoryview],
-                frame_bytes: int) -> Iterator[pb.PutFrame]:
+def _put_frames(
+    tenant: str,
+    model: str,
+    digests: Sequence[bytes],
+    payloads: Sequence[bytes | bytearray | memoryview],
+    frame_bytes: int,
+) -> Iterator[pb.PutFrame]:
     frame = pb.PutFrame(header=pb.PutHeader(tenant=tenant, model=model))
     filled = 0
     for digest, payload in zip(digests, payloads, strict=True):
@@ -190,10 +219,17 @@ def _put_frames(tenant: str, model: str, digests: Sequence[bytes],
         offset = 0
         while True:
             take = min(len(view) - offset, frame_bytes - filled)
-            data = payload if take == len(view) and isinstance(payload, bytes) \
-                else bytes(view[offset:offset + take])
-            frame.chunks.add(digest=digest if offset == 0 else b"", block_bytes=len(view),
-                             offset=offset, data=data)
+            data = (
+                payload
+                if take == len(view) and isinstance(payload, bytes)
+                else bytes(view[offset : offset + take])
+            )
+            frame.chunks.add(
+                digest=digest if offset == 0 else b"",
+                block_bytes=len(view),
+                offset=offset,
+                data=data,
+            )
             offset += take
             filled += take
             if filled >= frame_bytes:

@@ -1,0 +1,186 @@
+"""The block store end to end: real server, real LMDB, real gRPC client."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import grpc
+import pytest
+
+from cacheserver.config import StorageConfig, load_config
+from cacheserver.embedded import EmbeddedServer
+from kvshare.errors import InvalidArgument, ResourceExhausted
+from replica_agent.client import BlockStoreError
+from tests.conftest import Running, ServerProcess, write_config
+
+MiB = 1 << 20
+MODEL = "tiny-llama@r1;fp32;L4;H4;D64;B256"
+
+
+def blocks(n: int, size: int) -> tuple[list[bytes], list[bytes]]:
+    return [os.urandom(32) for _ in range(n)], [os.urandom(size) for _ in range(n)]
+
+
+def test_put_lookup_get_round_trip_of_1mib_blocks(dev_server: Running) -> None:
+    digests, payloads = blocks(4, MiB)
+    with dev_server.client() as client:
+        assert client.put("dev", MODEL, digests, payloads) == [True] * 4
+        assert client.lookup("dev", MODEL, digests) == 4
+        assert client.get("dev", MODEL, digests) == payloads
+        # First writer wins: a second put of the same digests stores nothing new.
+        assert client.put("dev", MODEL, digests, [os.urandom(MiB)] * 4) == [False] * 4
+        assert client.get("dev", MODEL, digests) == payloads
+
+
+def test_lookup_and_get_stop_at_first_missing_digest(dev_server: Running) -> None:
+    digests, payloads = blocks(5, 64 << 10)
+    with dev_server.client() as client:
+        client.put("dev", MODEL, digests[:2] + digests[3:], payloads[:2] + payloads[3:])
+        assert client.lookup("dev", MODEL, digests) == 2
+        assert client.get("dev", MODEL, digests) == payloads[:2]
+        assert client.lookup("dev", MODEL, digests[3:]) == 2  # positive control
+        assert client.lookup("dev", MODEL, [os.urandom(32), *digests]) == 0
+        assert client.get("dev", MODEL, [os.urandom(32), *digests]) == []
+
+
+def test_same_digest_under_another_model_is_a_miss(dev_server: Running) -> None:
+    digests, payloads = blocks(2, 4096)
+    with dev_server.client() as client:
+        client.put("dev", MODEL, digests, payloads)
+        assert client.lookup("dev", MODEL, digests) == 2
+        assert client.lookup("dev", MODEL + "x", digests) == 0
+        assert client.get("dev", MODEL + "x", digests) == []
+
+
+def test_blocks_larger_than_a_frame_and_many_small_blocks_round_trip(dev_server: Running) -> None:
+    big_digests, big = blocks(2, 9 * MiB + 123)  # spans three 4 MiB frames
+    small_digests, small = blocks(300, 1000)  # many blocks share one frame
+    with dev_server.client() as client:
+        client.put("dev", MODEL, big_digests + small_digests, big + small)
+        assert client.get("dev", MODEL, big_digests + small_digests) == big + small
+
+
+@pytest.mark.parametrize("bad", [b"", b"x" * 31, b"x" * 33])
+def test_digest_not_32_bytes_is_invalid_argument_and_server_keeps_serving(
+    dev_server: Running, bad: bytes
+) -> None:
+    digests, payloads = blocks(1, 100)
+    with dev_server.client() as client:
+        client.put("dev", MODEL, digests, payloads)
+        for call in (
+            lambda: client.lookup("dev", MODEL, [bad]),
+            lambda: client.get("dev", MODEL, [bad]),
+            lambda: client.put("dev", MODEL, [bad], [b"p"]),
+            lambda: client.delete("dev", MODEL, [bad]),
+        ):
+            with pytest.raises(BlockStoreError) as info:
+                call()
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert isinstance(info.value, InvalidArgument)
+            assert "32 bytes" in info.value.details()
+        assert client.get("dev", MODEL, digests) == payloads  # still serving
+
+
+def test_request_limits_say_which_limit_and_how_to_raise_it(tmp_path: Path) -> None:
+    tenancy = write_config(
+        tmp_path, extra="[limits]\nmax_digests_per_call = 8\nmax_block_bytes = 65536\n"
+    )
+    config = load_config(tenancy.path)
+    with (
+        EmbeddedServer(config) as server,
+        Running(server.address, config.data_dir, tenancy.tokens).client("a") as client,
+    ):
+        with pytest.raises(InvalidArgument, match="max_digests_per_call 8; split the call"):
+            client.lookup("alpha", MODEL, [os.urandom(32)] * 9)
+        with pytest.raises(InvalidArgument, match="over max_block_bytes 65536; raise it"):
+            client.put("alpha", MODEL, [os.urandom(32)], [b"x" * 65537])
+        with pytest.raises(InvalidArgument, match="model is empty"):
+            client.lookup("alpha", "", [os.urandom(32)])
+        assert client.put("alpha", MODEL, [os.urandom(32)], [b"x" * 65536]) == [True]
+
+
+def test_acknowledged_blocks_survive_kill_9(tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    server = ServerProcess("--listen", "127.0.0.1:0", "--data-dir", str(data_dir))
+    token = (data_dir / "dev.token").read_text().strip()
+    digests, payloads = blocks(24, 256 << 10)
+    from replica_agent.client import BlockClient
+
+    with BlockClient(server.address, token) as client:
+        for i in range(0, 24, 4):  # six acknowledged puts
+            assert client.put("dev", MODEL, digests[i : i + 4], payloads[i : i + 4]) == [True] * 4
+    server.kill9()
+    server = ServerProcess("--listen", "127.0.0.1:0", "--data-dir", str(data_dir))
+    try:
+        with BlockClient(server.address, token) as client:
+            assert client.lookup("dev", MODEL, digests) == 24
+            assert client.get("dev", MODEL, digests) == payloads
+    finally:
+        server.terminate()
+
+
+def test_flipped_bytes_in_the_lmdb_file_are_never_served(tmp_path: Path) -> None:
+    tenancy = write_config(tmp_path)
+    config = load_config(tenancy.path)
+    digests, payloads = blocks(3, 256 << 10)
+    with (
+        EmbeddedServer(config) as server,
+        Running(server.address, config.data_dir, tenancy.tokens).client("root") as client,
+    ):
+        client.put("alpha", MODEL, digests, payloads)
+    data_file = config.data_dir / "lmdb" / "data.mdb"
+    raw = bytearray(data_file.read_bytes())
+    where = raw.find(payloads[1][:4096])
+    assert where >= 0
+    raw[where + 1000] ^= 0x01
+    data_file.write_bytes(bytes(raw))
+    with (
+        EmbeddedServer(config) as server,
+        Running(server.address, config.data_dir, tenancy.tokens).client("root") as client,
+    ):
+        assert client.lookup("alpha", MODEL, digests) == 3  # the index does not read payloads
+        assert client.get("alpha", MODEL, digests) == payloads[:1]  # stops at the corrupt one
+        assert client.stats().integrity_failures == 1
+        assert client.lookup("alpha", MODEL, digests) == 1  # deleted: a miss from now on
+        assert client.put("alpha", MODEL, digests[1:2], payloads[1:2]) == [True]  # rewritable
+        assert client.get("alpha", MODEL, digests) == payloads
+
+
+def test_writing_3x_the_budgets_keeps_tiers_within_them_and_recent_blocks_survive(
+    tmp_path: Path,
+) -> None:
+    tenancy = write_config(tmp_path)
+    config = dataclasses.replace(
+        load_config(tenancy.path),
+        storage=StorageConfig(memory_budget_bytes=2 * MiB, disk_budget_bytes=4 * MiB),
+    )
+    block = 128 << 10
+    digests, payloads = blocks(3 * 4 * MiB // block, block)  # 3x the disk budget
+    with (
+        EmbeddedServer(config) as server,
+        Running(server.address, config.data_dir, tenancy.tokens).client("root") as client,
+    ):
+        for i in range(0, len(digests), 8):
+            client.put("alpha", MODEL, digests[i : i + 8], payloads[i : i + 8])
+            tiers = {t.name: t for t in client.stats().tiers}
+            assert tiers["memory"].bytes <= 2 * MiB
+            assert tiers["lmdb"].bytes <= 4 * MiB
+        recent = 4 * MiB // block
+        assert client.get("alpha", MODEL, digests[-recent:]) == payloads[-recent:]
+        assert client.lookup("alpha", MODEL, digests[:recent]) == 0
+        assert tiers["lmdb"].bytes == 4 * MiB
+    assert (config.data_dir / "lmdb" / "data.mdb").stat().st_size < 16 * MiB
+
+
+def test_lmdb_map_full_is_a_clear_resource_exhausted(tmp_path: Path) -> None:
+    tenancy = write_config(tmp_path, extra="[storage]\nlmdb_map_bytes = 1048576\n")
+    config = load_config(tenancy.path)
+    with (
+        EmbeddedServer(config) as server,
+        Running(server.address, config.data_dir, tenancy.tokens).client("a") as client,
+    ):
+        with pytest.raises(ResourceExhausted, match=r"LMDB map full.*lmdb_map_bytes"):
+            client.put("alpha", MODEL, [os.urandom(32)], [os.urandom(2 * MiB)])
+        assert client.put("alpha", MODEL, [os.urandom(32)], [b"small"]) == [True]

@@ -1,0 +1,74 @@
+"""Config parsing: the contract keys, defaults, and errors that name key and line."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from cacheserver.config import load_config
+from kvshare.errors import ConfigError
+from policy.identity import Action
+
+MINIMAL = f"""listen = "127.0.0.1:50051"
+data_dir = "./kvshare-data"
+
+[[tenants]]
+id = "acme"
+quota_bytes = 1073741824
+
+[[principals]]
+name = "replica-a"
+token_sha256 = "{hashlib.sha256(b"t").hexdigest()}"
+tenants = ["acme"]
+actions = ["read", "write"]
+"""
+
+
+def load(tmp_path: Path, text: str) -> object:
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    return load_config(path)
+
+
+def test_the_design_example_is_a_complete_config(tmp_path: Path) -> None:
+    config = load(tmp_path, MINIMAL)
+    assert config.listen == "127.0.0.1:50051"  # type: ignore[attr-defined]
+    access = config.access  # type: ignore[attr-defined]
+    assert access.tenants[0].quota_bytes == 1 << 30
+    principal = access.credentials[0].principal
+    assert principal.tenants == {"acme"} and principal.actions == {Action.READ, Action.WRITE}
+    assert config.storage.sync_writes is True  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (
+            ("quota_bytes = 1073741824", "quota_bytez = 1"),
+            "c.toml:6: tenants[0].quota_bytez: unknown key",
+        ),
+        (('id = "acme"', 'id = "Acme!"'), "c.toml:5: tenants[0].id: must match"),
+        (
+            ('tenants = ["acme"]', 'tenants = ["other"]'),
+            "c.toml:11: principals[0].tenants: names tenant 'other'",
+        ),
+        (('"read", "write"', '"read", "delete"'), "principals[0].actions: unknown action 'delete'"),
+        (('token_sha256 = "', 'token_sha256 = "zz'), "principals[0].token_sha256: must be 64"),
+        (("listen =", "lissen ="), "c.toml:1: lissen: unknown key"),
+    ],
+)
+def test_errors_name_the_key_and_line(tmp_path: Path, edit: tuple[str, str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        load(tmp_path, MINIMAL.replace(*edit))
+
+
+def test_storage_and_limits_tables(tmp_path: Path) -> None:
+    config = load(
+        tmp_path, MINIMAL + "[storage]\nmemory_budget_bytes = 5\n[limits]\nmax_block_bytes = 7\n"
+    )
+    assert config.storage.memory_budget_bytes == 5  # type: ignore[attr-defined]
+    assert config.limits.max_block_bytes == 7  # type: ignore[attr-defined]
+    with pytest.raises(ConfigError, match=r"storage\.sync_writes: must be bool"):
+        load(tmp_path, MINIMAL + "[storage]\nsync_writes = 1\n")

@@ -15,7 +15,7 @@ import contextvars
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, TypeAlias, TypeVar
 
 import grpc
 
@@ -98,7 +98,7 @@ def _wrap_stream(
     return wrapped
 
 
-Handler = grpc.RpcMethodHandler[Any, Any]
+Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"  # generic only in the stubs
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):

@@ -24,8 +24,14 @@ class _Command(Protocol):
 # name -> (module, one-line help). Order is the order `kvshare --help` lists them in.
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("cacheserver.cli", "run the block store server"),
-    "demo": ("replica_agent.demo.cli", "round robin with and without the shared store, on real replicas"),
-    "simulate": ("kvshare.simulate.cli", "replay a request trace through routing policies and caches"),
+    "demo": (
+        "replica_agent.demo.cli",
+        "round robin with and without the shared store, on real replicas",
+    ),
+    "simulate": (
+        "kvshare.simulate.cli",
+        "replay a request trace through routing policies and caches",
+    ),
     "bench": ("kvshare.bench.cli", "data-path benchmark of kvshare against its peers"),
 }
 
@@ -58,8 +64,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     unavailable = getattr(args, "_unavailable", None)
     if unavailable is not None:
-        print(f"kvshare {args.command}: not installed here ({unavailable}); "
-              "install the extra it needs, e.g. pip install -e '.[agent]'", file=sys.stderr)
+        print(
+            f"kvshare {args.command}: not installed here ({unavailable}); "
+            "install the extra it needs, e.g. pip install -e '.[agent]'",
+            file=sys.stderr,
+        )
         return 2
     return _load(args._module).run(args)
 

@@ -46,12 +46,18 @@ def main() -> int:
         generate(Path(tmp))
         fresh = Path(tmp) / "kvshare" / "v1"
         target = ROOT / "kvshare" / "v1"
-        drifted = [n for n in GENERATED if not (target / n).exists()
-                   or not filecmp.cmp(fresh / n, target / n, shallow=False)]
+        drifted = [
+            n
+            for n in GENERATED
+            if not (target / n).exists() or not filecmp.cmp(fresh / n, target / n, shallow=False)
+        ]
         if args.check:
             if drifted:
-                print(f"generated stubs drift from proto/: {', '.join(drifted)}; "
-                      "run: python scripts/gen_proto.py", file=sys.stderr)
+                print(
+                    f"generated stubs drift from proto/: {', '.join(drifted)}; "
+                    "run: python scripts/gen_proto.py",
+                    file=sys.stderr,
+                )
                 return 1
             print("generated stubs match proto/")
             return 0

@@ -135,30 +135,43 @@ class BlockClient:
         return int(response.present)
 
     def get(self, tenant: str, model: str, digests: Sequence[bytes]) -> list[bytes]:
+        return list(self.iter_get(tenant, model, digests))
+
+    def iter_get(self, tenant: str, model: str, digests: Sequence[bytes]) -> Iterator[bytes]:
+        """The leading present payloads, each yielded as soon as its last byte arrives,
+        so a caller can copy block i to the device while block i+1 is on the wire."""
         request = pb.GetRequest(
             tenant=tenant, model=model, digests=digests, max_frame_bytes=self.frame_bytes
         )
-        blocks: list[bytes] = []
+        call = self._stub.Get(request, timeout=self.timeout_s, metadata=self._metadata)
+        assembled = 0
         partial: bytearray | None = None
         try:
-            for frame in self._stub.Get(request, timeout=self.timeout_s, metadata=self._metadata):
+            for frame in call:
                 for chunk in frame.chunks:
+                    if chunk.index != assembled:
+                        raise BlockStoreError(
+                            grpc.StatusCode.DATA_LOSS, "server sent blocks out of order"
+                        )
                     if chunk.offset == 0 and len(chunk.data) == chunk.block_bytes:
-                        blocks.append(chunk.data)  # a whole block in one chunk: no copy
+                        assembled += 1
+                        yield chunk.data  # a whole block in one chunk: no copy
                         continue
                     if chunk.offset == 0:
                         partial = bytearray(chunk.block_bytes)
-                    if partial is None or chunk.index != len(blocks):
+                    if partial is None:
                         raise BlockStoreError(
-                            grpc.StatusCode.DATA_LOSS, "server sent chunks out of order"
+                            grpc.StatusCode.DATA_LOSS, "server sent a chunk without its start"
                         )
                     partial[chunk.offset : chunk.offset + len(chunk.data)] = chunk.data
                     if chunk.offset + len(chunk.data) == chunk.block_bytes:
-                        blocks.append(bytes(partial))
+                        assembled += 1
+                        yield bytes(partial)
                         partial = None
         except grpc.RpcError as error:
             raise _raise(error) from None
-        return blocks
+        finally:
+            call.cancel()  # a consumer that stops early frees the stream at once
 
     def put(
         self,

@@ -1,0 +1,194 @@
+"""Sealed blocks: AES-256-GCM per block under per-tenant data keys the server never sees.
+
+Sealed layout (all integers big-endian):
+
+    magic "KVSL" | format u8 (1) | key_version u32 | nonce (24 bytes) | ciphertext || tag
+
+Nonces: AES-GCM with random 96-bit nonces must stay well under 2^32 messages per key,
+which a busy fleet reaches in hours. Each block therefore gets a 24-byte random nonce:
+its first 12 bytes select a per-message subkey
+`HMAC-SHA256(data_key, enc("kvshare/seal/subkey/v1", nonce[:12]))` and its last 12 are
+the GCM nonce under that subkey (the XAES-256-GCM idea), so a (key, nonce) pair repeats
+only with probability ~2^-192 per pair of blocks: no practical message limit per key.
+
+Associated data binds the ciphertext to where it belongs:
+`enc("kvshare/seal/v1", tenant, model, digest, key_version)`; `model` names the model
+and its KV layout. A block moved to another name or tenant, altered, truncated, or
+sealed under a retired key version fails to open with the one error `SealError`, so a
+caller learns nothing from which check failed, and the plaintext never exists.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import secrets
+import struct
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from kvshare.encoding import enc
+from kvshare.errors import ConfigError
+
+MAGIC = b"KVSL"
+FORMAT = 1
+_HEADER = struct.Struct(">4sBI24s")
+HEADER_BYTES = _HEADER.size
+TAG_BYTES = 16
+KEY_BYTES = 32
+AAD_LABEL = "kvshare/seal/v1"
+SUBKEY_LABEL = "kvshare/seal/subkey/v1"
+KEYRING_ENV = "KVSHARE_KEYRING"
+
+
+class SealError(Exception):
+    """The block could not be opened. Deliberately says no more than that."""
+
+
+@dataclass(frozen=True)
+class TenantKeys:
+    """A tenant's data keys by version; new blocks are sealed under the newest."""
+
+    keys: Mapping[int, bytes]
+
+    @property
+    def primary_version(self) -> int:
+        return max(self.keys)
+
+
+class Keyring:
+    """Per-tenant data keys. Load with `from_file` / `from_env`; never logged."""
+
+    def __init__(self, tenants: Mapping[str, TenantKeys]) -> None:
+        self._tenants = dict(tenants)
+
+    def __repr__(self) -> str:
+        return f"Keyring(tenants={sorted(self._tenants)})"  # never the keys
+
+    def tenants(self) -> list[str]:
+        return sorted(self._tenants)
+
+    def primary(self, tenant: str) -> tuple[int, bytes]:
+        keys = self._tenants.get(tenant)
+        if keys is None:
+            raise ConfigError(
+                f"no data key for tenant {tenant!r} in the keyring; add one with "
+                "`kvshare keys new --tenant` or seal nothing for it"
+            )
+        version = keys.primary_version
+        return version, keys.keys[version]
+
+    def key(self, tenant: str, version: int) -> bytes | None:
+        keys = self._tenants.get(tenant)
+        return keys.keys.get(version) if keys else None
+
+    @classmethod
+    def parse_toml(cls, text: str, source: str) -> Keyring:
+        """`[[keys]]` tables with `tenant`, `version` (>= 1) and `key` (base64 of 32 bytes)."""
+        try:
+            raw = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as error:
+            raise ConfigError(f"{source}: not valid TOML: {error}") from None
+        if set(raw) - {"keys"}:
+            raise ConfigError(
+                f"{source}: unknown top-level keys {sorted(set(raw) - {'keys'})}; "
+                "a keyring has only [[keys]] tables"
+            )
+        tenants: dict[str, dict[int, bytes]] = {}
+        for i, entry in enumerate(raw.get("keys", [])):
+            tenant, version, key = _parse_key_entry(entry, f"{source}: keys[{i}]")
+            if version in tenants.setdefault(tenant, {}):
+                raise ConfigError(
+                    f"{source}: keys[{i}]: tenant {tenant!r} has version {version} twice"
+                )
+            tenants[tenant][version] = key
+        return cls({t: TenantKeys(v) for t, v in tenants.items()})
+
+    @classmethod
+    def from_file(cls, path: Path) -> Keyring:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as error:
+            raise ConfigError(f"cannot read keyring {path}: {error.strerror}") from None
+        if path.stat().st_mode & 0o077:
+            raise ConfigError(f"keyring {path} is readable by group or others; chmod 600 it")
+        return cls.parse_toml(text, str(path))
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> Keyring | None:
+        text = environ.get(KEYRING_ENV)
+        return cls.parse_toml(text, f"${KEYRING_ENV}") if text else None
+
+
+def _parse_key_entry(entry: object, where: str) -> tuple[str, int, bytes]:
+    if not isinstance(entry, dict) or set(entry) != {"tenant", "version", "key"}:
+        raise ConfigError(f"{where}: needs exactly tenant, version and key")
+    tenant, version, key_b64 = entry["tenant"], entry["version"], entry["key"]
+    if not isinstance(tenant, str) or not tenant:
+        raise ConfigError(f"{where}.tenant: must be a tenant id")
+    if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version < 2**32:
+        raise ConfigError(f"{where}.version: must be an integer from 1 to 2^32-1")
+    try:
+        key = base64.b64decode(str(key_b64), validate=True)
+    except ValueError:
+        raise ConfigError(f"{where}.key: not valid base64") from None
+    if len(key) != KEY_BYTES:
+        raise ConfigError(f"{where}.key: must decode to {KEY_BYTES} bytes")
+    return tenant, version, key
+
+
+def new_key_entry(tenant: str, version: int) -> str:
+    """A fresh `[[keys]]` stanza for a keyring file (the key is random)."""
+    key = base64.b64encode(secrets.token_bytes(KEY_BYTES)).decode("ascii")
+    return f'[[keys]]\ntenant = "{tenant}"\nversion = {version}\nkey = "{key}"\n'
+
+
+def associated_data(tenant: str, model: str, digest: bytes, version: int) -> bytes:
+    return enc(AAD_LABEL, tenant, model, digest, version)
+
+
+def _subkey(data_key: bytes, nonce: bytes) -> AESGCM:
+    return AESGCM(hmac.new(data_key, enc(SUBKEY_LABEL, nonce[:12]), hashlib.sha256).digest())
+
+
+class BlockSealer:
+    """Seals and opens block payloads for the tenants of one keyring."""
+
+    def __init__(self, keyring: Keyring) -> None:
+        self.keyring = keyring
+
+    def seal(
+        self,
+        tenant: str,
+        model: str,
+        digest: bytes,
+        plaintext: bytes,
+        *,
+        nonce: bytes | None = None,
+    ) -> bytes:
+        """`nonce` is for known-answer tests only; leave it None."""
+        version, key = self.keyring.primary(tenant)
+        nonce = secrets.token_bytes(24) if nonce is None else nonce
+        ad = associated_data(tenant, model, digest, version)
+        body = _subkey(key, nonce).encrypt(nonce[12:], plaintext, ad)
+        return _HEADER.pack(MAGIC, FORMAT, version, nonce) + body
+
+    def open(self, tenant: str, model: str, digest: bytes, sealed: bytes | memoryview) -> bytes:
+        """The plaintext, or SealError for anything wrong (never a partial result)."""
+        if len(sealed) < HEADER_BYTES + TAG_BYTES:
+            raise SealError("block cannot be opened")
+        magic, fmt, version, nonce = _HEADER.unpack_from(sealed)
+        key = self.keyring.key(tenant, version)
+        if magic != MAGIC or fmt != FORMAT or key is None:
+            raise SealError("block cannot be opened")
+        ad = associated_data(tenant, model, digest, version)
+        try:
+            return _subkey(key, nonce).decrypt(nonce[12:], bytes(sealed[HEADER_BYTES:]), ad)
+        except InvalidTag:
+            raise SealError("block cannot be opened") from None

@@ -1,0 +1,303 @@
+"""transformers adapter: KV blocks <-> `DynamicCache`, and prefill/greedy decode over it.
+
+Invariant: a cache rebuilt from blocks with `cache_from_blocks` holds exactly the keys
+and values (RoPE already applied) that a full prefill of the same tokens would hold,
+so `prefill` over the remaining suffix, at the right positions, gives the logits of a
+full recompute (bit-identical restore; fp32 logits agree within ~1e-6 on CPU).
+
+A forward pass extends a `DynamicCache` in place, so a cache is single-use: rebuild
+it from blocks for every request. Only full-attention models are supported: a
+sliding-window layer keeps only a window and cannot be rebuilt from prefix blocks.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from typing import Any, cast
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedConfig, PreTrainedModel
+from transformers.cache_utils import DynamicCache, DynamicLayer
+
+from replica_agent.codec import TORCH_DTYPES, torch_dtype
+from replica_agent.spec import ModelSpec
+
+_CACHE_KEYWORDS: dict[type[PreTrainedModel], str] = {}
+
+# Sized for the demo on 2 CPU cores: ~2.5k prompt tokens/s, ~40M params, and 32 KiB of
+# fp32 KV per token (8 layers x 2 x 4 heads x 64 dims x 4 bytes), so a 256-token fp32
+# block is 8 MiB of payload (+ the codec's 64-byte header).
+TINY_LLAMA_DEFAULTS: dict[str, int] = {
+    "num_layers": 8,
+    "hidden_size": 512,
+    "num_attention_heads": 8,
+    "num_kv_heads": 4,
+    "intermediate_size": 2048,
+    "vocab_size": 8192,
+    "max_position_embeddings": 16384,
+}
+
+
+def tiny_llama(
+    seed: int = 0,
+    *,
+    dtype: torch.dtype = torch.float32,
+    num_layers: int = TINY_LLAMA_DEFAULTS["num_layers"],
+    hidden_size: int = TINY_LLAMA_DEFAULTS["hidden_size"],
+    num_attention_heads: int = TINY_LLAMA_DEFAULTS["num_attention_heads"],
+    num_kv_heads: int = TINY_LLAMA_DEFAULTS["num_kv_heads"],
+    intermediate_size: int = TINY_LLAMA_DEFAULTS["intermediate_size"],
+    vocab_size: int = TINY_LLAMA_DEFAULTS["vocab_size"],
+    max_position_embeddings: int = TINY_LLAMA_DEFAULTS["max_position_embeddings"],
+) -> LlamaForCausalLM:
+    """A random-weight Llama, the same in every process for the same arguments.
+
+    Built from a config, never downloaded. Weights are drawn in fp32 under `seed`
+    (without disturbing the caller's global RNG) and then cast, so the bf16 model is
+    the rounding of the fp32 one. Returns a `LlamaForCausalLM` in eval mode.
+    """
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    # sdpa is ~2x faster than eager on CPU and as exact for a split prefill.
+    model.set_attn_implementation("sdpa")
+    # Through Any: transformers' decorated `to`/`eval` carry signatures mypy misreads.
+    untyped: Any = model
+    untyped.to(dtype=dtype).eval()
+    return model
+
+
+def spec_for(
+    model: PreTrainedModel, *, model_id: str, revision: str, block_tokens: int
+) -> ModelSpec:
+    """The block spec of `model`'s KV cache (tensor-parallel rank 0 of 1)."""
+    config = model.config
+    dtype_names = {value: name for name, value in TORCH_DTYPES.items()}
+    if model.dtype not in dtype_names:
+        raise ValueError(
+            f"model dtype {model.dtype} is not supported; cast it to one of "
+            f"{', '.join(TORCH_DTYPES)}"
+        )
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return ModelSpec(
+        model_id=model_id,
+        revision=revision,
+        num_layers=int(config.num_hidden_layers),
+        num_kv_heads=int(config.num_key_value_heads),
+        head_dim=int(head_dim),
+        dtype=dtype_names[model.dtype],
+        block_tokens=block_tokens,
+    )
+
+
+def blocks_from_cache(
+    cache: DynamicCache, spec: ModelSpec, first_block: int, num_blocks: int
+) -> list[torch.Tensor]:
+    """Blocks `first_block .. first_block + num_blocks - 1` of a batch-1 cache.
+
+    Each is a new contiguous tensor `spec.block_shape`, on the cache's device, that
+    does not alias the cache.
+    """
+    layers = _full_attention_layers(cache, spec)
+    end_token = (first_block + num_blocks) * spec.block_tokens
+    cached_tokens = int(cache.get_seq_length())
+    if first_block < 0 or num_blocks < 0 or end_token > cached_tokens:
+        raise ValueError(
+            f"blocks {first_block}..{first_block + num_blocks - 1} need {end_token} cached "
+            f"tokens; the cache holds {cached_tokens}. Ask only for full blocks."
+        )
+    if num_blocks == 0:
+        return []
+    kv_per_layer = [_layer_kv(layer, spec) for layer in layers]
+    blocks = []
+    for block in range(first_block, first_block + num_blocks):
+        start = block * spec.block_tokens
+        end = start + spec.block_tokens
+        # stack copies, so a block never aliases the cache a later forward extends.
+        per_layer = [torch.stack((k[0, :, start:end], v[0, :, start:end])) for k, v in kv_per_layer]
+        blocks.append(torch.stack(per_layer))
+    return blocks
+
+
+def cache_from_blocks(
+    blocks: Sequence[torch.Tensor] | torch.Tensor, spec: ModelSpec, config: PreTrainedConfig
+) -> DynamicCache:
+    """A fresh `DynamicCache` holding exactly the prefix the blocks cover.
+
+    `blocks` is a sequence of `spec.block_shape` tensors or one tensor
+    `[num_blocks, *spec.block_shape]`; put them on the model's device first.
+    """
+    block_list = list(blocks.unbind(0)) if isinstance(blocks, torch.Tensor) else list(blocks)
+    for index, block in enumerate(block_list):
+        if tuple(block.shape) != spec.block_shape or block.dtype != torch_dtype(spec):
+            raise ValueError(
+                f"block {index} is {tuple(block.shape)} {block.dtype}; this spec needs "
+                f"{spec.block_shape} {torch_dtype(spec)}"
+            )
+    cache = DynamicCache(config=config)
+    layers = _full_attention_layers(cache, spec)
+    if not block_list:
+        return cache
+    for layer_index in range(len(layers)):
+        # [2, heads, tokens, dim] per block -> [2, heads, all tokens, dim], then batch 1.
+        kv = torch.cat([block[layer_index] for block in block_list], dim=2).unsqueeze(1)
+        cache.update(kv[0], kv[1], layer_index)
+    return cache
+
+
+def prefill(
+    model: PreTrainedModel,
+    input_ids: Sequence[int] | torch.Tensor,
+    *,
+    prefix_cache: DynamicCache | None = None,
+    prefix_tokens: int = 0,
+) -> tuple[torch.Tensor, DynamicCache]:
+    """Logits after the last prompt token, and the cache of the whole prompt.
+
+    With `prefix_cache` (holding the KV of the first `prefix_tokens` tokens) only the
+    suffix runs. A prefix covering the whole prompt is cropped by one token, because
+    the last token must run to produce logits. The cache is extended in place.
+    """
+    ids = _as_ids(input_ids, model)
+    num_tokens = ids.shape[1]
+    cache = prefix_cache if prefix_cache is not None else DynamicCache(config=model.config)
+    cached_tokens = int(cache.get_seq_length())
+    if cached_tokens != prefix_tokens:
+        raise ValueError(
+            f"prefix_cache holds {cached_tokens} tokens but prefix_tokens is {prefix_tokens}; "
+            "pass the number of tokens the restored blocks cover"
+        )
+    if prefix_tokens > num_tokens:
+        raise ValueError(
+            f"prefix_tokens {prefix_tokens} exceeds the prompt's {num_tokens} tokens; "
+            "restore only blocks of this prompt"
+        )
+    if prefix_tokens == num_tokens:
+        _drop_last_token(cache)
+        prefix_tokens -= 1
+    logits = _forward(model, ids[:, prefix_tokens:], cache, prefix_tokens)
+    return logits, cache
+
+
+def greedy_continue(
+    model: PreTrainedModel, last_logits: torch.Tensor, cache: DynamicCache, max_new_tokens: int
+) -> list[int]:
+    """Greedy tokens after a `prefill` (which returned `last_logits` and `cache`)."""
+    tokens: list[int] = []
+    logits = last_logits
+    position = int(cache.get_seq_length())
+    while len(tokens) < max_new_tokens:
+        tokens.append(int(torch.argmax(logits).item()))
+        if len(tokens) == max_new_tokens:
+            break
+        next_ids = torch.tensor([[tokens[-1]]], dtype=torch.long, device=model.device)
+        logits = _forward(model, next_ids, cache, position)
+        position += 1
+    return tokens
+
+
+def greedy_generate(
+    model: PreTrainedModel,
+    input_ids: Sequence[int] | torch.Tensor,
+    max_new_tokens: int,
+    *,
+    prefix_cache: DynamicCache | None = None,
+    prefix_tokens: int = 0,
+) -> list[int]:
+    """The `max_new_tokens` greedy tokens after `input_ids` (no stop token)."""
+    logits, cache = prefill(
+        model, input_ids, prefix_cache=prefix_cache, prefix_tokens=prefix_tokens
+    )
+    return greedy_continue(model, logits, cache, max_new_tokens)
+
+
+def _forward(
+    model: PreTrainedModel, ids: torch.Tensor, cache: DynamicCache, start_position: int
+) -> torch.Tensor:
+    positions = torch.arange(
+        start_position, start_position + ids.shape[1], device=ids.device
+    ).unsqueeze(0)
+    kwargs = {_cache_keyword(model): cache}
+    # no_grad, not inference_mode: inference tensors in the returned cache would refuse
+    # the caller's later in-place ops (e.g. copying into a reused staging buffer).
+    with torch.no_grad():
+        output = model(
+            input_ids=ids, position_ids=positions, use_cache=True, logits_to_keep=1, **kwargs
+        )
+    return cast(torch.Tensor, output.logits[0, -1])
+
+
+def _cache_keyword(model: PreTrainedModel) -> str:
+    # transformers 5.x renames `past_key_values` to `cache` (5.24 takes both, warning
+    # on the old name); use whichever this model's forward declares.
+    model_class = type(model)
+    if model_class not in _CACHE_KEYWORDS:
+        parameters = inspect.signature(model_class.forward).parameters
+        _CACHE_KEYWORDS[model_class] = "cache" if "cache" in parameters else "past_key_values"
+    return _CACHE_KEYWORDS[model_class]
+
+
+def _drop_last_token(cache: DynamicCache) -> None:
+    # By hand: `Cache.crop`'s argument changed meaning within transformers 5.x.
+    for layer in _dynamic_layers(cache):
+        if layer.keys is not None and layer.values is not None:
+            layer.keys = layer.keys[..., :-1, :]
+            layer.values = layer.values[..., :-1, :]
+
+
+def _as_ids(input_ids: Sequence[int] | torch.Tensor, model: PreTrainedModel) -> torch.Tensor:
+    ids = (
+        input_ids.detach().reshape(1, -1)
+        if isinstance(input_ids, torch.Tensor)
+        else torch.tensor([list(input_ids)])
+    )
+    if ids.shape[1] == 0:
+        raise ValueError("input_ids is empty; a prompt needs at least one token")
+    return ids.to(device=model.device, dtype=torch.long)
+
+
+def _dynamic_layers(cache: DynamicCache) -> list[DynamicLayer]:
+    layers: list[DynamicLayer] = []
+    for layer in cache.layers:
+        # Exact type: subclasses (sliding window) keep only part of the prefix.
+        if type(layer) is not DynamicLayer:
+            raise ValueError(
+                f"cache layer {len(layers)} is a {type(layer).__name__}; only full-attention "
+                "layers (DynamicLayer) can be restored from prefix blocks"
+            )
+        layers.append(layer)
+    return layers
+
+
+def _full_attention_layers(cache: DynamicCache, spec: ModelSpec) -> list[DynamicLayer]:
+    layers = _dynamic_layers(cache)
+    if len(layers) != spec.num_layers:
+        raise ValueError(
+            f"cache has {len(layers)} layers; the spec says {spec.num_layers}. "
+            "Build the cache with the model's config and the spec with spec_for(model)"
+        )
+    return layers
+
+
+def _layer_kv(layer: DynamicLayer, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    if layer.keys is None or layer.values is None:
+        raise ValueError("a cache layer is empty; run prefill before reading blocks")
+    batch, heads, _, head_dim = layer.keys.shape
+    if batch != 1 or heads != spec.num_kv_heads or head_dim != spec.head_dim:
+        raise ValueError(
+            f"cache layer is [batch={batch}, heads={heads}, dim={head_dim}]; the spec needs "
+            f"batch 1, {spec.num_kv_heads} KV heads, head_dim {spec.head_dim}"
+        )
+    if layer.keys.dtype != torch_dtype(spec) or layer.values.dtype != torch_dtype(spec):
+        raise ValueError(f"cache dtype {layer.keys.dtype} differs from the spec's {spec.dtype}")
+    return layer.keys, layer.values

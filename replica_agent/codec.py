@@ -1,0 +1,194 @@
+"""Block codec: one block's KV tensor <-> bytes, a fixed header plus raw tensor bytes.
+
+Invariant: `decode_block` returns a tensor only when every header field and the
+length match the spec the caller expects; anything else raises `BlockFormatError`
+(never a partly filled tensor, never pickle or `torch.load`). The payload is the
+tensor in the canonical layout `[layers, 2 (k, v), kv_heads, block_tokens, head_dim]`,
+C order, little-endian elements, starting at byte `HEADER_BYTES` (a multiple of 64, so
+the payload stays aligned for zero-copy readers).
+
+Header (little-endian, `HEADER_BYTES` long, unused bytes zero):
+    magic 8s | format version u16 | dtype code u16 | num_layers u32 | kv_heads u32 |
+    block_tokens u32 | head_dim u32 | tp_rank u32 | tp_size u32 | payload bytes u64
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from replica_agent.spec import ModelSpec
+
+MAGIC = b"KVSBLOCK"
+FORMAT_VERSION = 1
+HEADER_BYTES = 64
+_HEADER = struct.Struct("<8sHHIIIIIIQ")
+_PADDING = bytes(HEADER_BYTES - _HEADER.size)
+assert HEADER_BYTES % 64 == 0 and _HEADER.size <= HEADER_BYTES
+
+# Codes are part of the format: never renumber, only add.
+DTYPE_CODES = {"float32": 1, "bfloat16": 2, "float16": 3}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# The payload is raw native bytes; the format says little-endian, so refuse to run
+# where that would silently differ.
+if sys.byteorder != "little":  # pragma: no cover - no big-endian hosts in use
+    raise ImportError("replica_agent.codec needs a little-endian host")
+
+
+class BlockFormatError(ValueError):
+    """The bytes are not a block of the expected spec (any header or length mismatch)."""
+
+
+@dataclass(frozen=True)
+class BlockHeader:
+    format_version: int
+    dtype_code: int
+    num_layers: int
+    kv_heads: int
+    block_tokens: int
+    head_dim: int
+    tp_rank: int
+    tp_size: int
+    payload_bytes: int
+
+    @classmethod
+    def for_spec(cls, spec: ModelSpec) -> BlockHeader:
+        return cls(
+            format_version=FORMAT_VERSION,
+            dtype_code=DTYPE_CODES[spec.dtype],
+            num_layers=spec.num_layers,
+            kv_heads=spec.num_kv_heads,
+            block_tokens=spec.block_tokens,
+            head_dim=spec.head_dim,
+            tp_rank=spec.tp_rank,
+            tp_size=spec.tp_size,
+            payload_bytes=spec.block_payload_bytes,
+        )
+
+    def pack(self) -> bytes:
+        return (
+            _HEADER.pack(
+                MAGIC,
+                self.format_version,
+                self.dtype_code,
+                self.num_layers,
+                self.kv_heads,
+                self.block_tokens,
+                self.head_dim,
+                self.tp_rank,
+                self.tp_size,
+                self.payload_bytes,
+            )
+            + _PADDING
+        )
+
+
+def torch_dtype(spec: ModelSpec) -> torch.dtype:
+    return TORCH_DTYPES[spec.dtype]
+
+
+def encode_header(spec: ModelSpec) -> bytes:
+    return BlockHeader.for_spec(spec).pack()
+
+
+def parse_header(data: bytes | bytearray | memoryview) -> BlockHeader:
+    """The header of untrusted `data`; checks magic, version and padding only."""
+    view = memoryview(data).cast("B")
+    if view.nbytes < HEADER_BYTES:
+        raise BlockFormatError(
+            f"block is {view.nbytes} bytes, shorter than its {HEADER_BYTES}-byte header; "
+            "the payload was truncated or is not a kvshare block"
+        )
+    magic, *fields = _HEADER.unpack_from(view)
+    if magic != MAGIC:
+        raise BlockFormatError("block does not start with the kvshare block magic")
+    header = BlockHeader(*fields)
+    if header.format_version != FORMAT_VERSION:
+        raise BlockFormatError(
+            f"block format version {header.format_version} is not {FORMAT_VERSION}; "
+            "upgrade this agent or flush blocks written by the other version"
+        )
+    if view[_HEADER.size : HEADER_BYTES] != _PADDING:
+        raise BlockFormatError("block header has non-zero reserved bytes")
+    return header
+
+
+def encode_block(spec: ModelSpec, kv: torch.Tensor) -> bytes:
+    """Header plus the bytes of `kv`, shaped `spec.block_shape` with `spec`'s dtype."""
+    if tuple(kv.shape) != spec.block_shape:
+        raise ValueError(
+            f"kv has shape {tuple(kv.shape)}; a block of this spec is {spec.block_shape} "
+            "[layers, 2, kv_heads, block_tokens, head_dim]"
+        )
+    if kv.dtype != torch_dtype(spec):
+        raise ValueError(f"kv has dtype {kv.dtype}; the spec says {spec.dtype}, convert first")
+    # One copy when kv is already contiguous on the CPU: straight into the joined bytes.
+    host = kv.detach().to("cpu").contiguous()
+    payload = _uint8_numpy(host).data
+    return b"".join((encode_header(spec), payload))
+
+
+def decode_block(
+    spec: ModelSpec, data: bytes | bytearray | memoryview, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The tensor of a block of `spec`, or `BlockFormatError`.
+
+    With `out` (shape `spec.block_shape`, the spec's dtype, contiguous; for example a
+    reused pinned staging buffer) the payload is copied into it and `out` is returned;
+    otherwise a new CPU tensor is returned. Never aliases `data`.
+    """
+    if out is not None:
+        _check_out(spec, out)
+    view = memoryview(data).cast("B")
+    header = parse_header(view)
+    expected = BlockHeader.for_spec(spec)
+    if header != expected:
+        raise BlockFormatError(_describe_mismatch(header, expected))
+    if view.nbytes != HEADER_BYTES + expected.payload_bytes:
+        raise BlockFormatError(
+            f"block is {view.nbytes} bytes; a block of this spec is "
+            f"{HEADER_BYTES + expected.payload_bytes} (truncated or padded payload)"
+        )
+    payload = np.frombuffer(view, dtype=np.uint8, offset=HEADER_BYTES)
+    if out is not None and out.device.type == "cpu":
+        _uint8_numpy(out)[:] = payload
+        return out
+    result = torch.empty(spec.block_shape, dtype=torch_dtype(spec))
+    _uint8_numpy(result)[:] = payload
+    if out is not None:
+        return out.copy_(result)
+    return result
+
+
+def _uint8_numpy(tensor: torch.Tensor) -> npt.NDArray[np.uint8]:
+    # numpy has no bfloat16: a byte view of the tensor is dtype-agnostic and writable.
+    array: npt.NDArray[np.uint8] = tensor.view(-1).view(torch.uint8).numpy()
+    return array
+
+
+def _check_out(spec: ModelSpec, out: torch.Tensor) -> None:
+    if tuple(out.shape) != spec.block_shape or out.dtype != torch_dtype(spec):
+        raise ValueError(
+            f"out is {tuple(out.shape)} {out.dtype}; allocate {spec.block_shape} "
+            f"{torch_dtype(spec)} for this spec"
+        )
+    if not out.is_contiguous():
+        raise ValueError("out is not contiguous; pass a contiguous staging buffer")
+
+
+def _describe_mismatch(found: BlockHeader, expected: BlockHeader) -> str:
+    names = [
+        name
+        for name in BlockHeader.__dataclass_fields__
+        if getattr(found, name) != getattr(expected, name)
+    ]
+    details = ", ".join(
+        f"{name} {getattr(found, name)} (expected {getattr(expected, name)})" for name in names
+    )
+    return f"block layout does not match the model spec: {details}"

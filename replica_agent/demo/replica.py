@@ -1,0 +1,192 @@
+"""One demo replica: a real model, a local prefix cache, and (optionally) the agent.
+
+Runs in its own process. The local cache is an LRU of KV blocks keyed by tenant and
+digest, like an engine's automatic prefix caching; with the shared store on, the
+replica first takes what its local cache has, then asks the store for the blocks
+after that, restores them, prefills only the rest and saves its new full blocks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import torch
+
+from policy.sealing import BlockSealer, Keyring
+from replica_agent.adapters.hf import (
+    blocks_from_cache,
+    cache_from_blocks,
+    greedy_continue,
+    prefill,
+    spec_for,
+    tiny_llama,
+)
+from replica_agent.agent import ReplicaAgent
+from replica_agent.demo.workload import DemoRequest
+from replica_agent.hashing import BlockHasher
+
+MODEL_ID = "kvshare/tiny-llama-demo"
+
+
+@dataclass(frozen=True)
+class ReplicaSettings:
+    seed: int = 0
+    block_tokens: int = 32
+    local_cache_blocks: int = 512
+    torch_threads: int = 1
+    # 2 KV heads (grouped-query attention, as in most served models): 16 KiB of fp32 KV
+    # per token, the ratio of KV bytes to prefill work of PERF-BASELINES' reference model.
+    num_kv_heads: int = 2
+
+
+@dataclass(frozen=True)
+class StoreSettings:
+    address: str
+    token: str
+    keyring_file: Path | None  # sealing keys for the demo tenants
+    timeout_s: float = 5.0
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    index: int
+    replica: int
+    ttft_s: float
+    output_tokens: tuple[int, ...]
+    prompt_tokens: int
+    local_tokens: int
+    store_tokens: int
+    prefill_tokens: int
+
+
+class LocalPrefixCache:
+    def __init__(self, capacity_blocks: int) -> None:
+        self.capacity_blocks = capacity_blocks
+        self._blocks: OrderedDict[tuple[str, bytes], torch.Tensor] = OrderedDict()
+
+    def leading(self, tenant: str, digests: Sequence[bytes]) -> list[torch.Tensor]:
+        found = []
+        for digest in digests:
+            block = self._blocks.get((tenant, digest))
+            if block is None:
+                break
+            self._blocks.move_to_end((tenant, digest))
+            found.append(block)
+        return found
+
+    def insert(self, tenant: str, digests: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> None:
+        for digest, block in zip(digests, blocks, strict=True):
+            self._blocks[(tenant, digest)] = block
+            self._blocks.move_to_end((tenant, digest))
+        while len(self._blocks) > self.capacity_blocks:
+            self._blocks.popitem(last=False)
+
+
+class Replica:
+    def __init__(self, index: int, settings: ReplicaSettings) -> None:
+        torch.set_num_threads(settings.torch_threads)
+        self.index = index
+        self.settings = settings
+        self.model = tiny_llama(settings.seed, num_kv_heads=settings.num_kv_heads)
+        self.spec = spec_for(
+            self.model,
+            model_id=MODEL_ID,
+            revision=f"seed{settings.seed}",
+            block_tokens=settings.block_tokens,
+        )
+        self.hasher = BlockHasher(self.spec.wire_model(), settings.block_tokens)
+        self.local = LocalPrefixCache(settings.local_cache_blocks)
+        self.agent: ReplicaAgent | None = None
+
+    def configure(self, store: StoreSettings | None) -> None:
+        """Start a run: empty local cache; connect to the store, or run local-only."""
+        self.local = LocalPrefixCache(self.settings.local_cache_blocks)
+        if self.agent is not None:
+            self.agent.close()
+            self.agent = None
+        if store is not None:
+            sealer = (
+                BlockSealer(Keyring.from_file(store.keyring_file)) if store.keyring_file else None
+            )
+            self.agent = ReplicaAgent.connect(
+                store.address, store.token, self.spec, timeout_s=store.timeout_s, sealer=sealer
+            )
+
+    def serve(self, request: DemoRequest) -> RequestResult:
+        started = time.perf_counter()
+        tokens = request.token_ids
+        digests = self.hasher.digests(tokens)
+        blocks = self.local.leading(request.tenant, digests)
+        local_blocks = len(blocks)
+        store_blocks = 0
+        if self.agent is not None and local_blocks < len(digests):
+            match = self.agent.match(request.tenant, digests, first_block=local_blocks)
+            if match.blocks > local_blocks:
+                restored = self.agent.load(match, first_block=local_blocks)
+                store_blocks = len(restored)
+                blocks.extend(restored.unbind(0))
+        prefix_tokens = len(blocks) * self.spec.block_tokens
+        cache = cache_from_blocks(blocks, self.spec, self.model.config)
+        logits, cache = prefill(
+            self.model, list(tokens), prefix_cache=cache, prefix_tokens=prefix_tokens
+        )
+        first = int(torch.argmax(logits).item())
+        ttft_s = time.perf_counter() - started
+        computed = len(tokens) - min(prefix_tokens, len(tokens) - 1)
+        self._keep_new_blocks(request.tenant, digests, blocks, cache, local_blocks + store_blocks)
+        rest = greedy_continue(self.model, logits, cache, request.max_new_tokens)
+        assert rest[0] == first
+        return RequestResult(
+            request.index,
+            self.index,
+            ttft_s,
+            tuple(rest),
+            len(tokens),
+            local_blocks * self.spec.block_tokens,
+            store_blocks * self.spec.block_tokens,
+            computed,
+        )
+
+    def _keep_new_blocks(
+        self,
+        tenant: str,
+        digests: Sequence[bytes],
+        reused: Sequence[torch.Tensor],
+        cache: object,
+        have: int,
+    ) -> None:
+        fresh = blocks_from_cache(cache, self.spec, have, len(digests) - have)  # type: ignore[arg-type]
+        self.local.insert(tenant, digests, [*reused, *fresh])
+        if self.agent is not None and fresh:
+            self.agent.save(tenant, digests[have:], fresh)
+
+    def flush(self) -> None:
+        if self.agent is not None:
+            self.agent.flush()
+
+
+def replica_main(conn: Connection, index: int, settings: ReplicaSettings) -> None:
+    """Process entry point: answer ('configure', store) / ('serve', request) / ('flush',)
+    / ('stop',) messages until told to stop."""
+    replica = Replica(index, settings)
+    conn.send(("ready", replica.spec.wire_model()))
+    while True:
+        message = conn.recv()
+        kind = message[0]
+        if kind == "configure":
+            replica.configure(message[1])
+            conn.send(("ok", None))
+        elif kind == "serve":
+            conn.send(("result", replica.serve(message[1])))
+        elif kind == "flush":
+            replica.flush()
+            conn.send(("ok", replica.agent.stats if replica.agent else None))
+        elif kind == "stop":
+            replica.configure(None)
+            conn.send(("ok", None))
+            return

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from cacheserver.config import ServerConfig, load_config
 from kvshare.errors import ConfigError
+from kvshare.memtune import tune_allocator
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--config",
         type=Path,
         metavar="FILE",
-        help="TOML server config (tenants, principals, storage, limits). "
+        help="TOML server config (tenants, principals, storage, limits, tls, audit_log). "
         "Without it: dev mode, one tenant 'dev' whose token is written "
         "to <data-dir>/dev.token",
     )
@@ -49,14 +50,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-sync-writes",
         action="store_true",
-        help="acknowledge puts without fsync (faster; a crash may lose the "
-        "last acknowledged blocks, never serve torn ones)",
+        help="never fsync, not even periodically (benchmarks; a power loss may lose "
+        "recent blocks, a process crash loses nothing acknowledged)",
+    )
+    parser.add_argument(
+        "--sync-writes",
+        action="store_true",
+        help="fsync every commit before acknowledging a put (survives power loss; "
+        "default: commits reach the OS at once and are fsynced every second)",
     )
     parser.add_argument(
         "--tls-cert",
         type=Path,
         metavar="PEM",
-        help="server certificate chain; with --tls-key enables TLS",
+        help="server certificate chain; with --tls-key enables TLS (overrides [tls])",
     )
     parser.add_argument("--tls-key", type=Path, metavar="PEM", help="server private key")
     parser.add_argument(
@@ -86,7 +93,9 @@ def _config_from(args: argparse.Namespace) -> ServerConfig:
     if args.disk_budget_bytes is not None:
         storage = replace(storage, disk_budget_bytes=args.disk_budget_bytes)
     if args.no_sync_writes:
-        storage = replace(storage, sync_writes=False)
+        storage = replace(storage, sync_writes=False, sync_interval_ms=0)
+    if args.sync_writes:
+        storage = replace(storage, sync_writes=True)
     return replace(
         config,
         listen=args.listen or config.listen,
@@ -97,6 +106,7 @@ def _config_from(args: argparse.Namespace) -> ServerConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    tune_allocator()
     from cacheserver.server import TlsFiles, serve
 
     logging.basicConfig(

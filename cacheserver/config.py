@@ -1,7 +1,8 @@
 """Server configuration, parsed once at start-up into frozen dataclasses.
 
 The TOML keys `listen`, `data_dir`, `[[tenants]]` and `[[principals]]` are a contract
-(DESIGN §8); `[storage]` and `[limits]` are optional with the defaults below.
+(DESIGN §8); `[storage]`, `[limits]`, `[tls]` and `audit_log` are optional with the
+defaults below.
 Command-line flags override the file. Unknown keys anywhere are errors naming the key
 and its line.
 """
@@ -14,16 +15,29 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from kvshare.errors import ConfigError
+from kvshare.errors import ConfigError, InvalidArgument
+from policy.audit import AUDIT_FILE
 from policy.config import AccessConfig, line_of, parse_access
+from policy.ratelimit import DEFAULT_BURST_S, DEFAULT_REQUESTS_PER_S
 
 MiB = 1 << 20
 GiB = 1 << 30
 DEFAULT_LISTEN = "127.0.0.1:50051"
 DEFAULT_DATA_DIR = "./kvshare-data"
 TOP_KEYS = frozenset(
-    {"listen", "data_dir", "allow_insecure_listen", "tenants", "principals", "storage", "limits"}
+    {
+        "listen",
+        "data_dir",
+        "allow_insecure_listen",
+        "tenants",
+        "principals",
+        "storage",
+        "limits",
+        "tls",
+        "audit_log",
+    }
 )
+TLS_KEYS = frozenset({"cert", "key", "client_ca"})
 
 
 @dataclass(frozen=True)
@@ -32,8 +46,13 @@ class StorageConfig:
     disk_budget_bytes: int = 8 * GiB
     # 0: derived from the disk budget with room for LMDB's page overhead and free lists.
     lmdb_map_bytes: int = 0
-    # fsync every commit, so an acknowledged block survives a crash or power loss.
-    sync_writes: bool = True
+    # Every commit reaches the OS before a put is acknowledged, so an acknowledged
+    # block always survives a crash of the server process (kill -9). With sync_writes,
+    # each commit is also fsynced (survives power loss; group commit shares the fsync);
+    # without, a background fsync every sync_interval_ms bounds what a power loss can
+    # take — only cache entries, which replicas recompute. Like Redis appendfsync everysec.
+    sync_writes: bool = False
+    sync_interval_ms: int = 1000
 
     def effective_map_bytes(self) -> int:
         if self.lmdb_map_bytes:
@@ -51,6 +70,36 @@ class LimitsConfig:
     max_message_bytes: int = 16 * MiB
     # Get frames are filled to about this many payload bytes.
     get_frame_bytes: int = 4 * MiB
+    # Per principal (override with requests_per_s on a [[principals]] entry); 0: unlimited.
+    # A replica makes about three calls per inference request, and one server process
+    # answers some thousands of small calls per second: this keeps one runaway
+    # principal from taking all of it while never limiting a normal replica.
+    requests_per_s: int = DEFAULT_REQUESTS_PER_S
+    # A principal may burst to requests_per_s * request_burst_s calls.
+    request_burst_s: int = DEFAULT_BURST_S
+
+    def check_digest_count(self, count: int) -> None:
+        if count > self.max_digests_per_call:
+            raise InvalidArgument(
+                f"{count} digests exceed max_digests_per_call {self.max_digests_per_call}; "
+                "split the call or raise it in [limits]"
+            )
+
+    def check_block_bytes(self, index: int, size: int) -> None:
+        if size > self.max_block_bytes:
+            raise InvalidArgument(
+                f"block {index} is {size} bytes, over max_block_bytes {self.max_block_bytes}; "
+                "raise it in [limits] or use smaller blocks"
+            )
+        if size == 0:
+            raise InvalidArgument(f"block {index} is empty; blocks carry at least one byte")
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    cert_chain: Path
+    private_key: Path
+    client_ca: Path | None = None  # set: clients must present a certificate signed by it
 
 
 @dataclass(frozen=True)
@@ -61,6 +110,12 @@ class ServerConfig:
     storage: StorageConfig = field(default_factory=StorageConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     access: AccessConfig | None = None  # None: dev mode (tenant `dev`, token in data dir)
+    tls: TlsFiles | None = None  # None: plaintext (loopback, or allow_insecure_listen)
+    audit_log: Path | None = None  # None: <data_dir>/audit.log
+
+    @property
+    def audit_log_path(self) -> Path:
+        return self.audit_log if self.audit_log is not None else self.data_dir / AUDIT_FILE
 
     @property
     def is_dev_mode(self) -> bool:
@@ -95,6 +150,24 @@ def _table(raw: Mapping[str, Any], key: str, source: str, text: str) -> Mapping[
     return value
 
 
+def _parse_tls(raw: Mapping[str, Any], source: str, text: str) -> TlsFiles | None:
+    """`[tls]` with `cert` and `key` (PEM files), and `client_ca` for mTLS."""
+    if not raw:
+        return None
+    for key, value in raw.items():
+        where = f"{source}:{line_of(text, key)}"
+        if key not in TLS_KEYS:
+            raise ConfigError(
+                f"{where}: tls.{key}: unknown key; allowed: {', '.join(sorted(TLS_KEYS))}"
+            )
+        if not isinstance(value, str) or not value:
+            raise ConfigError(f"{where}: tls.{key}: must be a path to a PEM file")
+    if "cert" not in raw or "key" not in raw:
+        raise ConfigError(f"{source}:{line_of(text, 'tls')}: tls: give both cert and key")
+    client_ca = raw.get("client_ca")
+    return TlsFiles(Path(raw["cert"]), Path(raw["key"]), Path(client_ca) if client_ca else None)
+
+
 def load_config(path: Path) -> ServerConfig:
     try:
         text = path.read_text(encoding="utf-8")
@@ -122,13 +195,16 @@ def load_config(path: Path) -> ServerConfig:
     listen = raw.get("listen", DEFAULT_LISTEN)
     data_dir = raw.get("data_dir", DEFAULT_DATA_DIR)
     insecure = raw.get("allow_insecure_listen", False)
+    audit_log = raw.get("audit_log")
     if (
         not isinstance(listen, str)
         or not isinstance(data_dir, str)
         or not isinstance(insecure, bool)
+        or not isinstance(audit_log, str | None)
     ):
         raise ConfigError(
-            f"{source}: listen and data_dir must be strings, allow_insecure_listen a boolean"
+            f"{source}: listen, data_dir and audit_log must be strings, "
+            "allow_insecure_listen a boolean"
         )
     return ServerConfig(
         listen=listen,
@@ -141,4 +217,6 @@ def load_config(path: Path) -> ServerConfig:
             _table(raw, "limits", source, text), LimitsConfig, "limits", source, text
         ),
         access=access,
+        tls=_parse_tls(_table(raw, "tls", source, text), source, text),
+        audit_log=Path(audit_log) if audit_log else None,
     )

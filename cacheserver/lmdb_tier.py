@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import struct
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,10 +42,10 @@ class PendingWrite:
     tenant: TenantId
     epoch: int
     clock: int
-    payload: bytes | memoryview
+    payload: bytes | bytearray | memoryview
 
 
-def checksum(payload: bytes | memoryview) -> bytes:
+def checksum(payload: bytes | bytearray | memoryview) -> bytes:
     return xxhash.xxh3_128_digest(payload)
 
 
@@ -60,7 +60,15 @@ def _unpack_meta(key: bytes | memoryview, raw: bytes | memoryview) -> tuple[byte
 
 
 class LmdbTier:
-    def __init__(self, path: Path, *, map_bytes: int, sync_writes: bool) -> None:
+    def __init__(
+        self,
+        path: Path,
+        *,
+        map_bytes: int,
+        sync_writes: bool,
+        on_integrity_failure: Callable[[TenantId, int], None] | None = None,
+    ) -> None:
+        """`on_integrity_failure(tenant, blocks)` hears of every corrupt block dropped."""
         try:
             path.mkdir(parents=True, exist_ok=True)
             self._env = lmdb.open(
@@ -86,6 +94,11 @@ class LmdbTier:
         self.map_bytes = map_bytes
         self.integrity_failures = 0
         self._lock = threading.Lock()  # guards integrity_failures
+        self._on_integrity_failure = on_integrity_failure
+
+    def sync(self) -> None:
+        """fsync what earlier commits wrote (they are already in the OS page cache)."""
+        self._env.sync(True)
 
     def close(self) -> None:
         self._env.sync(True)
@@ -99,7 +112,7 @@ class LmdbTier:
     def read_many(self, keys: Sequence[StorageKey]) -> list[bytes | None]:
         """Payloads for `keys` (None where absent or corrupt), one read transaction."""
         out: list[bytes | None] = []
-        corrupt: list[StorageKey] = []
+        corrupt: list[tuple[StorageKey, TenantId]] = []
         with self._env.begin(buffers=True) as txn:
             for key in keys:
                 raw_meta = txn.get(key, db=self._meta)
@@ -109,7 +122,7 @@ class LmdbTier:
                     continue
                 digest, meta = _unpack_meta(key, raw_meta)
                 if len(raw) != meta.size or checksum(raw) != digest:
-                    corrupt.append(key)
+                    corrupt.append((key, meta.tenant))
                     out.append(None)
                     continue
                 out.append(bytes(raw))  # the one copy out of the memory map
@@ -117,10 +130,16 @@ class LmdbTier:
             self._drop_corrupt(corrupt)
         return out
 
-    def _drop_corrupt(self, keys: Sequence[StorageKey]) -> None:
+    def _drop_corrupt(self, corrupt: Sequence[tuple[StorageKey, TenantId]]) -> None:
         with self._lock:
-            self.integrity_failures += len(keys)
-        self.delete(keys)
+            self.integrity_failures += len(corrupt)
+        self.delete([key for key, _ in corrupt])
+        if self._on_integrity_failure is not None:
+            by_tenant: dict[TenantId, int] = {}
+            for _, tenant in corrupt:
+                by_tenant[tenant] = by_tenant.get(tenant, 0) + 1
+            for tenant, blocks in by_tenant.items():
+                self._on_integrity_failure(tenant, blocks)
 
     def write(self, writes: Sequence[PendingWrite], deletes: Sequence[StorageKey]) -> list[bool]:
         """Delete `deletes`, then insert `writes` first-writer-wins, in one durable commit.

@@ -16,7 +16,7 @@ import logging
 import os
 import signal
 import socket
-from dataclasses import dataclass
+import ssl
 from pathlib import Path
 from typing import IO
 
@@ -24,28 +24,26 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from cacheserver.config import ServerConfig
-from cacheserver.service import BlockStoreService
+from cacheserver.bulk import BulkServer, server_tls_context
+from cacheserver.config import ServerConfig, TlsFiles
+from cacheserver.service import BlockStoreService, BulkEndpoint
 from cacheserver.store import BlockStore
 from cacheserver.wire import AuthInterceptor
 from kvshare.errors import ConfigError
 from kvshare.v1 import kvshare_pb2, kvshare_pb2_grpc
 from policy import AccessPolicy
+from policy.audit import AuditLog
 from policy.devmode import dev_access
-from policy.identity import TokenAuthenticator
-from policy.naming import BlockNamer, load_or_create_server_secret
+from policy.naming import load_or_create_server_secret
+from policy.ratelimit import RequestRateLimiter
+from policy.tickets import TicketBook
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = kvshare_pb2.DESCRIPTOR.services_by_name["BlockStore"].full_name
 SHUTDOWN_GRACE_S = 10.0
 GRPC_SLACK_BYTES = 1 << 20  # room for protobuf framing around max_message_bytes of payload
 
-
-@dataclass(frozen=True)
-class TlsFiles:
-    cert_chain: Path
-    private_key: Path
-    client_ca: Path | None = None  # set: clients must present a certificate signed by it
+__all__ = ["Server", "TlsFiles", "serve"]
 
 
 def is_loopback(listen: str) -> bool:
@@ -93,6 +91,8 @@ def check_can_bind(listen: str) -> None:
         return
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
+        # As gRPC does: connections of a previous run in TIME_WAIT must not block a restart.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
         except OSError as error:
@@ -106,26 +106,53 @@ def check_can_bind(listen: str) -> None:
             ) from None
 
 
+def check_tls(config: ServerConfig, tls: TlsFiles | None) -> None:
+    """Plaintext only on loopback (unless allowed); cert principals need mTLS."""
+    if not is_loopback(config.listen) and tls is None and not config.allow_insecure_listen:
+        raise ConfigError(
+            f"refusing to listen on non-loopback {config.listen} without TLS; give "
+            "--tls-cert/--tls-key (or [tls]), or --allow-insecure-listen on a trusted network"
+        )
+    certs = config.access.cert_credentials if config.access else ()
+    if certs and (tls is None or tls.client_ca is None):
+        name = certs[0].principal.name
+        raise ConfigError(
+            f"principal {name!r} authenticates by cert_identity, but mTLS is off; set "
+            "[tls] client_ca (or --tls-client-ca) to the CA that signs client certificates"
+        )
+
+
 class Server:
     def __init__(self, config: ServerConfig, tls: TlsFiles | None = None) -> None:
-        if not is_loopback(config.listen) and tls is None and not config.allow_insecure_listen:
-            raise ConfigError(
-                f"refusing to listen on non-loopback {config.listen} without TLS; give "
-                "--tls-cert/--tls-key, or --allow-insecure-listen on a trusted network"
-            )
+        tls = tls or config.tls
+        check_tls(config, tls)
         self.config = config
         self._tls = tls
         self._lock_file = prepare_data_dir(config.data_dir)
         access = config.access or dev_access(config.data_dir)
-        epochs = {t.id: t.epoch for t in access.tenants}
-        namer = BlockNamer(load_or_create_server_secret(config.data_dir), epochs)
-        self.policy = AccessPolicy(
-            TokenAuthenticator(access.credentials),
-            namer,
-            {t.id: t.quota_bytes for t in access.tenants},
+        self.audit = AuditLog(config.audit_log_path)
+        self.policy = AccessPolicy.from_access(
+            access,
+            load_or_create_server_secret(config.data_dir),
+            limiter=RequestRateLimiter(config.limits.requests_per_s, config.limits.request_burst_s),
+            audit=self.audit,
+            accept_certificates=tls is not None and tls.client_ca is not None,
         )
-        self.store = BlockStore(config.data_dir, config.storage, self.policy.quotas_bytes, epochs)
+        epochs = {t.id: t.epoch for t in access.tenants}
+        self.store = BlockStore(
+            config.data_dir,
+            config.storage,
+            self.policy.quotas_bytes,
+            epochs,
+            on_integrity_failure=self.policy.record_integrity_failure,
+        )
+        if self.store.reclaimed_at_start:
+            self.policy.record_admin(
+                None, "reclaim_retired_epochs", blocks=self.store.reclaimed_at_start
+            )
         self.health = health.aio.HealthServicer()
+        self.tickets = TicketBook()
+        self.bulk: BulkServer | None = None
         self._server: grpc.aio.Server | None = None
         self.address = ""
 
@@ -139,8 +166,18 @@ class Server:
                 ("grpc.so_reuseport", 0),
             ],
         )
+        host = self.config.listen.rsplit(":", 1)[0]
+        self.bulk = BulkServer(
+            host, self.store, self.policy, self.tickets, self.config.limits, _bulk_tls(self._tls)
+        )
         kvshare_pb2_grpc.add_BlockStoreServicer_to_server(
-            BlockStoreService(self.store, self.policy, self.config.limits), server
+            BlockStoreService(
+                self.store,
+                self.policy,
+                self.config.limits,
+                BulkEndpoint(self.tickets, self.bulk.start()),
+            ),
+            server,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
@@ -156,7 +193,6 @@ class Server:
         for name in ("", SERVICE_NAME):
             await _maybe_await(self.health.set(name, health_pb2.HealthCheckResponse.SERVING))
         self._server = server
-        host = self.config.listen.rsplit(":", 1)[0]
         self.address = f"{host}:{port}"
         return self.address
 
@@ -184,8 +220,22 @@ class Server:
         if self._server is not None:
             await self._server.stop(grace_s)
             self._server = None
+        if self.bulk is not None:
+            self.bulk.stop()
+            self.bulk = None
         self.store.close()
+        self.audit.close()
         self._lock_file.close()
+
+
+def _bulk_tls(tls: TlsFiles | None) -> ssl.SSLContext | None:
+    if tls is None:
+        return None
+    try:
+        ca = tls.client_ca.read_bytes() if tls.client_ca else None
+        return server_tls_context(tls.cert_chain.read_bytes(), tls.private_key.read_bytes(), ca)
+    except OSError as error:
+        raise ConfigError(f"cannot read TLS file {error.filename}: {error.strerror}") from None
 
 
 async def _maybe_await(value: object) -> None:
@@ -214,11 +264,11 @@ async def serve(config: ServerConfig, tls: TlsFiles | None = None) -> None:
         if config.is_dev_mode
         else ""
     )
-    print(f"kvshare serving on {address}{mode}", flush=True)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stopping.set)
+    for sig in (signal.SIGTERM, signal.SIGINT):  # before "serving on": a signal right
+        loop.add_signal_handler(sig, stopping.set)  # after it must drain, not kill
+    print(f"kvshare serving on {address}{mode}", flush=True)
     await stopping.wait()
     log.info("draining in-flight RPCs (grace %.0f s)", SHUTDOWN_GRACE_S)
     await server.stop()

@@ -9,39 +9,65 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
 from cacheserver.config import LimitsConfig
+from cacheserver.memory_tier import Payload
 from cacheserver.store import BlockStore
 from cacheserver.wire import current_principal
-from kvshare.errors import InvalidArgument, PermissionDenied, ResourceExhausted
+from kvshare.errors import InvalidArgument, PermissionDenied, ResourceExhausted, Unavailable
 from kvshare.v1 import kvshare_pb2 as pb
 from kvshare.v1 import kvshare_pb2_grpc as pb_grpc
 from policy import AccessPolicy, Action
+from policy.tickets import TicketBook
 from policy.types import StorageKey, TenantId, parse_digest, parse_model
 
 Context = grpc.aio.ServicerContext[Any, Any]
 DISK_BATCH_BYTES = 64 << 20  # read at most this much from LMDB per executor hop
 
 
+@dataclass(frozen=True)
+class BulkEndpoint:
+    """Where OpenBulk sends callers, and the ticket book that admits them there."""
+
+    tickets: TicketBook
+    address: str
+
+
 class BlockStoreService(pb_grpc.BlockStoreServicer):
-    def __init__(self, store: BlockStore, policy: AccessPolicy, limits: LimitsConfig) -> None:
+    def __init__(
+        self,
+        store: BlockStore,
+        policy: AccessPolicy,
+        limits: LimitsConfig,
+        bulk: BulkEndpoint | None = None,
+    ) -> None:
         self._store = store
         self._policy = policy
         self._limits = limits
+        self._bulk = bulk
+
+    async def OpenBulk(self, request: pb.OpenBulkRequest, context: Context) -> pb.OpenBulkResponse:
+        principal = current_principal.get()
+        if self._bulk is None:
+            raise Unavailable("this server has no bulk listener; use Get and Put")
+        # Either action opens the connection; each request on it is admitted again.
+        action = Action.READ if Action.READ in principal.actions else Action.WRITE
+        tenant = self._policy.admit(principal, request.tenant, action)
+        ticket = self._bulk.tickets.issue(principal, tenant)
+        return pb.OpenBulkResponse(
+            ticket=ticket, address=self._bulk.address, ttl_ms=int(self._bulk.tickets.ttl_s * 1000)
+        )
 
     def _keys(
         self, tenant: str, model: str, digests: Sequence[bytes], action: Action
     ) -> tuple[TenantId, list[StorageKey]]:
         tenant_id = self._policy.admit(current_principal.get(), tenant, action)
         model_name = parse_model(model)
-        if len(digests) > self._limits.max_digests_per_call:
-            raise InvalidArgument(
-                f"{len(digests)} digests exceed max_digests_per_call "
-                f"{self._limits.max_digests_per_call}; split the call or raise it in [limits]"
-            )
+        self._limits.check_digest_count(len(digests))
         keys = [
             self._policy.storage_key(tenant_id, model_name, parse_digest(d, i))
             for i, d in enumerate(digests)
@@ -110,7 +136,9 @@ class BlockStoreService(pb_grpc.BlockStoreServicer):
             if request.digests:
                 raise InvalidArgument("whole_tenant deletes take no digests; send one or the other")
             tenant = self._policy.admit(principal, request.tenant, Action.ADMIN)
-            return pb.DeleteResponse(deleted=self._store.delete_tenant(tenant))
+            deleted = self._store.delete_tenant(tenant)
+            self._policy.record_admin(principal, "delete_tenant", tenant=tenant, blocks=deleted)
+            return pb.DeleteResponse(deleted=deleted)
         _, keys = self._keys(request.tenant, request.model, request.digests, Action.WRITE)
         return pb.DeleteResponse(deleted=self._store.delete(keys))
 
@@ -173,16 +201,15 @@ class _Framer:
         self._frame = pb.GetFrame()
         self._filled = 0
 
-    def frames(self, first_index: int, payloads: Sequence[bytes]) -> Iterator[pb.GetFrame]:
+    def frames(self, first_index: int, payloads: Sequence[Payload]) -> Iterator[pb.GetFrame]:
         for i, payload in enumerate(payloads):
             offset = 0
             while offset < len(payload) or (offset == 0 and not payload):
                 take = min(len(payload) - offset, self._frame_bytes - self._filled)
-                data = (
-                    payload
-                    if (offset == 0 and take == len(payload))
-                    else payload[offset : offset + take]
-                )
+                whole = offset == 0 and take == len(payload)
+                data = payload if whole else payload[offset : offset + take]
+                if isinstance(data, bytearray):  # protobuf takes bytes only
+                    data = bytes(data)
                 self._frame.chunks.add(
                     index=first_index + i, block_bytes=len(payload), offset=offset, data=data
                 )
@@ -233,13 +260,7 @@ class _BlockAssembler:
                 yield self._complete()
 
     def _start(self, chunk: pb.PutChunk) -> None:
-        if chunk.block_bytes > self._limits.max_block_bytes:
-            raise InvalidArgument(
-                f"block {self._count} is {chunk.block_bytes} bytes, over max_block_bytes "
-                f"{self._limits.max_block_bytes}; raise it in [limits] or use smaller blocks"
-            )
-        if chunk.block_bytes == 0:
-            raise InvalidArgument(f"block {self._count} is empty; blocks carry at least one byte")
+        self._limits.check_block_bytes(self._count, chunk.block_bytes)
         self._digest = parse_digest(chunk.digest, self._count)
         self._expected = chunk.block_bytes
         self._parts = []

@@ -19,14 +19,14 @@ import concurrent.futures
 import logging
 import queue
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from cacheserver.config import StorageConfig
 from cacheserver.index import BlockIndex, Entry, NoRoom
 from cacheserver.lmdb_tier import LmdbTier, PendingWrite
-from cacheserver.memory_tier import MemoryTier
+from cacheserver.memory_tier import MemoryTier, Payload
 from kvshare.errors import KvshareError, ResourceExhausted, Unavailable
 from policy.types import StorageKey, TenantId
 
@@ -50,9 +50,23 @@ class _PutJob:
     key: StorageKey
     tenant: TenantId
     epoch: int
-    payload: bytes
+    payload: Payload
     clock: int = 0
     future: concurrent.futures.Future[bool] = field(default_factory=concurrent.futures.Future)
+
+
+def memory_quotas(
+    quotas_bytes: Mapping[TenantId, int], memory_budget_bytes: int, disk_budget_bytes: int
+) -> dict[TenantId, int]:
+    """Each tenant's quota scaled to the memory tier, so the hot tier follows the same
+    rule as the disk tier: a flooding tenant evicts its own hot blocks, not others'."""
+    if disk_budget_bytes <= 0:
+        return {}
+    return {
+        tenant: max(1, quota * memory_budget_bytes // disk_budget_bytes)
+        for tenant, quota in quotas_bytes.items()
+        if quota
+    }
 
 
 class BlockStore:
@@ -62,14 +76,21 @@ class BlockStore:
         storage: StorageConfig,
         quotas_bytes: Mapping[TenantId, int],
         epochs: Mapping[TenantId, int],
+        *,
+        on_integrity_failure: Callable[[TenantId, int], None] | None = None,
     ) -> None:
         self._disk = LmdbTier(
             data_dir / "lmdb",
             map_bytes=storage.effective_map_bytes(),
             sync_writes=storage.sync_writes,
+            on_integrity_failure=on_integrity_failure,
         )
         self._index = BlockIndex(storage.disk_budget_bytes, quotas_bytes)
-        self._memory = MemoryTier(storage.memory_budget_bytes)
+        self._memory = MemoryTier(
+            storage.memory_budget_bytes,
+            memory_quotas(quotas_bytes, storage.memory_budget_bytes, storage.disk_budget_bytes),
+        )
+        self.reclaimed_at_start = 0  # blocks of retired epochs or removed tenants
         self._epochs = dict(epochs)
         self._lock = threading.Lock()
         self.counters: dict[TenantId, TenantCounters] = {}
@@ -77,6 +98,24 @@ class BlockStore:
         self._rebuild_index()
         self._writer = threading.Thread(target=self._write_loop, name="kvshare-writer", daemon=True)
         self._writer.start()
+        self._closing = threading.Event()
+        self._syncer: threading.Thread | None = None
+        if not storage.sync_writes and storage.sync_interval_ms:
+            self._syncer = threading.Thread(
+                target=self._sync_loop,
+                name="kvshare-fsync",
+                args=(storage.sync_interval_ms / 1000,),
+                daemon=True,
+            )
+            self._syncer.start()
+
+    def _sync_loop(self, interval_s: float) -> None:
+        """Bound what a power loss can take when commits are not fsynced one by one."""
+        while not self._closing.wait(interval_s):
+            try:
+                self._disk.sync()
+            except Exception:  # a failing disk shows in the next commit; keep trying
+                log.exception("periodic fsync failed")
 
     # -- start-up -------------------------------------------------------------------
 
@@ -92,7 +131,7 @@ class BlockStore:
         for meta in sorted(live, key=lambda m: m.clock):
             self._index.add(meta.key, meta.tenant, meta.size, clock=meta.clock)
         if stale:
-            self._disk.delete(stale)
+            self.reclaimed_at_start = self._disk.delete(stale)
             log.info("reclaimed %d blocks of retired epochs or removed tenants", len(stale))
         if self._index.used_bytes > self._index.budget_bytes:  # the budget was lowered
             victims = []
@@ -125,9 +164,9 @@ class BlockStore:
             counters.lookup_hits += present
             return present
 
-    def read_from_memory(self, keys: Sequence[StorageKey]) -> list[bytes]:
+    def read_from_memory(self, keys: Sequence[StorageKey]) -> list[Payload]:
         """Leading payloads held in memory (fast; safe to call on the event loop)."""
-        out: list[bytes] = []
+        out: list[Payload] = []
         with self._lock:
             for key in keys:
                 payload = self._memory.get(key)
@@ -142,7 +181,7 @@ class BlockStore:
 
     def read_from_disk(
         self, tenant: TenantId, keys: Sequence[StorageKey], max_bytes: int
-    ) -> list[bytes]:
+    ) -> list[Payload]:
         """Leading payloads (about `max_bytes` of them, at least one) read through from
         LMDB and promoted to memory. Blocking: run it off the event loop."""
         with self._lock:
@@ -155,7 +194,7 @@ class BlockStore:
                 wanted.append(key)
                 total += entry.size
         payloads = self._disk.read_many(wanted)
-        out: list[bytes] = []
+        out: list[Payload] = []
         with self._lock:
             for key, payload in zip(wanted, payloads, strict=True):
                 if payload is None:
@@ -175,7 +214,7 @@ class BlockStore:
     # -- writes -----------------------------------------------------------------------
 
     def submit_put(
-        self, tenant: TenantId, key: StorageKey, payload: bytes
+        self, tenant: TenantId, key: StorageKey, payload: Payload
     ) -> concurrent.futures.Future[bool]:
         """Queue a block for the writer; the future is True (stored) or False (already present)."""
         job = _PutJob(key, tenant, self._epochs.get(tenant, 0), payload)
@@ -315,4 +354,7 @@ class BlockStore:
         """Finish queued writes, then close LMDB cleanly."""
         self._queue.put(None)
         self._writer.join()
+        self._closing.set()
+        if self._syncer is not None:
+            self._syncer.join()
         self._disk.close()

@@ -1,9 +1,13 @@
 """The wire edge of the server: authentication interceptor and error mapping.
 
-Every RPC of every registered service passes `AuthInterceptor`, which authenticates the
-caller through `policy` before the handler runs and hands the principal to the handler
-through a context variable. Only the standard health check is exempt (load balancers
-probe it without credentials). A new RPC therefore cannot skip authentication.
+Every RPC of every registered service passes `AuthInterceptor`, which wraps the
+handler so that the caller is authenticated through `policy` (one entry point:
+`AccessPolicy.authenticate`) before the handler's first line runs, and hands the
+principal to the handler through a context variable. Authentication happens inside the
+wrapped behaviour rather than in `intercept_service` because only the call's context
+carries the verified peer certificate (mTLS); the interceptor sees just the metadata.
+Only the standard health check is exempt (load balancers probe it without
+credentials). A new RPC therefore cannot skip authentication.
 
 `KvshareError`s become `context.abort(status, message)` here and nowhere else; any other
 exception is a bug, logged with a request id and answered INTERNAL with a fixed message.
@@ -21,6 +25,7 @@ import grpc
 
 from kvshare.errors import KvshareError
 from policy import AccessPolicy, Principal
+from policy.audit import bind_call
 
 log = logging.getLogger(__name__)
 UNAUTHENTICATED_METHODS = frozenset(
@@ -52,17 +57,41 @@ async def abort_for(
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error (request id {request_id})")
 
 
+async def _authenticate(
+    policy: AccessPolicy,
+    authorization: str | None,
+    method: str,
+    context: grpc.aio.ServicerContext[Any, Any],
+) -> Principal:
+    """The caller's principal (also set in `current_principal`), or abort the call.
+
+    Binds the method and peer for the audit log first, so every record of this call
+    (authn failure, denial, admin action) names them.
+    """
+    bind_call(method, context.peer())
+    try:
+        auth_context = _auth_context(context) if policy.reads_certificates else None
+        principal = policy.authenticate(authorization, auth_context)
+    except KvshareError as error:
+        await context.abort(_status(error), str(error))
+        raise  # unreachable: abort raises
+    current_principal.set(principal)
+    return principal
+
+
+def _auth_context(context: grpc.aio.ServicerContext[Any, Any]) -> dict[str, list[bytes]]:
+    raw = context.auth_context() or {}
+    return {str(k): [bytes(v) for v in values] for k, values in raw.items()}
+
+
 def _wrap_unary(
     behavior: Callable[..., Awaitable[T]],
-    principal: Principal | None,
-    error: KvshareError | None,
+    policy: AccessPolicy,
+    authorization: str | None,
     method: str,
 ) -> Callable[..., Awaitable[T]]:
     async def wrapped(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> T:
-        if error is not None:
-            await context.abort(_status(error), str(error))
-        assert principal is not None
-        current_principal.set(principal)
+        await _authenticate(policy, authorization, method, context)
         try:
             return await behavior(request, context)
         except Exception as exc:
@@ -76,17 +105,14 @@ def _wrap_unary(
 
 def _wrap_stream(
     behavior: Callable[..., AsyncIterator[T]],
-    principal: Principal | None,
-    error: KvshareError | None,
+    policy: AccessPolicy,
+    authorization: str | None,
     method: str,
 ) -> Callable[..., AsyncIterator[T]]:
     async def wrapped(
         request: Any, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[T]:
-        if error is not None:
-            await context.abort(_status(error), str(error))
-        assert principal is not None
-        current_principal.set(principal)
+        await _authenticate(policy, authorization, method, context)
         try:
             async for item in behavior(request, context):
                 yield item
@@ -116,34 +142,26 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             return handler
         metadata = handler_call_details.invocation_metadata or ()
         authorization = next((str(v) for k, v in metadata if k == "authorization"), None)
-        principal: Principal | None = None
-        error: KvshareError | None = None
-        try:
-            principal = self._policy.authenticate(authorization)
-        except KvshareError as exc:
-            error = exc
-        return _rewrap(handler, principal, error, method)
+        return _rewrap(handler, self._policy, authorization, method)
 
 
-def _rewrap(
-    handler: Any, principal: Principal | None, error: KvshareError | None, method: str
-) -> Handler:
+def _rewrap(handler: Any, policy: AccessPolicy, authorization: str | None, method: str) -> Handler:
     """The same handler (a namedtuple) with its one behaviour wrapped."""
     replaced: Handler
     if handler.unary_unary is not None:
         replaced = handler._replace(
-            unary_unary=_wrap_unary(handler.unary_unary, principal, error, method)
+            unary_unary=_wrap_unary(handler.unary_unary, policy, authorization, method)
         )
     elif handler.stream_unary is not None:
         replaced = handler._replace(
-            stream_unary=_wrap_unary(handler.stream_unary, principal, error, method)
+            stream_unary=_wrap_unary(handler.stream_unary, policy, authorization, method)
         )
     elif handler.unary_stream is not None:
         replaced = handler._replace(
-            unary_stream=_wrap_stream(handler.unary_stream, principal, error, method)
+            unary_stream=_wrap_stream(handler.unary_stream, policy, authorization, method)
         )
     else:
         replaced = handler._replace(
-            stream_stream=_wrap_stream(handler.stream_stream, principal, error, method)
+            stream_stream=_wrap_stream(handler.stream_stream, policy, authorization, method)
         )
     return replaced

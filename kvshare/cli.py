@@ -33,7 +33,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "replay a request trace through routing policies and caches",
     ),
     "bench": ("kvshare.bench.cli", "data-path benchmark of kvshare against its peers"),
+    "admin": ("kvshare.admin_cli", "make tenants, tokens, mTLS principals and data keys"),
 }
+
+
+OWN_PACKAGES = frozenset({"kvshare", "cacheserver", "replica_agent", "policy"})
 
 
 def _load(module_name: str) -> _Command:
@@ -49,7 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (module_name, help_text) in COMMANDS.items():
         try:
             command = _load(module_name)
-        except ImportError as error:  # an optional part that is not installed
+        except ModuleNotFoundError as error:
+            if (error.name or "").split(".")[0] in OWN_PACKAGES:
+                raise  # a bug in kvshare itself, not a missing optional dependency
             sub = subparsers.add_parser(name, help=f"{help_text} (unavailable: {error.name})")
             sub.set_defaults(_unavailable=str(error))
             continue

@@ -1,43 +1,167 @@
 """The server's one policy entry point: authenticate, then admit.
 
+Every RPC calls `authenticate` once (the server's wire edge does it before the
+handler runs), then `admit` for each tenant and action the request names. Deny by
+default: a principal acts only for the tenants and actions its config lists.
 Authorization answers PERMISSION_DENIED with one fixed message whether or not the
-named tenant exists, so a principal cannot enumerate tenants. Deny by default: a
-principal acts only for the tenants and actions its config lists.
+named tenant exists, so a principal cannot enumerate tenants. Failures, denials,
+rate-limit episodes and admin actions go to the audit log from here.
+
+Shared namespaces. A tenant with `shared = true` holds public prefixes (for example a
+common system prompt) for many tenants:
+- read: by a principal with `read` that lists the shared tenant itself, or that lists
+  a tenant whose `read_shared` names it (the tenant opts in);
+- write (put, delete by digest): only with `publish` (or `admin`) and the shared
+  tenant listed, so a replica of one tenant cannot poison what others read;
+- side channel, accepted on purpose: any reader can learn by lookup or timing
+  whether a prefix exists in the shared namespace. That reveals only what was
+  published there; a tenant's own namespace stays a separate keyed namespace, so
+  nothing about its private prefixes is learnt. Publish only prefixes that are
+  public, and seal them under a data key every reading tenant holds.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
-from kvshare.errors import PermissionDenied
-from policy.identity import Action, Principal, TokenAuthenticator
+from kvshare.errors import PermissionDenied, Unauthenticated
+from policy.audit import AuditLog, Field
+from policy.config import AccessConfig, TenantConfig
+from policy.identity import (
+    Action,
+    Authenticator,
+    Principal,
+    certificate_identities,
+    describe,
+)
 from policy.naming import BlockNamer
+from policy.ratelimit import RateLimited, RequestRateLimiter
 from policy.types import BlockDigest, ModelName, StorageKey, TenantId, parse_tenant_id
+
+AuthContext = Mapping[str, Sequence[bytes]]
 
 
 class AccessPolicy:
     def __init__(
         self,
-        authenticator: TokenAuthenticator,
+        authenticator: Authenticator,
         namer: BlockNamer,
         quotas_bytes: Mapping[TenantId, int],
+        *,
+        tenants: Sequence[TenantConfig] = (),
+        limiter: RequestRateLimiter | None = None,
+        audit: AuditLog | None = None,
+        accept_certificates: bool = False,
     ) -> None:
+        """`accept_certificates`: only when the server verifies client certificates (mTLS)."""
         self._authenticator = authenticator
         self._namer = namer
         self.quotas_bytes = dict(quotas_bytes)
+        self._shared = {t.id for t in tenants if t.shared}
+        self._readers: dict[TenantId, frozenset[TenantId]] = {
+            shared: frozenset(t.id for t in tenants if shared in t.read_shared)
+            for shared in self._shared
+        }
+        self._limiter = limiter or RequestRateLimiter(0)
+        self.audit = audit or AuditLog.disabled()
+        self._accept_certificates = accept_certificates
 
-    def authenticate(self, authorization: str | None) -> Principal:
-        return self._authenticator.authenticate(authorization)
+    @classmethod
+    def from_access(
+        cls,
+        access: AccessConfig,
+        server_secret: bytes,
+        *,
+        limiter: RequestRateLimiter | None = None,
+        audit: AuditLog | None = None,
+        accept_certificates: bool = False,
+    ) -> AccessPolicy:
+        return cls(
+            Authenticator(access.credentials, access.cert_credentials),
+            BlockNamer(server_secret, {t.id: t.epoch for t in access.tenants}),
+            {t.id: t.quota_bytes for t in access.tenants},
+            tenants=access.tenants,
+            limiter=limiter,
+            audit=audit,
+            accept_certificates=accept_certificates,
+        )
+
+    # -- authentication ---------------------------------------------------------------
+
+    @property
+    def reads_certificates(self) -> bool:
+        """Whether `authenticate` uses the auth context (the server verifies client certs)."""
+        return self._accept_certificates
+
+    def authenticate(
+        self, authorization: str | None, auth_context: AuthContext | None = None
+    ) -> Principal:
+        """The calling principal, or Unauthenticated / ResourceExhausted (rate).
+
+        `auth_context` is the call's gRPC auth context (peer certificate properties);
+        it is read only when the server verifies client certificates.
+        """
+        identities = (
+            certificate_identities(auth_context)
+            if self._accept_certificates and auth_context
+            else frozenset()
+        )
+        try:
+            principal = self._authenticator.authenticate(authorization, identities)
+        except Unauthenticated:
+            presented = describe(authorization, identities)
+            self.audit.record(
+                "authn_failure",
+                credential=presented.kind,
+                cert_identities=sorted(presented.cert_identities) or None,
+            )
+            raise
+        self.check_rate(principal)
+        return principal
+
+    def check_rate(self, principal: Principal) -> None:
+        """Count one request against the principal's rate; ResourceExhausted past it.
+
+        `authenticate` calls it for every RPC; the bulk listener for every request on a
+        connection (which authenticated once, with a ticket)."""
+        try:
+            self._limiter.admit(principal)
+        except RateLimited as limited:
+            if limited.first_in_episode:
+                self.audit.record(
+                    "rate_limited",
+                    principal=principal.name,
+                    requests_per_s=self._limiter.rate_of(principal),
+                )
+            raise
+
+    # -- authorization ----------------------------------------------------------------
 
     def admit(self, principal: Principal, tenant: str, action: Action) -> TenantId:
         """The checked tenant id, or PermissionDenied. Validates the id's shape first."""
         tenant_id = parse_tenant_id(tenant)
-        if tenant_id not in principal.tenants or action not in principal.actions:
+        if not self._allows(principal, tenant_id, action):
+            self.audit.record(
+                "denied", principal=principal.name, tenant=tenant_id, action=action.value
+            )
             raise PermissionDenied(
                 f"principal {principal.name!r} may not {action.value} this tenant; "
                 "grant it in the server config ([[principals]] tenants/actions)"
             )
         return tenant_id
+
+    def _allows(self, principal: Principal, tenant: TenantId, action: Action) -> bool:
+        if tenant in self._shared:
+            if action is Action.READ:
+                return Action.READ in principal.actions and (
+                    tenant in principal.tenants
+                    or not principal.tenants.isdisjoint(self._readers[tenant])
+                )
+            if action is Action.WRITE:
+                return tenant in principal.tenants and not principal.actions.isdisjoint(
+                    {Action.PUBLISH, Action.ADMIN}
+                )
+        return tenant in principal.tenants and action in principal.actions
 
     def visible_tenants(self, principal: Principal) -> frozenset[TenantId]:
         return principal.tenants
@@ -45,8 +169,22 @@ class AccessPolicy:
     def is_admin(self, principal: Principal) -> bool:
         return Action.ADMIN in principal.actions
 
+    def is_shared(self, tenant: TenantId) -> bool:
+        return tenant in self._shared
+
+    # -- names and audit ----------------------------------------------------------------
+
     def epoch(self, tenant: TenantId) -> int:
         return self._namer.epoch(tenant)
 
     def storage_key(self, tenant: TenantId, model: ModelName, digest: BlockDigest) -> StorageKey:
         return self._namer.storage_key(tenant, model, digest)
+
+    def record_admin(self, principal: Principal | None, action: str, **fields: Field) -> None:
+        """An admin action (whole-tenant delete, reclamation at start-up, ...)."""
+        self.audit.record(
+            "admin", principal=principal.name if principal else None, action=action, **fields
+        )
+
+    def record_integrity_failure(self, tenant: TenantId, blocks: int) -> None:
+        self.audit.record("integrity_failure", tenant=tenant, blocks=blocks, tier="lmdb")

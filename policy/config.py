@@ -3,6 +3,17 @@
 Deny by default: a principal may act only for the tenants and actions it lists, and it
 may list only tenants that are defined. Unknown keys are errors, so a misspelt
 `acions` never silently grants or removes anything.
+
+    [[tenants]]                     [[principals]]
+    id = "acme"                     name = "replica-a"
+    quota_bytes = 1073741824        token_sha256 = "<hex>"    # or cert_identity = "uri:..."
+    epoch = 0                       tenants = ["acme"]
+    shared = false                  actions = ["read", "write"]
+    read_shared = ["public"]        requests_per_s = 500      # optional; 0: unlimited
+
+A `shared = true` tenant is a read-only namespace for public prefixes: principals
+write to it only with the `publish` action, and principals of every tenant that
+lists it in `read_shared` may read it (see `policy.access`).
 """
 
 from __future__ import annotations
@@ -13,11 +24,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvshare.errors import ConfigError
-from policy.identity import Action, Principal, TokenCredential
+from policy.identity import (
+    CERT_IDENTITY_RE,
+    Action,
+    CertCredential,
+    Principal,
+    TokenCredential,
+)
 from policy.types import TenantId, is_valid_tenant_id
 
-TENANT_KEYS = frozenset({"id", "quota_bytes", "epoch"})
-PRINCIPAL_KEYS = frozenset({"name", "token_sha256", "tenants", "actions"})
+TENANT_KEYS = frozenset({"id", "quota_bytes", "epoch", "shared", "read_shared"})
+PRINCIPAL_KEYS = frozenset(
+    {"name", "token_sha256", "cert_identity", "tenants", "actions", "requests_per_s"}
+)
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -26,21 +45,41 @@ class TenantConfig:
     id: TenantId
     quota_bytes: int = 0  # 0: bounded only by the global budget
     epoch: int = 0  # bump to make every block of the tenant unreachable (off-boarding)
+    shared: bool = False  # a read-only namespace for public prefixes (writes need `publish`)
+    read_shared: tuple[TenantId, ...] = ()  # shared namespaces this tenant's principals read
 
 
 @dataclass(frozen=True)
 class AccessConfig:
     tenants: tuple[TenantConfig, ...]
     credentials: tuple[TokenCredential, ...]
+    cert_credentials: tuple[CertCredential, ...] = ()
+
+    def principals(self) -> list[Principal]:
+        return [c.principal for c in self.credentials] + [
+            c.principal for c in self.cert_credentials
+        ]
 
 
 def line_of(text: str, key: str, occurrence: int = 0) -> int:
     """1-based line of the `occurrence`-th `key = ...` in a TOML text (0 if not found)."""
-    pattern = re.compile(rf"^\s*{re.escape(key)}\s*=", re.MULTILINE)
+    pattern = re.compile(rf"^[ \t]*{re.escape(key)}\s*=", re.MULTILINE)
     matches = list(pattern.finditer(text))
     if occurrence < len(matches):
         return text.count("\n", 0, matches[occurrence].start()) + 1
     return 0
+
+
+def line_in_table(text: str, array: str, index: int, key: str) -> int:
+    """1-based line of `key` inside the `index`-th `[[array]]` table, else of its header."""
+    headers = list(re.finditer(rf"^[ \t]*\[\[\s*{re.escape(array)}\s*\]\]", text, re.MULTILINE))
+    if index >= len(headers):
+        return 0
+    start = headers[index].end()
+    following = re.compile(r"^[ \t]*\[", re.MULTILINE).search(text, start)
+    end = following.start() if following else len(text)
+    found = re.compile(rf"^[ \t]*{re.escape(key)}\s*=", re.MULTILINE).search(text, start, end)
+    return text.count("\n", 0, (found or headers[index]).start()) + 1
 
 
 class _Errors:
@@ -50,8 +89,13 @@ class _Errors:
         self.source = source
         self.text = text
 
-    def error(self, key: str, message: str, occurrence: int = 0) -> ConfigError:
-        line = line_of(self.text, key.rsplit(".", 1)[-1], occurrence)
+    def error(self, key: str, message: str) -> ConfigError:
+        """`key` is `array[index].name` (located in that table) or a top-level name."""
+        match = re.fullmatch(r"(\w+)\[(\d+)\]\.(\w+)", key)
+        if match:
+            line = line_in_table(self.text, match[1], int(match[2]), match[3])
+        else:
+            line = line_of(self.text, key.rsplit(".", 1)[-1])
         where = f"{self.source}:{line}" if line else self.source
         return ConfigError(f"{where}: {key}: {message}")
 
@@ -62,60 +106,114 @@ def _check_keys(raw: Mapping[str, Any], allowed: frozenset[str], table: str, err
             raise err.error(f"{table}.{key}", f"unknown key; allowed: {', '.join(sorted(allowed))}")
 
 
+def _count(raw: Mapping[str, Any], key: str, where: str, err: _Errors, default: int = 0) -> int:
+    value = raw.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise err.error(f"{where}.{key}", "must be an integer >= 0")
+    return value
+
+
+def _parse_str_list(raw: Any, key: str, err: _Errors) -> list[str]:
+    if not isinstance(raw, list) or not all(isinstance(v, str) for v in raw):
+        raise err.error(key, "must be a list of strings")
+    return list(raw)
+
+
 def _parse_tenant(raw: Mapping[str, Any], index: int, err: _Errors) -> TenantConfig:
-    _check_keys(raw, TENANT_KEYS, f"tenants[{index}]", err)
+    table = f"tenants[{index}]"
+    _check_keys(raw, TENANT_KEYS, table, err)
     tenant_id = raw.get("id")
     if not isinstance(tenant_id, str) or not is_valid_tenant_id(tenant_id):
-        raise err.error(f"tenants[{index}].id", "must match [a-z0-9][a-z0-9._-]{0,62}", index)
-    quota = raw.get("quota_bytes", 0)
-    if not isinstance(quota, int) or isinstance(quota, bool) or quota < 0:
-        raise err.error(f"tenants[{index}].quota_bytes", "must be an integer >= 0", index)
-    epoch = raw.get("epoch", 0)
-    if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
-        raise err.error(f"tenants[{index}].epoch", "must be an integer >= 0")
-    return TenantConfig(TenantId(tenant_id), quota, epoch)
+        raise err.error(f"{table}.id", "must match [a-z0-9][a-z0-9._-]{0,62}")
+    shared = raw.get("shared", False)
+    if not isinstance(shared, bool):
+        raise err.error(f"{table}.shared", "must be true or false")
+    read_shared = _parse_str_list(raw.get("read_shared", []), f"{table}.read_shared", err)
+    return TenantConfig(
+        TenantId(tenant_id),
+        quota_bytes=_count(raw, "quota_bytes", table, err),
+        epoch=_count(raw, "epoch", table, err),
+        shared=shared,
+        read_shared=tuple(TenantId(t) for t in read_shared),
+    )
 
 
-def _parse_str_list(raw: Any, key: str, err: _Errors, index: int) -> list[str]:
-    if not isinstance(raw, list) or not all(isinstance(v, str) for v in raw):
-        raise err.error(key, "must be a list of strings", index)
-    return list(raw)
+def _check_tenants(tenants: Sequence[TenantConfig], err: _Errors) -> None:
+    """Unique ids; `read_shared` names only shared tenants."""
+    seen: set[str] = set()
+    for i, tenant in enumerate(tenants):
+        if tenant.id in seen:
+            raise err.error(f"tenants[{i}].id", f"tenant {tenant.id!r} is defined twice")
+        seen.add(tenant.id)
+    shared = {t.id for t in tenants if t.shared}
+    for i, tenant in enumerate(tenants):
+        for name in tenant.read_shared:
+            if name not in shared:
+                raise err.error(
+                    f"tenants[{i}].read_shared",
+                    f"names {name!r}, which is not a tenant with shared = true",
+                )
+
+
+def _parse_credential(
+    raw: Mapping[str, Any], table: str, err: _Errors
+) -> tuple[bytes | None, str | None]:
+    """(token sha256, cert identity): exactly one of them is set."""
+    token_hex = raw.get("token_sha256")
+    identity = raw.get("cert_identity")
+    if (token_hex is None) == (identity is None):
+        raise err.error(
+            f"{table}.token_sha256",
+            "give exactly one of token_sha256 (bearer token) or cert_identity (mTLS); "
+            "`kvshare admin token` prints a stanza",
+        )
+    if token_hex is not None:
+        if not isinstance(token_hex, str) or not _HEX64.fullmatch(token_hex):
+            raise err.error(
+                f"{table}.token_sha256", "must be 64 lowercase hex chars (sha256 of the token)"
+            )
+        return bytes.fromhex(token_hex), None
+    if not isinstance(identity, str) or not CERT_IDENTITY_RE.fullmatch(identity):
+        raise err.error(
+            f"{table}.cert_identity",
+            "must be 'uri:<URI SAN>', 'dns:<DNS SAN>' or 'cn:<subject common name>'",
+        )
+    return None, identity
+
+
+def _parse_grants(
+    raw: Mapping[str, Any], table: str, tenant_ids: frozenset[TenantId], err: _Errors
+) -> tuple[frozenset[TenantId], frozenset[Action]]:
+    tenants = _parse_str_list(raw.get("tenants", []), f"{table}.tenants", err)
+    for tenant in tenants:
+        if tenant not in tenant_ids:
+            raise err.error(
+                f"{table}.tenants", f"names tenant {tenant!r}, which is not defined in [[tenants]]"
+            )
+    actions = _parse_str_list(raw.get("actions", []), f"{table}.actions", err)
+    allowed = {a.value for a in Action}
+    for action in actions:
+        if action not in allowed:
+            raise err.error(f"{table}.actions", f"unknown action {action!r}; use {sorted(allowed)}")
+    return frozenset(TenantId(t) for t in tenants), frozenset(Action(a) for a in actions)
 
 
 def _parse_principal(
     raw: Mapping[str, Any], index: int, tenant_ids: frozenset[TenantId], err: _Errors
-) -> TokenCredential:
+) -> TokenCredential | CertCredential:
     table = f"principals[{index}]"
     _check_keys(raw, PRINCIPAL_KEYS, table, err)
     name = raw.get("name")
     if not isinstance(name, str) or not name:
-        raise err.error(f"{table}.name", "must be a non-empty string", index)
-    token_hex = raw.get("token_sha256")
-    if not isinstance(token_hex, str) or not _HEX64.fullmatch(token_hex):
-        raise err.error(
-            f"{table}.token_sha256", "must be 64 lowercase hex chars (sha256 of the token)", index
-        )
-    tenants = _parse_str_list(raw.get("tenants", []), f"{table}.tenants", err, index)
-    for tenant in tenants:
-        if tenant not in tenant_ids:
-            raise err.error(
-                f"{table}.tenants",
-                f"names tenant {tenant!r}, which is not defined in [[tenants]]",
-                index,
-            )
-    actions = _parse_str_list(raw.get("actions", []), f"{table}.actions", err, index)
-    allowed = {a.value for a in Action}
-    for action in actions:
-        if action not in allowed:
-            raise err.error(
-                f"{table}.actions", f"unknown action {action!r}; use {sorted(allowed)}", index
-            )
-    principal = Principal(
-        name=name,
-        tenants=frozenset(TenantId(t) for t in tenants),
-        actions=frozenset(Action(a) for a in actions),
-    )
-    return TokenCredential(bytes.fromhex(token_hex), principal)
+        raise err.error(f"{table}.name", "must be a non-empty string")
+    token_sha256, identity = _parse_credential(raw, table, err)
+    tenants, actions = _parse_grants(raw, table, tenant_ids, err)
+    rate = _count(raw, "requests_per_s", table, err) if "requests_per_s" in raw else None
+    principal = Principal(name, tenants, actions, requests_per_s=rate)
+    if token_sha256 is not None:
+        return TokenCredential(token_sha256, principal)
+    assert identity is not None
+    return CertCredential(identity, principal)
 
 
 def parse_access(
@@ -127,16 +225,23 @@ def parse_access(
 ) -> AccessConfig:
     err = _Errors(source, text)
     tenants = tuple(_parse_tenant(raw, i, err) for i, raw in enumerate(tenants_raw))
-    seen: set[str] = set()
-    for i, tenant in enumerate(tenants):
-        if tenant.id in seen:
-            raise err.error(f"tenants[{i}].id", f"tenant {tenant.id!r} is defined twice", i)
-        seen.add(tenant.id)
+    _check_tenants(tenants, err)
     tenant_ids = frozenset(t.id for t in tenants)
-    credentials = tuple(
-        _parse_principal(raw, i, tenant_ids, err) for i, raw in enumerate(principals_raw)
+    parsed = [_parse_principal(raw, i, tenant_ids, err) for i, raw in enumerate(principals_raw)]
+    seen_names: set[str] = set()
+    seen_identities: set[str] = set()
+    for i, credential in enumerate(parsed):
+        if credential.principal.name in seen_names:
+            raise err.error(f"principals[{i}].name", "principal names must be unique")
+        seen_names.add(credential.principal.name)
+        if isinstance(credential, CertCredential):
+            if credential.identity in seen_identities:
+                raise err.error(
+                    f"principals[{i}].cert_identity", "two principals have this cert_identity"
+                )
+            seen_identities.add(credential.identity)
+    return AccessConfig(
+        tenants,
+        tuple(c for c in parsed if isinstance(c, TokenCredential)),
+        tuple(c for c in parsed if isinstance(c, CertCredential)),
     )
-    names = [c.principal.name for c in credentials]
-    if len(set(names)) != len(names):
-        raise err.error("principals.name", "principal names must be unique")
-    return AccessConfig(tenants, credentials)

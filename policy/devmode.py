@@ -35,7 +35,10 @@ def load_or_create_dev_token(data_dir: Path) -> str:
 
 def dev_access(data_dir: Path) -> AccessConfig:
     token = load_or_create_dev_token(data_dir)
-    principal = Principal("dev", frozenset({DEV_TENANT}), frozenset({Action.READ, Action.WRITE}))
+    # Unlimited rate: dev mode is one local user on loopback (and `kvshare bench`).
+    principal = Principal(
+        "dev", frozenset({DEV_TENANT}), frozenset({Action.READ, Action.WRITE}), requests_per_s=0
+    )
     return AccessConfig(
         tenants=(TenantConfig(DEV_TENANT),),
         credentials=(TokenCredential(hash_token(token), principal),),

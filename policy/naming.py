@@ -26,6 +26,7 @@ from policy.types import BlockDigest, ModelName, StorageKey, TenantId
 
 SERVER_SECRET_BYTES = 32
 NAME_INFO_LABEL = "kvshare/name/v1"
+USER_SALT_LABEL = "kvshare/user-salt/v1"
 
 
 def derive_naming_key(server_secret: bytes, tenant: TenantId, epoch: int) -> bytes:
@@ -61,6 +62,22 @@ class BlockNamer:
     def storage_key(self, tenant: TenantId, model: ModelName, digest: BlockDigest) -> StorageKey:
         mac = hmac.new(self._naming_key(tenant), enc(model, digest), hashlib.sha256)
         return StorageKey(mac.digest())
+
+
+def derive_user_salt(salt_key: bytes, tenant: str, user_id: str) -> bytes:
+    """The per-user salt that seeds a digest chain (`BlockHasher(..., salt=...)`).
+
+    `user_id` must be the end user's *authenticated* identity (from the caller's auth
+    layer, never a request field), and `salt_key` a secret of the caller's (at least 32
+    bytes): a user cannot compute another user's salt, so prefixes never match across
+    users of one tenant. Salting is optional: without it a tenant shares prefixes
+    among all of its users.
+    """
+    if len(salt_key) < 32:
+        raise ValueError("salt_key must be at least 32 random bytes; generate it once and keep it")
+    if not user_id:
+        raise ValueError("user_id is empty; pass the authenticated end-user identity")
+    return hmac.new(salt_key, enc(USER_SALT_LABEL, tenant, user_id), hashlib.sha256).digest()
 
 
 def load_or_create_server_secret(data_dir: Path) -> bytes:

@@ -79,7 +79,7 @@ class Keyring:
         if keys is None:
             raise ConfigError(
                 f"no data key for tenant {tenant!r} in the keyring; add one with "
-                "`kvshare keys new --tenant` or seal nothing for it"
+                "`kvshare admin keyring --tenant` or seal nothing for it"
             )
         version = keys.primary_version
         return version, keys.keys[version]

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from kvshare.errors import KvshareError
+from kvshare.memtune import tune_allocator
 from policy.sealing import BlockSealer, SealError
 from replica_agent.breaker import CircuitBreaker
 from replica_agent.client import BlockClient, ClientTls
@@ -85,6 +86,7 @@ class ReplicaAgent:
         breaker: CircuitBreaker | None = None,
         save_queue_jobs: int = DEFAULT_SAVE_QUEUE_JOBS,
     ) -> None:
+        tune_allocator()  # block-sized buffers come and go: keep them in the heap
         self.client = client
         self.spec = spec
         self.model = spec.wire_model()
@@ -152,10 +154,10 @@ class ReplicaAgent:
         self.stats.bytes_restored += blocks.numel() * blocks.element_size()
         return blocks
 
-    def _opened(self, tenant: str, digests: Sequence[bytes]) -> Iterator[bytes]:
+    def _opened(self, tenant: str, digests: Sequence[bytes]) -> Iterator[bytes | memoryview]:
         try:
             for digest, payload in zip(
-                digests, self.client.iter_get(tenant, self.model, digests), strict=False
+                digests, self.client.iter_views(tenant, self.model, digests), strict=False
             ):
                 if self.sealer is not None:
                     try:

@@ -14,6 +14,8 @@ Thread-safe: one client (one HTTP/2 channel) may be shared by threads.
 
 from __future__ import annotations
 
+import logging
+import ssl
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +27,9 @@ import grpc
 from kvshare import errors
 from kvshare.v1 import kvshare_pb2 as pb
 from kvshare.v1 import kvshare_pb2_grpc as pb_grpc
+from replica_agent.bulk import BulkChannel, UseGrpc
+
+log = logging.getLogger(__name__)
 
 DEFAULT_FRAME_BYTES = 4 << 20
 MAX_MESSAGE_BYTES = 64 << 20
@@ -39,6 +44,13 @@ class ClientTls:
     client_key: Path | None = None
     server_name: str | None = None  # override when the address is not in the certificate
 
+    def ssl_context(self) -> ssl.SSLContext:
+        """The same trust for the bulk channel as for gRPC."""
+        context = ssl.create_default_context(cafile=self.root_ca)
+        if self.client_cert is not None and self.client_key is not None:
+            context.load_cert_chain(self.client_cert, self.client_key)
+        return context
+
     def credentials(self) -> grpc.ChannelCredentials:
         def read(p: Path | None) -> bytes | None:
             return p.read_bytes() if p is not None else None
@@ -46,6 +58,10 @@ class ClientTls:
         return grpc.ssl_channel_credentials(
             read(self.root_ca), read(self.client_key), read(self.client_cert)
         )
+
+
+class _NoBulk(Exception):
+    """The server offers no bulk channel."""
 
 
 class BlockStoreError(errors.KvshareError):
@@ -79,6 +95,11 @@ def _error_class(code: grpc.StatusCode) -> type[BlockStoreError]:
     return cls
 
 
+def _status_error(status_name: str, message: str) -> BlockStoreError:
+    code = getattr(grpc.StatusCode, status_name, grpc.StatusCode.INTERNAL)
+    return _error_class(code)(code, message)
+
+
 def _raise(error: grpc.RpcError) -> BlockStoreError:
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
     details = error.details() if hasattr(error, "details") else str(error)
@@ -95,10 +116,19 @@ class BlockClient:
         timeout_s: float | None = 30.0,
         frame_bytes: int = DEFAULT_FRAME_BYTES,
         options: Sequence[tuple[str, Any]] = (),
+        bulk: bool = True,
     ) -> None:
+        """`bulk`: move payloads over the server's bulk channel (one-time tickets from
+        OpenBulk, same credentials and policy); plain gRPC when the server has none or
+        the channel fails."""
         channel_options = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            # The store sits next to the replicas: after it restarts, reconnect within
+            # a second or two instead of gRPC's default backoff of up to two minutes.
+            ("grpc.initial_reconnect_backoff_ms", 250),
+            ("grpc.min_reconnect_backoff_ms", 250),
+            ("grpc.max_reconnect_backoff_ms", 2000),
             *options,
         ]
         if tls is not None:
@@ -111,6 +141,15 @@ class BlockClient:
         self._metadata = (("authorization", f"Bearer {token}"),)
         self.timeout_s = timeout_s
         self.frame_bytes = frame_bytes
+        self._bulk: BulkChannel | None = None
+        if bulk:
+            self._bulk = BulkChannel(
+                self._open_bulk,
+                _status_error,
+                tls.ssl_context() if tls else None,
+                tls.server_name if tls else None,
+                timeout_s,
+            )
 
     def __enter__(self) -> BlockClient:
         return self
@@ -124,7 +163,29 @@ class BlockClient:
         self.close()
 
     def close(self) -> None:
+        if self._bulk is not None:
+            self._bulk.close()
         self._channel.close()
+
+    def _open_bulk(self, tenant: str) -> tuple[bytes, str]:
+        try:
+            response = self._stub.OpenBulk(
+                pb.OpenBulkRequest(tenant=tenant), timeout=self.timeout_s, metadata=self._metadata
+            )
+        except grpc.RpcError as error:
+            if error.code() == grpc.StatusCode.UNIMPLEMENTED:
+                raise _NoBulk("server predates the bulk channel") from None
+            raise _raise(error) from None
+        return response.ticket, response.address
+
+    def _bulk_failed(self, error: Exception) -> None:
+        """The bulk path broke below the policy layer (a reset connection, an old server):
+        this call goes over gRPC; an old server turns the bulk path off for good."""
+        if not isinstance(error, UseGrpc):
+            log.warning("bulk channel failed (%s); this call uses gRPC", type(error).__name__)
+        if isinstance(error, _NoBulk) and self._bulk is not None:
+            self._bulk.close()
+            self._bulk = None
 
     def lookup(self, tenant: str, model: str, digests: Sequence[bytes]) -> int:
         request = pb.LookupRequest(tenant=tenant, model=model, digests=digests)
@@ -135,7 +196,50 @@ class BlockClient:
         return int(response.present)
 
     def get(self, tenant: str, model: str, digests: Sequence[bytes]) -> list[bytes]:
+        bulk = self._bulk
+        if bulk is not None:
+            try:
+                return bulk.get(tenant, model, digests)
+            except (OSError, _NoBulk, UseGrpc) as error:
+                self._bulk_failed(error)
         return list(self.iter_get(tenant, model, digests))
+
+    def get_views(
+        self, tenant: str, model: str, digests: Sequence[bytes]
+    ) -> Sequence[bytes | memoryview]:
+        """Like `get`, without copies where the bulk channel is used: the views stay
+        valid until this thread's next call on this client. Decode them at once."""
+        bulk = self._bulk
+        if bulk is not None:
+            try:
+                return bulk.get_views(tenant, model, digests)
+            except (OSError, _NoBulk, UseGrpc) as error:
+                self._bulk_failed(error)
+        return list(self.iter_get(tenant, model, digests))
+
+    def iter_views(
+        self, tenant: str, model: str, digests: Sequence[bytes]
+    ) -> Iterator[bytes | memoryview]:
+        """The leading present payloads one at a time, each valid until the next is
+        requested: the restore path's zero-copy iterator (bulk channel, else gRPC)."""
+        bulk = self._bulk
+        if bulk is not None:
+            try:
+                stream = bulk.iter_views(tenant, model, digests)
+                first = next(stream, None)  # connection and policy errors surface here
+            except (OSError, _NoBulk, UseGrpc) as error:
+                self._bulk_failed(error)
+            else:
+                if first is not None:
+                    yield first
+                    try:
+                        yield from stream
+                    except OSError as error:  # mid-stream: the caller keeps what it has
+                        raise _status_error(
+                            "UNAVAILABLE", f"bulk transfer broke: {error}"
+                        ) from None
+                return
+        yield from self.iter_get(tenant, model, digests)
 
     def iter_get(self, tenant: str, model: str, digests: Sequence[bytes]) -> Iterator[bytes]:
         """The leading present payloads, each yielded as soon as its last byte arrives,
@@ -185,6 +289,12 @@ class BlockClient:
             raise ValueError(
                 f"{len(digests)} digests but {len(payloads)} payloads; pass one payload per digest"
             )
+        bulk = self._bulk
+        if bulk is not None:
+            try:
+                return bulk.put(tenant, model, digests, payloads)
+            except (OSError, _NoBulk, UseGrpc) as error:
+                self._bulk_failed(error)  # puts are idempotent: retry over gRPC
         frames = _put_frames(tenant, model, digests, payloads, self.frame_bytes)
         try:
             response = self._stub.Put(frames, timeout=self.timeout_s, metadata=self._metadata)

@@ -35,7 +35,7 @@ class BlockRestorer:
                 )
                 self._events.append(None)
 
-    def restore(self, payloads: Iterator[bytes], max_blocks: int) -> torch.Tensor:
+    def restore(self, payloads: Iterator[bytes | memoryview], max_blocks: int) -> torch.Tensor:
         """Blocks `[n, *block_shape]` on the device, n <= max_blocks, in order.
 
         `payloads` yields plaintext block bytes and may stop early (a miss, or a block
@@ -63,7 +63,9 @@ class BlockRestorer:
             torch.cuda.current_stream(self.device).synchronize()
         return out[:count]
 
-    def _copy_via_staging(self, payload: bytes, target: torch.Tensor, count: int) -> None:
+    def _copy_via_staging(
+        self, payload: bytes | memoryview, target: torch.Tensor, count: int
+    ) -> None:
         slot = count % len(self._staging)
         event = self._events[slot]
         if event is not None:

@@ -21,6 +21,22 @@ from cacheserver.embedded import EmbeddedServer
 from replica_agent.client import BlockClient
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip `gpu`-marked tests where CUDA is absent (torch imported only if needed)."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in gpu_items:
+        item.add_marker(skip)
+
+
 SERVING_RE = re.compile(r"serving on (\S+)")
 
 

@@ -475,3 +475,50 @@ class StatsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StatsResponse: _TypeAlias = StatsResponse  # noqa: Y015
+
+@_typing.final
+class OpenBulkRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANT_FIELD_NUMBER: _builtins.int
+    tenant: _builtins.str
+    def __init__(
+        self,
+        *,
+        tenant: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OpenBulkRequest: _TypeAlias = OpenBulkRequest  # noqa: Y015
+
+@_typing.final
+class OpenBulkResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TICKET_FIELD_NUMBER: _builtins.int
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    TTL_MS_FIELD_NUMBER: _builtins.int
+    ticket: _builtins.bytes
+    """32 random bytes, single use"""
+    address: _builtins.str
+    """HOST:PORT of the bulk listener (TLS when the gRPC port is TLS)"""
+    ttl_ms: _builtins.int
+    """the ticket must be presented within this time"""
+    def __init__(
+        self,
+        *,
+        ticket: _builtins.bytes = ...,
+        address: _builtins.str = ...,
+        ttl_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "ticket", b"ticket", "ttl_ms", b"ttl_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OpenBulkResponse: _TypeAlias = OpenBulkResponse  # noqa: Y015

@@ -59,6 +59,11 @@ class BlockStoreStub:
                 request_serializer=kvshare_dot_v1_dot_kvshare__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kvshare_dot_v1_dot_kvshare__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.OpenBulk = channel.unary_unary(
+                '/kvshare.v1.BlockStore/OpenBulk',
+                request_serializer=kvshare_dot_v1_dot_kvshare__pb2.OpenBulkRequest.SerializeToString,
+                response_deserializer=kvshare_dot_v1_dot_kvshare__pb2.OpenBulkResponse.FromString,
+                _registered_method=True)
 
 
 class BlockStoreServicer:
@@ -99,6 +104,15 @@ class BlockStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenBulk(self, request, context):
+        """A one-time ticket that opens one bulk-channel connection bound to this caller and
+        tenant (see docs/bulk-channel.md). Every request on that connection is still
+        authorized by the server's policy; the ticket only replaces the credential.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BlockStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -126,6 +140,11 @@ def add_BlockStoreServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=kvshare_dot_v1_dot_kvshare__pb2.StatsRequest.FromString,
                     response_serializer=kvshare_dot_v1_dot_kvshare__pb2.StatsResponse.SerializeToString,
+            ),
+            'OpenBulk': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenBulk,
+                    request_deserializer=kvshare_dot_v1_dot_kvshare__pb2.OpenBulkRequest.FromString,
+                    response_serializer=kvshare_dot_v1_dot_kvshare__pb2.OpenBulkResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -263,6 +282,33 @@ class BlockStore:
             '/kvshare.v1.BlockStore/Stats',
             kvshare_dot_v1_dot_kvshare__pb2.StatsRequest.SerializeToString,
             kvshare_dot_v1_dot_kvshare__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenBulk(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvshare.v1.BlockStore/OpenBulk',
+            kvshare_dot_v1_dot_kvshare__pb2.OpenBulkRequest.SerializeToString,
+            kvshare_dot_v1_dot_kvshare__pb2.OpenBulkResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -54,6 +54,11 @@ class BlockStoreStub:
     """Delete blocks by digest, or (admin) a whole tenant/model namespace."""
     Stats: _grpc.UnaryUnaryMultiCallable[_kvshare_pb2.StatsRequest, _kvshare_pb2.StatsResponse]
     """Usage of the tenants the caller may see."""
+    OpenBulk: _grpc.UnaryUnaryMultiCallable[_kvshare_pb2.OpenBulkRequest, _kvshare_pb2.OpenBulkResponse]
+    """A one-time ticket that opens one bulk-channel connection bound to this caller and
+    tenant (see docs/bulk-channel.md). Every request on that connection is still
+    authorized by the server's policy; the ticket only replaces the credential.
+    """
 
 @_typing.type_check_only
 class BlockStoreAsyncStub(BlockStoreStub):
@@ -68,6 +73,11 @@ class BlockStoreAsyncStub(BlockStoreStub):
     """Delete blocks by digest, or (admin) a whole tenant/model namespace."""
     Stats: _aio.UnaryUnaryMultiCallable[_kvshare_pb2.StatsRequest, _kvshare_pb2.StatsResponse]  # type: ignore[assignment]
     """Usage of the tenants the caller may see."""
+    OpenBulk: _aio.UnaryUnaryMultiCallable[_kvshare_pb2.OpenBulkRequest, _kvshare_pb2.OpenBulkResponse]  # type: ignore[assignment]
+    """A one-time ticket that opens one bulk-channel connection bound to this caller and
+    tenant (see docs/bulk-channel.md). Every request on that connection is still
+    authorized by the server's policy; the ticket only replaces the credential.
+    """
 
 class BlockStoreServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -109,5 +119,16 @@ class BlockStoreServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_kvshare_pb2.StatsResponse, _abc.Awaitable[_kvshare_pb2.StatsResponse]]:
         """Usage of the tenants the caller may see."""
+
+    @_abc_1.abstractmethod
+    def OpenBulk(
+        self,
+        request: _kvshare_pb2.OpenBulkRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvshare_pb2.OpenBulkResponse, _abc.Awaitable[_kvshare_pb2.OpenBulkResponse]]:
+        """A one-time ticket that opens one bulk-channel connection bound to this caller and
+        tenant (see docs/bulk-channel.md). Every request on that connection is still
+        authorized by the server's policy; the ticket only replaces the credential.
+        """
 
 def add_BlockStoreServicer_to_server(servicer: BlockStoreServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

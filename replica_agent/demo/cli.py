@@ -102,6 +102,6 @@ def run(args: argparse.Namespace) -> int:
         "(small random-weight Llama on CPU)...",
         file=sys.stderr,
     )
-    report = run_demo(options, progress=_Progress())
+    report = run_demo(options, progress=_Progress()).report()
     print(json.dumps(report) if args.json else format_table(report))
     return 0

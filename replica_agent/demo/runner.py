@@ -176,17 +176,25 @@ class DemoOptions:
     seal: bool = True
 
 
-def compare(options: DemoOptions, local: RunReport, shared: RunReport) -> dict[str, Any]:
-    identical = all(
-        a.output_tokens == b.output_tokens
-        for a, b in zip(local.results, shared.results, strict=True)
-    )
-    return {
-        "replicas": options.replicas,
-        "requests": options.requests,
-        "runs": {"local_only": local.summary(), "shared_store": shared.summary()},
-        "outputs_identical": identical,
-    }
+@dataclass(frozen=True)
+class DemoResult:
+    options: DemoOptions
+    local: RunReport
+    shared: RunReport
+
+    @property
+    def outputs_identical(self) -> bool:
+        pairs = zip(self.local.results, self.shared.results, strict=True)
+        return all(a.output_tokens == b.output_tokens for a, b in pairs)
+
+    def report(self) -> dict[str, Any]:
+        """The `kvshare demo --json` object (DESIGN §8 contract keys)."""
+        return {
+            "replicas": self.options.replicas,
+            "requests": self.options.requests,
+            "runs": {"local_only": self.local.summary(), "shared_store": self.shared.summary()},
+            "outputs_identical": self.outputs_identical,
+        }
 
 
 def run_demo(
@@ -195,7 +203,7 @@ def run_demo(
     store: StoreHandle | None = None,
     progress: Callable[[str, int, int], None] | None = None,
     hook: Hook | None = None,
-) -> dict[str, Any]:
+) -> DemoResult:
     """Both runs; embeds a server in a temp dir unless `store` names one."""
     requests = build_workload(options.requests, options.shape, options.seed)
     with tempfile.TemporaryDirectory(prefix="kvshare-demo-") as tmp:
@@ -224,4 +232,4 @@ def run_demo(
             pool.close()
             if server is not None:
                 server.stop()
-    return compare(options, local, shared)
+    return DemoResult(options, local, shared)

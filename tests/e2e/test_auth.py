@@ -52,6 +52,7 @@ def example_request(method: _descriptor.MethodDescriptor, tenant: str) -> Any:
     fields = {f.name for f in method.input_type.fields}
     if "tenant" in fields:
         request.tenant = tenant
+    if "digests" in fields:
         request.model = "m"
         request.digests.append(b"\x01" * 32)
     if "header" in fields:

@@ -39,7 +39,8 @@ def test_the_design_example_is_a_complete_config(tmp_path: Path) -> None:
     assert access.tenants[0].quota_bytes == 1 << 30
     principal = access.credentials[0].principal
     assert principal.tenants == {"acme"} and principal.actions == {Action.READ, Action.WRITE}
-    assert config.storage.sync_writes is True  # type: ignore[attr-defined]
+    assert config.storage.sync_writes is False  # type: ignore[attr-defined]
+    assert config.storage.sync_interval_ms == 1000  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,11 @@ from tests.conftest import REPO
 
 
 def test_generated_stubs_match_the_proto() -> None:
-    result = subprocess.run([sys.executable, "scripts/gen_proto.py", "--check"], cwd=REPO,
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "scripts/gen_proto.py", "--check"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr

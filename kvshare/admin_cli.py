@@ -1,0 +1,138 @@
+"""`kvshare admin`: make tenants, principals and data keys as config stanzas.
+
+    kvshare admin tenant --id acme --quota-bytes 1073741824      >> kvshare.toml
+    kvshare admin token --name replica-a --tenant acme --actions read,write >> kvshare.toml
+    kvshare admin cert --name replica-b --identity uri:spiffe://org/replica-b \\
+        --tenant acme --actions read,write                        >> kvshare.toml
+    kvshare admin keyring --tenant acme --version 1               >> keyring.toml
+
+Stanzas go to stdout, so they can be appended to a file. A new bearer token is shown
+once, on stderr (or written to `--token-file`, mode 0600); the stanza holds only its
+SHA-256. A data key belongs in the agents' keyring, never in the server's config.
+With `--audit-log FILE` the action is recorded there (names only, never secrets).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from kvshare.errors import ConfigError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--audit-log", type=Path, metavar="FILE", help="append a record of this action here"
+    )
+    sub = parser.add_subparsers(dest="admin_command", metavar="ACTION", required=True)
+    tenant = sub.add_parser("tenant", help="print a [[tenants]] stanza")
+    tenant.add_argument("--id", required=True, help="tenant id, [a-z0-9][a-z0-9._-]{0,62}")
+    tenant.add_argument("--quota-bytes", type=int, default=0, metavar="N", help="0: no quota")
+    tenant.add_argument(
+        "--shared", action="store_true", help="a read-only namespace for public prefixes"
+    )
+    tenant.add_argument(
+        "--read-shared", default="", metavar="T,...", help="shared namespaces this tenant reads"
+    )
+    token = sub.add_parser("token", help="issue a bearer token; print its [[principals]] stanza")
+    _principal_arguments(token)
+    token.add_argument(
+        "--token-file", type=Path, metavar="FILE", help="write the token here (0600), not stderr"
+    )
+    cert = sub.add_parser("cert", help="print a [[principals]] stanza for an mTLS identity")
+    _principal_arguments(cert)
+    cert.add_argument(
+        "--identity", required=True, help="uri:<URI SAN>, dns:<DNS SAN> or cn:<common name>"
+    )
+    keyring = sub.add_parser("keyring", help="print a [[keys]] stanza with a new data key")
+    keyring.add_argument("--tenant", required=True)
+    keyring.add_argument("--version", type=int, default=1, help="key version (>= 1)")
+
+
+def _principal_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--name", required=True, help="principal name (unique)")
+    parser.add_argument(
+        "--tenant", action="append", required=True, help="a tenant it may act for (repeatable)"
+    )
+    parser.add_argument(
+        "--actions", default="read,write", help="comma list of read, write, admin, publish"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from policy.audit import AuditLog
+
+    try:
+        fields = _perform(args)
+        if args.audit_log is not None:
+            audit = AuditLog(args.audit_log)
+            audit.record("admin", source="kvshare admin", **fields)
+            audit.close()
+    except ConfigError as error:
+        print(f"kvshare admin: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _perform(args: argparse.Namespace) -> dict[str, str | int | list[str]]:
+    """Do the action, print its output; returns the audit fields (no secrets)."""
+    from policy import admin
+    from policy.sealing import new_key_entry
+
+    command: str = args.admin_command
+    if command == "tenant":
+        shared_list = [t.strip() for t in args.read_shared.split(",") if t.strip()]
+        print(
+            admin.tenant_stanza(
+                args.id, args.quota_bytes, shared=args.shared, read_shared=shared_list
+            ),
+            end="",
+        )
+        return {"action": "add_tenant", "tenant": args.id}
+    if command == "keyring":
+        admin.check_tenant_ids([args.tenant])
+        if not 1 <= args.version < 2**32:
+            raise ConfigError("--version must be from 1 to 2^32-1")
+        print(new_key_entry(args.tenant, args.version), end="")
+        print(
+            "# a secret data key: add it to the agents' keyring file (chmod 600); "
+            "the server must never see it",
+            file=sys.stderr,
+        )
+        return {"action": "new_data_key", "tenant": args.tenant, "key_version": args.version}
+    actions = admin.parse_actions(args.actions)
+    if command == "cert":
+        print(
+            admin.principal_stanza(args.name, args.tenant, actions, cert_identity=args.identity),
+            end="",
+        )
+        return {"action": "add_cert_principal", "name": args.name, "tenants": args.tenant}
+    issued = admin.issue_token(args.name, args.tenant, actions)
+    _show_token(args.name, issued.token, args.token_file)
+    print(issued.stanza, end="")
+    return {"action": "issue_token", "name": args.name, "tenants": args.tenant}
+
+
+def _show_token(name: str, token: str, token_file: Path | None) -> None:
+    if token_file is not None:
+        try:
+            fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as error:
+            raise ConfigError(
+                f"cannot create {token_file}: {error.strerror}; pick a new --token-file"
+            ) from None
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(token + "\n")
+        print(f"# bearer token for {name!r} written to {token_file}", file=sys.stderr)
+        return
+    print(
+        f"# bearer token for principal {name!r} (shown once; the server keeps only its "
+        f"sha256):\n{token}",
+        file=sys.stderr,
+    )
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit("run: kvshare admin")

@@ -1,0 +1,139 @@
+"""The targets the data path is held to, read off one run's rows.
+
+A check that could not be measured (kvshare or a peer did not run, a size was left
+out) says so with `passed = None`; it never passes by default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvshare.bench.config import BATCH_BLOCK_BYTES, MIB, format_size
+from kvshare.bench.stats import BATCH_SUFFIX, Row
+
+TWO_MIB = 2 * MIB
+MIN_GET_RATIO_TO_REDIS = 1.0
+MIN_GET_RATIO_TO_TCP = 0.5
+MIN_PUT_RATIO_TO_REDIS = 1.0
+# A 128k-token prompt is 512 blocks; at 5,000 blocks/s one restore stays near 0.1 s.
+MIN_BATCH_BLOCKS_PER_S_PER_CLIENT = 5_000.0
+VARIANT_NOTES = {
+    "kvshare-tls": "cost of TLS",
+    "kvshare-sealed": "cost of sealing",
+    "kvshare-tls-sealed": "cost of TLS and sealing",
+    "kvshare-nosync": "PUT acknowledged before fsync",
+}
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    clients: int
+    value: float | None
+    threshold: float | None
+    passed: bool | None  # None: reported only, or not measured
+    note: str = ""
+
+
+def _find(rows: Sequence[Row], system: str, op: str, value_bytes: int, clients: int) -> Row | None:
+    for row in rows:
+        if (row.system, row.op, row.value_bytes, row.clients) == (system, op, value_bytes, clients):
+            return row
+    return None
+
+
+def _ratio_check(
+    rows: Sequence[Row], name: str, op: str, reference: str, threshold: float, clients: int
+) -> Check:
+    row = _find(rows, "kvshare", op, TWO_MIB, clients)
+    value = None if row is None else row.ratio_to.get(reference)
+    if value is None:
+        return Check(name, clients, None, threshold, None, f"not measured (kvshare or {reference})")
+    return Check(name, clients, value, threshold, value >= threshold)
+
+
+def evaluate(rows: Sequence[Row], client_counts: Sequence[int]) -> list[Check]:
+    checks = []
+    for clients in client_counts:
+        checks += [
+            _ratio_check(
+                rows,
+                "kvshare GET 2 MiB / Redis GET",
+                "get",
+                "redis",
+                MIN_GET_RATIO_TO_REDIS,
+                clients,
+            ),
+            _ratio_check(
+                rows, "kvshare GET 2 MiB / raw TCP", "get", "tcp", MIN_GET_RATIO_TO_TCP, clients
+            ),
+            _ratio_check(
+                rows,
+                "kvshare PUT 2 MiB / Redis SET (acknowledged)",
+                "put",
+                "redis",
+                MIN_PUT_RATIO_TO_REDIS,
+                clients,
+            ),
+        ]
+        batch = next(
+            (
+                r
+                for r in rows
+                if r.system == "kvshare-batch"
+                and r.clients == clients
+                and r.value_bytes == BATCH_BLOCK_BYTES
+            ),
+            None,
+        )
+        name = "kvshare batched GET, 64 KiB blocks/s per client"
+        if batch is None:
+            checks.append(
+                Check(name, clients, None, MIN_BATCH_BLOCKS_PER_S_PER_CLIENT, None, "not measured")
+            )
+        else:
+            value = batch.blocks_per_s_per_client
+            checks.append(
+                Check(
+                    name,
+                    clients,
+                    value,
+                    MIN_BATCH_BLOCKS_PER_S_PER_CLIENT,
+                    value >= MIN_BATCH_BLOCKS_PER_S_PER_CLIENT,
+                    f"{batch.blocks_per_call} blocks per call",
+                )
+            )
+    checks += _reported_ratios(rows)
+    return checks
+
+
+def _reported_ratios(rows: Sequence[Row]) -> list[Check]:
+    """Ratios with no target: the cost of security, and kvshare against LMCache's server."""
+    reported = []
+    for row in rows:
+        family = row.system.removesuffix(BATCH_SUFFIX)
+        if family in VARIANT_NOTES and "kvshare" in row.ratio_to:
+            base = "kvshare" + row.system.removeprefix(family)
+            reported.append(
+                Check(
+                    f"{row.system} / {base} {row.op.upper()} {format_size(row.value_bytes)}",
+                    row.clients,
+                    row.ratio_to["kvshare"],
+                    None,
+                    None,
+                    VARIANT_NOTES[family],
+                )
+            )
+        if row.system in ("kvshare", "kvshare-batch") and "lmcache" in row.ratio_to:
+            reported.append(
+                Check(
+                    f"{row.system} / lmcache {row.op.upper()} {format_size(row.value_bytes)}",
+                    row.clients,
+                    row.ratio_to["lmcache"],
+                    None,
+                    None,
+                    "lmcache PUT acknowledged by an EXIST round trip" if row.op == "put" else "",
+                )
+            )
+    return reported

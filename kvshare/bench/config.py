@@ -1,0 +1,82 @@
+"""The benchmark's settings, parsed once from the command line into a frozen value."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+KIB = 1024
+MIB = 1024 * KIB
+DEFAULT_SIZES = (64 * KIB, 512 * KIB, 2 * MIB, 8 * MIB)
+QUICK_SIZES = (64 * KIB, 2 * MIB)
+DEFAULT_CLIENT_COUNTS = (1, 4)
+QUICK_CLIENT_COUNTS = (1,)
+DEFAULT_SYSTEMS = (
+    "tcp",
+    "redis",
+    "lmcache",
+    "kvshare",
+    "kvshare-tls",
+    "kvshare-sealed",
+    "kvshare-tls-sealed",
+)
+KNOWN_SYSTEMS = (*DEFAULT_SYSTEMS, "tcp-tls", "kvshare-nosync", "kvshare-grpc")
+BATCH_BLOCK_BYTES = 64 * KIB
+DEFAULT_BATCH_BLOCKS = 64  # one restore of 64 blocks: 16k tokens at 256 tokens per block
+
+_SIZE = re.compile(r"^\s*(\d+)\s*([kmg]i?b?|b)?\s*$", re.IGNORECASE)
+_UNIT_BYTES = {"": 1, "b": 1, "k": KIB, "m": MIB, "g": 1024 * MIB}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    sizes: tuple[int, ...]
+    client_counts: tuple[int, ...]
+    rounds: int
+    systems: tuple[str, ...]
+    seconds_per_cell: float
+    put_bytes_per_client: int  # caps what one client writes per PUT cell (server memory)
+    min_calls_per_cell: int
+    batch_blocks: int  # blocks per batched GET call; 0 or 1 leaves the batch rows out
+    lmcache_python: str | None
+    workdir: Path | None  # keep server logs and data here instead of a temporary dir
+    is_json: bool
+
+
+def parse_size(text: str) -> int:
+    """'64KiB', '2MiB', '512k', '4096' -> bytes (binary units)."""
+    match = _SIZE.match(text)
+    if match is None:
+        raise ValueError(f"cannot read size {text!r}; write e.g. 64KiB, 2MiB or 4096")
+    unit = (match.group(2) or "").lower()[:1]
+    size = int(match.group(1)) * _UNIT_BYTES[unit]
+    if size <= 0:
+        raise ValueError(f"size {text!r} must be positive")
+    return size
+
+
+def parse_sizes(text: str) -> tuple[int, ...]:
+    return tuple(parse_size(part) for part in text.split(",") if part.strip())
+
+
+def parse_counts(text: str) -> tuple[int, ...]:
+    counts = tuple(int(part) for part in text.split(",") if part.strip())
+    if not counts or min(counts) < 1:
+        raise ValueError(f"client counts {text!r} must be positive integers")
+    return counts
+
+
+def parse_systems(text: str) -> tuple[str, ...]:
+    systems = tuple(part.strip() for part in text.split(",") if part.strip())
+    unknown = [name for name in systems if name not in KNOWN_SYSTEMS]
+    if unknown:
+        raise ValueError(f"unknown systems {unknown}; choose from {', '.join(KNOWN_SYSTEMS)}")
+    return systems
+
+
+def format_size(value_bytes: int) -> str:
+    for unit, scale in (("MiB", MIB), ("KiB", KIB)):
+        if value_bytes >= scale and value_bytes % scale == 0:
+            return f"{value_bytes // scale} {unit}"
+    return f"{value_bytes} B"

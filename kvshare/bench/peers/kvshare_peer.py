@@ -1,0 +1,166 @@
+"""kvshare itself: `kvshare serve` in dev mode as a subprocess, driven by `BlockClient`.
+
+Security variants are the same system with options, so their ratio to plain `kvshare`
+within a round is the cost of that security feature:
+
+- `kvshare-tls`: the server gets a throw-away self-signed certificate (`--tls-cert`,
+  `--tls-key`) and the client trusts it (`ClientTls(root_ca=...)`);
+- `kvshare-sealed`: the client seals each block with the agent's `BlockSealer`
+  (AES-256-GCM, `policy.sealing`) before PUT and opens it after GET, as the replica
+  agent does; figures count plaintext bytes;
+- `kvshare-nosync`: `--no-sync-writes` (PUT acknowledged before fsync), the setting
+  comparable to Redis without persistence. Opt-in.
+- `kvshare-grpc`: the client's bulk channel off, payloads over gRPC streams only (the
+  fallback path). Opt-in.
+
+Plain `kvshare` runs the server's defaults, as a user would: synced writes, no TLS on
+loopback, no sealing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import secrets
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvshare.bench.peers.base import BenchError, ServerProcess
+
+TENANT = "dev"  # the tenant dev mode creates, with read+write for the token in dev.token
+MODEL = "kvshare-bench"
+SERVING_LINE = r"serving on (\S+):(\d+)"
+DATA_KEY_BYTES = 32
+
+
+@dataclass(frozen=True)
+class KvshareClientSpec:
+    address: str
+    token: str
+    tls_root_ca: str | None = None
+    data_key: bytes | None = None  # set: seal blocks under this tenant data key
+    tenant: str = TENANT
+    model: str = MODEL
+    bulk: bool = True
+
+    def connect(self) -> KvshareClient:
+        from replica_agent.client import BlockClient, ClientTls
+
+        tls = None if self.tls_root_ca is None else ClientTls(root_ca=Path(self.tls_root_ca))
+        client = BlockClient(self.address, token=self.token, tls=tls, bulk=self.bulk)
+        sealer = None
+        if self.data_key is not None:
+            from policy.sealing import BlockSealer, Keyring, TenantKeys
+
+            sealer = BlockSealer(Keyring({self.tenant: TenantKeys({1: self.data_key})}))
+        return KvshareClient(client, sealer, self.tenant, self.model)
+
+
+class KvshareClient:
+    def __init__(self, client: Any, sealer: Any, tenant: str, model: str) -> None:
+        self._client = client
+        self._sealer = sealer
+        self._tenant = tenant
+        self._model = model
+
+    def prepare(self, value_bytes: int, blocks_per_call: int) -> None:
+        self._client.lookup(self._tenant, self._model, [bytes(32)])
+
+    def put(self, keys: Sequence[bytes], values: Sequence[memoryview]) -> None:
+        payloads: list[Any] = list(values)
+        if self._sealer is not None:
+            payloads = [
+                self._sealer.seal(self._tenant, self._model, key, bytes(value))
+                for key, value in zip(keys, values, strict=True)
+            ]
+        self._client.put(self._tenant, self._model, list(keys), payloads)
+
+    def get(self, keys: Sequence[bytes]) -> Sequence[Any]:
+        # Views into the client's reused buffer, as the agent decodes them (no copy).
+        found: Sequence[Any] = self._client.get_views(self._tenant, self._model, list(keys))
+        if self._sealer is None:
+            return found
+        return [
+            self._sealer.open(self._tenant, self._model, key, sealed)
+            for key, sealed in zip(keys, found, strict=False)
+        ]
+
+    def close(self) -> None:
+        self._client.close()
+
+
+class KvshareSystem:
+    is_put_acknowledged = True
+    supports_batch_get = True
+
+    def __init__(
+        self,
+        *,
+        tls: bool = False,
+        sealed: bool = False,
+        sync_writes: bool = True,
+        bulk: bool = True,
+    ) -> None:
+        suffix = ("-tls" if tls else "") + ("-sealed" if sealed else "")
+        suffix += ("" if sync_writes else "-nosync") + ("" if bulk else "-grpc")
+        self._bulk = bulk
+        self.name = "kvshare" + suffix
+        self._tls = tls
+        self._sealed = sealed
+        self._sync_writes = sync_writes
+        self._server: ServerProcess | None = None
+
+    def unavailable_reason(self) -> str | None:
+        needed = [("cacheserver.cli", "the server"), ("replica_agent.client", "BlockClient")]
+        if self._sealed:
+            needed.append(("policy.sealing", "block sealing"))
+        for module, what in needed:
+            if importlib.util.find_spec(module) is None:
+                return f"{what} ({module}) is not built yet"
+        return None
+
+    def start(self, workdir: Path) -> KvshareClientSpec:
+        data_dir = workdir / f"{self.name}-data"
+        argv = [
+            sys.executable,
+            "-m",
+            "kvshare.cli",
+            "serve",
+            "--data-dir",
+            str(data_dir),
+            "--listen",
+            "127.0.0.1:0",
+        ]
+        root_ca = None
+        if self._tls:
+            from kvshare.bench.tls import write_self_signed
+
+            cert_path, key_path = write_self_signed(workdir)
+            argv += ["--tls-cert", str(cert_path), "--tls-key", str(key_path)]
+            root_ca = str(cert_path)
+        if not self._sync_writes:
+            argv.append("--no-sync-writes")
+        self._server = ServerProcess.launch(argv, workdir / f"{self.name}-server.log")
+        try:
+            match = self._server.wait_for_line(SERVING_LINE)
+            token = (data_dir / "dev.token").read_text().strip()
+        except (BenchError, OSError) as error:
+            self.stop()
+            raise BenchError(f"kvshare serve did not start: {error}") from error
+        data_key = secrets.token_bytes(DATA_KEY_BYTES) if self._sealed else None
+        return KvshareClientSpec(
+            f"{match.group(1)}:{match.group(2)}", token, root_ca, data_key, bulk=self._bulk
+        )
+
+    def reserve(self, value_bytes: int, count: int) -> None:
+        pass
+
+    def clear(self) -> bool:
+        return False  # each client would have to delete its own keys; a fresh server per round
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+            self._server = None

@@ -1,0 +1,91 @@
+"""The bulk channel's framing, shared by server and client (no I/O policy here).
+
+After `OpenBulk` (gRPC) issues a ticket, the client opens a TCP (or TLS) connection:
+
+    client: HELLO  = b"KVB1" | ticket (32 bytes)
+    server: status u8 (0 = ok; else an error frame, and the connection closes)
+    then any number of requests, each answered before the next:
+    client: REQUEST = op u8 | model_len u16 | count u32 | model | count x digest (32)
+            PUT adds count x size u64, then the payloads back to back
+    server: GET  -> status u8, then per block size u64 | payload, then END (size 0)
+            PUT  -> status u8, then count x outcome u8 (1 stored, 2 already present)
+    error frame: status u8 (a gRPC status code) | message_len u16 | message (UTF-8)
+
+Integers are big-endian. Payloads are raw bytes with no per-message framing, so both
+sides move them with one `sendmsg`/`recv_into` each, without copies.
+"""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import struct
+
+MAGIC = b"KVB1"
+HELLO = struct.Struct(">4s32s")
+REQUEST = struct.Struct(">BHI")
+SIZE = struct.Struct(">Q")
+ERROR = struct.Struct(">BH")
+OP_GET = 1
+OP_PUT = 2
+OK = 0
+END = SIZE.pack(0)
+OUTCOME_STORED = 1
+OUTCOME_ALREADY_PRESENT = 2
+MAX_MESSAGE_CHARS = 1024
+
+# gRPC status codes by name, so errors read the same on both paths.
+STATUS_CODES = {
+    "INVALID_ARGUMENT": 3,
+    "PERMISSION_DENIED": 7,
+    "RESOURCE_EXHAUSTED": 8,
+    "INTERNAL": 13,
+    "UNAVAILABLE": 14,
+    "DATA_LOSS": 15,
+    "UNAUTHENTICATED": 16,
+}
+STATUS_NAMES = {code: name for name, code in STATUS_CODES.items()}
+
+
+class ConnectionClosed(ConnectionError):
+    """The peer closed the connection in the middle of a frame."""
+
+
+def recv_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fill `view` completely from `sock`."""
+    while view.nbytes:
+        received = sock.recv_into(view)
+        if received == 0:
+            raise ConnectionClosed("peer closed the bulk connection")
+        view = view[received:]
+
+
+def send_parts(sock: socket.socket, parts: list[bytes | bytearray | memoryview]) -> None:
+    """Send every byte of `parts` with as few `sendmsg` calls as the kernel allows.
+
+    A socket with a timeout is non-blocking underneath, so one `sendmsg` may send only a
+    prefix: resume from where it stopped, without copying the payloads.
+    """
+    views = [memoryview(p).cast("B") for p in parts]
+    if isinstance(sock, ssl.SSLSocket):  # TLS sockets have no sendmsg
+        for view in views:
+            sock.sendall(view)
+        return
+    while views:
+        sent = sock.sendmsg(views)
+        while views and sent >= views[0].nbytes:
+            sent -= views[0].nbytes
+            views.pop(0)
+        if views and sent:
+            views[0] = views[0][sent:]
+
+
+def recv_bytes(sock: socket.socket, size: int) -> bytearray:
+    buffer = bytearray(size)
+    recv_exact(sock, memoryview(buffer))
+    return buffer
+
+
+def error_frame(status_name: str, message: str) -> bytes:
+    encoded = message.encode("utf-8")[:MAX_MESSAGE_CHARS]
+    return ERROR.pack(STATUS_CODES.get(status_name, 13), len(encoded)) + encoded

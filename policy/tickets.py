@@ -1,0 +1,73 @@
+"""One-time tickets that open a bulk-channel connection.
+
+The gRPC call `OpenBulk` authenticates the caller and authorizes it for a tenant, then
+issues a ticket: 32 random bytes, valid once, for `ttl_s`, bound to that principal and
+tenant. Presenting it on the bulk listener binds the connection to the same principal
+and tenant; every request on the connection is still authorized by `AccessPolicy.admit`
+and named by `AccessPolicy.storage_key`, so the bulk path skips no policy check — the
+ticket only stands in for the credential, which never crosses the bulk channel.
+
+Only the SHA-256 of a ticket is kept, so the registry holds nothing that could be
+replayed if it leaked; lookup is by that hash, so its timing reveals nothing useful.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvshare.errors import Unauthenticated
+from policy.identity import Principal
+from policy.types import TenantId
+
+TICKET_BYTES = 32
+DEFAULT_TTL_S = 30.0
+MAX_OUTSTANDING = 65536  # bound the registry against a caller minting tickets in a loop
+
+
+@dataclass(frozen=True)
+class Grant:
+    principal: Principal
+    tenant: TenantId
+
+
+class TicketBook:
+    def __init__(
+        self, ttl_s: float = DEFAULT_TTL_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._grants: dict[bytes, tuple[Grant, float]] = {}
+
+    def issue(self, principal: Principal, tenant: TenantId) -> bytes:
+        ticket = secrets.token_bytes(TICKET_BYTES)
+        now = self._clock()
+        with self._lock:
+            if len(self._grants) >= MAX_OUTSTANDING:
+                self._expire(now)
+            if len(self._grants) >= MAX_OUTSTANDING:
+                oldest = min(self._grants, key=lambda k: self._grants[k][1])
+                del self._grants[oldest]
+            self._grants[hashlib.sha256(ticket).digest()] = (
+                Grant(principal, tenant),
+                now + self.ttl_s,
+            )
+        return ticket
+
+    def redeem(self, ticket: bytes) -> Grant:
+        """The grant of a valid, unused, unexpired ticket; Unauthenticated otherwise."""
+        key = hashlib.sha256(ticket).digest()
+        with self._lock:
+            entry = self._grants.pop(key, None)
+        if entry is None or len(ticket) != TICKET_BYTES or entry[1] < self._clock():
+            raise Unauthenticated("bulk ticket is invalid, used or expired; call OpenBulk again")
+        return entry[0]
+
+    def _expire(self, now: float) -> None:
+        for key in [k for k, (_, deadline) in self._grants.items() if deadline < now]:
+            del self._grants[key]

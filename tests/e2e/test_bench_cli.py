@@ -1,0 +1,107 @@
+"""`kvshare bench` end to end: real servers, real client processes, tiny sizes.
+
+These are smoke runs of the harness and its JSON contract (DESIGN.md §8), not timed
+tests: no figure is asserted beyond being positive.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from kvshare.bench.peers.lmcache_peer import find_lmcache_python
+
+CONTRACT_KEYS = {"system", "op", "value_bytes", "clients", "mb_per_s", "p50_ms", "p99_ms"}
+TINY = ["--quick", "--sizes", "16KiB", "--seconds", "0.05", "--batch-blocks", "4"]
+
+
+def _bench(*argv: str, timeout_s: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvshare.cli", "bench", *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+
+
+def _json_run(*argv: str) -> dict[str, Any]:
+    result = _bench(*TINY, "--json", *argv)
+    assert result.returncode == 0, result.stderr[-3000:]
+    document: dict[str, Any] = json.loads(result.stdout)  # stdout holds only the JSON
+    return document
+
+
+def _by_system(document: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(row["system"], row["op"]): row for row in document["results"]}
+
+
+def _assert_contract(row: dict[str, Any]) -> None:
+    assert set(row) >= CONTRACT_KEYS
+    assert row["op"] in ("get", "put")
+    assert row["mb_per_s"] > 0 and 0 < row["p50_ms"] <= row["p99_ms"]
+
+
+def test_json_contract_for_the_tcp_ceiling() -> None:
+    document = _json_run("--systems", "tcp")
+    rows = _by_system(document)
+    assert set(rows) == {("tcp", "get"), ("tcp", "put"), ("tcp-batch", "get")}
+    for row in document["results"]:
+        _assert_contract(row)
+        assert row["value_bytes"] == 16 * 1024 or row["system"] == "tcp-batch"
+        assert row["clients"] == 1
+        assert row["ratio_to_tcp"] == 1.0
+    assert rows[("tcp-batch", "get")]["blocks_per_call"] == 4
+    assert document["failed"] == {}
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")
+def test_redis_runs_beside_tcp_with_ratios() -> None:
+    document = _json_run("--systems", "tcp,redis", "--clients", "2")
+    rows = _by_system(document)
+    assert {("redis", "get"), ("redis", "put"), ("redis-batch", "get")} <= set(rows)
+    for row in document["results"]:
+        _assert_contract(row)
+        assert row["clients"] == 2
+    assert rows[("redis", "get")]["ratio_to_tcp"] > 0
+
+
+def test_kvshare_and_its_security_variants() -> None:
+    document = _json_run("--systems", "tcp,kvshare,kvshare-tls-sealed")
+    assert document["failed"] == {} and document["skipped"] == {}
+    rows = _by_system(document)
+    for system in ("kvshare", "kvshare-tls-sealed"):
+        _assert_contract(rows[(system, "get")])
+        _assert_contract(rows[(system, "put")])
+        assert rows[(f"{system}-batch", "get")]["blocks_per_call"] == 4
+    assert rows[("kvshare-tls-sealed", "get")]["ratio_to_kvshare"] > 0
+    notes = {check["note"] for check in document["checks"]}
+    assert "cost of TLS and sealing" in notes
+
+
+@pytest.mark.skipif(find_lmcache_python(None) is None, reason="no LMCache venv (setup_lmcache.sh)")
+def test_lmcache_server_speaks_its_protocol() -> None:
+    document = _json_run("--systems", "lmcache")
+    assert document["failed"] == {}, document["failed"]
+    rows = _by_system(document)
+    _assert_contract(rows[("lmcache", "get")])
+    _assert_contract(rows[("lmcache", "put")])
+
+
+def test_a_missing_peer_is_skipped_with_a_note() -> None:
+    document = _json_run("--systems", "tcp,lmcache", "--lmcache-python", "/nonexistent/python")
+    assert "lmcache" in document["skipped"]
+    assert {row["system"] for row in document["results"]} == {"tcp", "tcp-batch"}
+
+
+def test_table_on_stdout_and_progress_on_stderr() -> None:
+    result = _bench(*TINY, "--systems", "tcp", "--batch-blocks", "0")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "MB/s" in result.stdout and "x tcp" in result.stdout
+    assert "Targets:" in result.stdout
+    assert "round 1/1 tcp: starting server" in result.stderr
+    assert "tcp-batch" not in result.stdout

@@ -1,0 +1,146 @@
+"""The bulk channel: tickets, policy on every request, fallback to gRPC, same bytes."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import grpc
+import pytest
+
+from kvshare import bulkwire as w
+from kvshare.errors import PermissionDenied
+from kvshare.v1 import kvshare_pb2 as pb
+from kvshare.v1 import kvshare_pb2_grpc as pb_grpc
+from policy.identity import Action, Principal
+from policy.tickets import TicketBook
+from policy.types import TenantId
+from replica_agent.client import BlockClient, BlockStoreError
+from tests.conftest import Running
+
+MODEL = "m;fp32;L2"
+
+
+def open_bulk(running: Running, who: str, tenant: str) -> pb.OpenBulkResponse:
+    with grpc.insecure_channel(running.address) as channel:
+        return pb_grpc.BlockStoreStub(channel).OpenBulk(
+            pb.OpenBulkRequest(tenant=tenant),
+            timeout=10,
+            metadata=(("authorization", f"Bearer {running.tokens[who]}"),),
+        )
+
+
+def hello(address: str, ticket: bytes) -> int:
+    host, _, port = address.rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(w.HELLO.pack(w.MAGIC, ticket))
+        return w.recv_bytes(sock, 1)[0]
+
+
+def test_a_ticket_opens_one_connection_only(tenant_server: Running) -> None:
+    response = open_bulk(tenant_server, "a", "alpha")
+    assert len(response.ticket) == 32 and response.ttl_ms > 0
+    assert hello(response.address, response.ticket) == w.OK  # positive control
+    assert hello(response.address, response.ticket) == w.STATUS_CODES["UNAUTHENTICATED"]
+    assert hello(response.address, os.urandom(32)) == w.STATUS_CODES["UNAUTHENTICATED"]
+
+
+def test_tickets_are_issued_only_for_granted_tenants(tenant_server: Running) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        open_bulk(tenant_server, "a", "beta")
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_tickets_expire() -> None:
+    now = [0.0]
+    book = TicketBook(ttl_s=5, clock=lambda: now[0])
+    principal = Principal("p", frozenset({TenantId("t")}), frozenset({Action.READ}))
+    fresh, stale = book.issue(principal, TenantId("t")), book.issue(principal, TenantId("t"))
+    assert book.redeem(fresh).principal == principal
+    now[0] = 6.0
+    with pytest.raises(Exception, match="invalid, used or expired"):
+        book.redeem(stale)
+
+
+def test_bulk_and_grpc_paths_return_the_same_bytes(tenant_server: Running) -> None:
+    digests = [os.urandom(32) for _ in range(6)]
+    payloads = [os.urandom(n) for n in (1, 1000, 65536, 1 << 20, 5 << 20, 77)]
+    with tenant_server.client("a") as bulk, tenant_server.client("a", bulk=False) as plain:
+        assert bulk.put("alpha", MODEL, digests[:3], payloads[:3]) == [True] * 3
+        assert plain.put("alpha", MODEL, digests[3:], payloads[3:]) == [True] * 3
+        assert bulk.put("alpha", MODEL, digests, payloads) == [False] * 6
+        assert bulk.get("alpha", MODEL, digests) == payloads
+        assert plain.get("alpha", MODEL, digests) == payloads
+        assert [bytes(v) for v in bulk.get_views("alpha", MODEL, digests)] == payloads
+        assert bulk.get("alpha", MODEL, [digests[0], os.urandom(32), digests[2]]) == payloads[:1]
+
+
+def test_policy_still_applies_per_request(tenant_server: Running) -> None:
+    with tenant_server.client("a") as client:
+        client.put("alpha", MODEL, [b"x" * 32], [b"payload"])  # positive control
+        with pytest.raises(PermissionDenied):
+            client.get("beta", MODEL, [b"x" * 32])
+        with pytest.raises(BlockStoreError) as info:
+            client.get("alpha", MODEL, [b"short"])  # sent over gRPC, answered there
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert client.get("alpha", MODEL, [b"x" * 32]) == [b"payload"]
+
+
+def test_a_read_only_principal_cannot_put_over_the_bulk_channel(tmp_path: object) -> None:
+    from pathlib import Path
+
+    from cacheserver.config import load_config
+    from cacheserver.embedded import EmbeddedServer
+    from tests.conftest import write_config
+
+    tenancy = write_config(
+        Path(str(tmp_path)),
+        principals={"reader": (["alpha"], ["read"]), "writer": (["alpha"], ["write"])},
+    )
+    config = load_config(tenancy.path)
+    with EmbeddedServer(config) as server:
+        running = Running(server.address, config.data_dir, tenancy.tokens)
+        with running.client("writer") as writer, running.client("reader") as reader:
+            assert writer.put("alpha", MODEL, [b"k" * 32], [b"v"]) == [True]
+            assert reader.get("alpha", MODEL, [b"k" * 32]) == [b"v"]
+            with pytest.raises(PermissionDenied):
+                reader.put("alpha", MODEL, [b"j" * 32], [b"v"])
+            with pytest.raises(PermissionDenied):
+                writer.get("alpha", MODEL, [b"k" * 32])
+
+
+def test_a_dead_bulk_listener_falls_back_to_grpc(tmp_path: object) -> None:
+    from pathlib import Path
+
+    from cacheserver.config import ServerConfig
+    from cacheserver.embedded import EmbeddedServer
+
+    data_dir = Path(str(tmp_path)) / "data"
+    with EmbeddedServer(ServerConfig(listen="127.0.0.1:0", data_dir=data_dir)) as server:
+        token = (data_dir / "dev.token").read_text().strip()
+        with BlockClient(server.address, token) as client:
+            assert client.put("dev", MODEL, [b"d" * 32], [b"bytes"]) == [True]
+            assert server.server is not None and server.server.bulk is not None
+            server.server.bulk.stop()  # the listener and its connections go away
+            assert client.get("dev", MODEL, [b"d" * 32]) == [b"bytes"]  # over gRPC
+
+
+def test_the_rate_limit_counts_every_bulk_request(tmp_path: object) -> None:
+    from pathlib import Path
+
+    from cacheserver.config import load_config
+    from cacheserver.embedded import EmbeddedServer
+    from kvshare.errors import ResourceExhausted
+    from tests.conftest import write_config
+
+    tenancy = write_config(
+        Path(str(tmp_path)), extra="[limits]\nrequests_per_s = 5\nrequest_burst_s = 2\n"
+    )
+    config = load_config(tenancy.path)
+    with EmbeddedServer(config) as server:
+        running = Running(server.address, config.data_dir, tenancy.tokens)
+        with running.client("a") as client:
+            assert client.get("alpha", MODEL, [b"k" * 32]) == []  # positive control
+            with pytest.raises(ResourceExhausted, match="over its rate"):
+                for _ in range(20):  # one OpenBulk, then requests on the bulk channel
+                    client.get("alpha", MODEL, [b"k" * 32])

@@ -1,0 +1,183 @@
+"""policy/: the new config keys, certificate identities, and the admit rules (no server)."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from cacheserver.config import load_config
+from kvshare.errors import ConfigError, PermissionDenied, Unauthenticated
+from policy.access import AccessPolicy
+from policy.config import AccessConfig, TenantConfig
+from policy.identity import (
+    Action,
+    Authenticator,
+    CertCredential,
+    Principal,
+    TokenCredential,
+    certificate_identities,
+    hash_token,
+)
+from policy.types import TenantId
+
+TOKEN_HEX = hashlib.sha256(b"t").hexdigest()
+BASE = f"""listen = "127.0.0.1:0"
+
+[[tenants]]
+id = "acme"
+read_shared = ["public"]
+
+[[tenants]]
+id = "public"
+shared = true
+
+[[principals]]
+name = "token-principal"
+token_sha256 = "{TOKEN_HEX}"
+tenants = ["acme"]
+actions = ["read", "write"]
+requests_per_s = 50
+
+[[principals]]
+name = "cert-principal"
+cert_identity = "uri:spiffe://org/replica"
+tenants = ["acme", "public"]
+actions = ["read", "publish"]
+"""
+
+
+def load(tmp_path: Path, text: str) -> AccessConfig:
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    access = load_config(path).access
+    assert access is not None
+    return access
+
+
+def test_new_keys_parse(tmp_path: Path) -> None:
+    access = load(tmp_path, BASE)
+    assert access.tenants[0].read_shared == ("public",) and access.tenants[1].shared
+    assert access.credentials[0].principal.requests_per_s == 50
+    cert = access.cert_credentials[0]
+    assert cert.identity == "uri:spiffe://org/replica"
+    assert cert.principal.actions == {Action.READ, Action.PUBLISH}
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (
+            ('cert_identity = "uri:spiffe://org/replica"', ""),
+            r"c.toml:18: principals\[1\].token_sha256: give exactly one of",
+        ),
+        (
+            ('name = "cert-principal"', f'name = "cert-principal"\ntoken_sha256 = "{TOKEN_HEX}"'),
+            r"c.toml:20: principals\[1\].token_sha256: give exactly one of",
+        ),
+        (("uri:spiffe", "spiffe"), r"c.toml:20: principals\[1\].cert_identity: must be 'uri:"),
+        (("shared = true", "shared = 1"), r"c.toml:9: tenants\[1\].shared: must be true or false"),
+        (("shared = true", ""), r"c.toml:5: tenants\[0\].read_shared: names 'public', which"),
+        (("requests_per_s = 50", "requests_per_s = -1"), r"c.toml:16: principals\[0\].requests"),
+        (("requests_per_s = 50", "rate = 1"), r"c.toml:16: principals\[0\].rate: unknown key"),
+    ],
+)
+def test_errors_name_the_key_and_line(tmp_path: Path, edit: tuple[str, str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load(tmp_path, BASE.replace(*edit))
+
+
+def test_two_principals_with_one_cert_identity_is_an_error(tmp_path: Path) -> None:
+    extra = BASE.split("[[principals]]")[-1].replace("cert-principal", "twin")
+    with pytest.raises(ConfigError, match=r"c.toml:\d+: principals\[2\].cert_identity: two"):
+        load(tmp_path, BASE + "[[principals]]" + extra)
+
+
+def test_server_tables_tls_and_audit_log(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(
+        'audit_log = "/var/log/kv.audit"\n' + BASE + '[tls]\ncert = "c.pem"\nkey = "k.pem"\n'
+    )
+    config = load_config(path)
+    assert config.audit_log_path == Path("/var/log/kv.audit")
+    assert config.tls is not None and config.tls.client_ca is None
+    path.write_text(BASE + '[tls]\ncert = "c.pem"\n')
+    with pytest.raises(ConfigError, match="tls: give both cert and key"):
+        load_config(path)
+
+
+def _principal(name: str, tenants: set[str], actions: set[Action]) -> Principal:
+    return Principal(name, frozenset(TenantId(t) for t in tenants), frozenset(actions))
+
+
+def test_a_token_decides_alone_and_certificates_fill_in_without_one() -> None:
+    by_token = _principal("tok", {"acme"}, {Action.READ})
+    by_cert = _principal("crt", {"acme"}, {Action.READ})
+    auth = Authenticator(
+        [TokenCredential(hash_token("secret"), by_token)],
+        [CertCredential("uri:spiffe://org/r", by_cert)],
+    )
+    ids = certificate_identities({"peer_uri": [b"spiffe://org/r"], "x509_common_name": [b"r"]})
+    assert ids == {"uri:spiffe://org/r", "cn:r"}
+    assert auth.authenticate("Bearer secret", ids) is by_token
+    assert auth.authenticate(None, ids) is by_cert
+    assert auth.authenticate("Bearer ", ids) is by_cert  # an empty token is no token
+    for authorization in ("Bearer wrong", "secret", "Basic secret", "Bearer", None):
+        with pytest.raises(Unauthenticated):
+            auth.authenticate(authorization, ())
+    with pytest.raises(Unauthenticated):
+        auth.authenticate("Bearer wrong", ids)  # a wrong token is refused despite the cert
+    with pytest.raises(Unauthenticated):
+        auth.authenticate(None, {"cn:someone-else"})
+
+
+def test_certificates_are_ignored_unless_the_server_verifies_them() -> None:
+    access = AccessConfig(
+        (TenantConfig(TenantId("acme")),),
+        (),
+        (CertCredential("cn:r", _principal("crt", {"acme"}, {Action.READ})),),
+    )
+    context = {"x509_common_name": [b"r"]}
+    off = AccessPolicy.from_access(access, bytes(32))
+    with pytest.raises(Unauthenticated):
+        off.authenticate(None, context)
+    on = AccessPolicy.from_access(access, bytes(32), accept_certificates=True)
+    assert on.authenticate(None, context).name == "crt"
+
+
+SHARED_TENANTS = (
+    TenantConfig(TenantId("acme"), read_shared=(TenantId("public"),)),
+    TenantConfig(TenantId("other")),
+    TenantConfig(TenantId("public"), shared=True),
+)
+
+
+@pytest.mark.parametrize(
+    ("tenants", "actions", "tenant", "action", "allowed"),
+    [
+        ({"acme"}, {Action.READ}, "public", Action.READ, True),  # acme opted in
+        ({"other"}, {Action.READ}, "public", Action.READ, False),  # other did not
+        ({"acme"}, {Action.WRITE}, "public", Action.READ, False),  # no read action
+        ({"acme"}, {Action.READ, Action.WRITE}, "public", Action.WRITE, False),
+        ({"public"}, {Action.READ, Action.WRITE}, "public", Action.WRITE, False),  # no publish
+        ({"public"}, {Action.PUBLISH}, "public", Action.WRITE, True),
+        ({"acme"}, {Action.PUBLISH}, "public", Action.WRITE, False),  # not listed
+        ({"acme"}, {Action.PUBLISH}, "acme", Action.WRITE, False),  # publish is not write
+        ({"public"}, {Action.ADMIN}, "public", Action.WRITE, True),
+        ({"acme"}, {Action.READ}, "acme", Action.READ, True),
+        ({"acme"}, {Action.READ}, "other", Action.READ, False),
+        ({"acme"}, {Action.READ}, "missing", Action.READ, False),
+    ],
+)
+def test_admit_rules(
+    tenants: set[str], actions: set[Action], tenant: str, action: Action, allowed: bool
+) -> None:
+    policy = AccessPolicy.from_access(AccessConfig(SHARED_TENANTS, ()), bytes(32))
+    principal = _principal("p", tenants, actions)
+    if allowed:
+        assert policy.admit(principal, tenant, action) == tenant
+    else:
+        with pytest.raises(PermissionDenied) as info:
+            policy.admit(principal, tenant, action)
+        assert tenant not in str(info.value)

@@ -1,0 +1,141 @@
+"""Turn one `kvshare bench --json` document into the tables of docs/benchmarks.md.
+
+    kvshare bench --json > run.json && python benchmarks/bench_to_markdown.py run.json
+
+Every figure in the doc's results section comes from one run through this script, so
+the doc can be regenerated rather than edited by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterable
+from typing import Any
+
+SIZES = {65536: "64 KiB", 524288: "512 KiB", 2097152: "2 MiB", 8388608: "8 MiB"}
+
+
+def table(header: list[str], rows: Iterable[list[str]]) -> str:
+    lines = [
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|",
+    ]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def cell(row: dict[str, Any] | None, ratio: str = "tcp") -> str:
+    if row is None:
+        return "-"
+    value = row.get(f"ratio_to_{ratio}")
+    suffix = f" ({value:.2f})" if value is not None else ""
+    return f"{row['mb_per_s']:,.0f}{suffix}"
+
+
+def throughput_tables(results: list[dict[str, Any]]) -> str:
+    out = []
+    systems = list(
+        dict.fromkeys(r["system"] for r in results if not r["system"].endswith("-batch"))
+    )
+    sizes = sorted({r["value_bytes"] for r in results if r["blocks_per_call"] == 1})
+    for op in ("get", "put"):
+        for clients in sorted({r["clients"] for r in results}):
+            index = {
+                (r["system"], r["value_bytes"]): r
+                for r in results
+                if r["op"] == op and r["clients"] == clients and r["blocks_per_call"] == 1
+            }
+            rows = [
+                [s] + [cell(index.get((s, size))) for size in sizes]
+                for s in systems
+                if any((s, size) in index for size in sizes)
+            ]
+            title = f"{op.upper()}{' (acknowledged)' if op == 'put' else ''}, {clients} client(s)"
+            out.append(
+                f"{title}: MB/s (ratio to raw TCP in the same round):\n\n"
+                + table(["system", *(SIZES.get(z, str(z)) for z in sizes)], rows)
+            )
+    return "\n\n".join(out)
+
+
+def batch_table(results: list[dict[str, Any]]) -> str:
+    rows = [
+        [
+            r["system"],
+            str(r["clients"]),
+            f"{r['mb_per_s']:,.0f}",
+            f"{r['blocks_per_s_per_client']:,.0f}",
+            f"{r['p50_ms']:.1f}",
+            f"{r.get('ratio_to_tcp') or 0:.2f}",
+        ]
+        for r in results
+        if r["blocks_per_call"] > 1
+    ]
+    return table(["system", "clients", "MB/s", "blocks/s per client", "p50 ms", "x tcp"], rows)
+
+
+def ratio_table(results: list[dict[str, Any]], systems: list[str], reference: str) -> str:
+    rows = []
+    for system in systems:
+        for op in ("get", "put"):
+            for clients in sorted({r["clients"] for r in results}):
+                cells = {
+                    r["value_bytes"]: r.get(f"ratio_to_{reference}")
+                    for r in results
+                    if r["system"] == system and r["op"] == op and r["clients"] == clients
+                }
+                if cells:
+                    rows.append(
+                        [system, op, str(clients)]
+                        + [
+                            f"{cells[z]:.2f}" if cells.get(z) is not None else "-"
+                            for z in sorted(SIZES)
+                        ]
+                    )
+    return table(["system", "op", "clients", *SIZES.values()], rows)
+
+
+def checks_table(checks: list[dict[str, Any]]) -> str:
+    rows = [
+        [
+            "**pass**" if c["passed"] else ("**fail**" if c["passed"] is False else "n/a"),
+            c["check"],
+            str(c["clients"]),
+            f"{c['value']:,.2f}" if c["value"] is not None else "-",
+            str(c["threshold"]),
+        ]
+        for c in checks
+        if c["threshold"] is not None
+    ]
+    return table(["", "target", "clients", "measured", "threshold"], rows)
+
+
+def main() -> None:
+    with open(sys.argv[1], encoding="utf-8") as f:
+        doc = json.load(f)
+    results = doc["results"]
+    variants = sorted(
+        {
+            r["system"]
+            for r in results
+            if r["system"].startswith("kvshare-") and not r["system"].endswith("-batch")
+        }
+    )
+    print(throughput_tables(results))
+    print("\nBatched GET (one call for many 64 KiB blocks):\n\n" + batch_table(results))
+    print("\nTargets:\n\n" + checks_table(doc["checks"]))
+    print(
+        "\nCost of security and of the gRPC-only path: ratio to plain `kvshare` in the "
+        "same round:\n\n" + ratio_table(results, variants, "kvshare")
+    )
+    if any(r.get("ratio_to_lmcache") is not None for r in results):
+        print(
+            "\nkvshare against LMCache's server: ratio in the same round:\n\n"
+            + ratio_table(results, ["kvshare", "kvshare-tls-sealed"], "lmcache")
+        )
+    print(f"\nSettings: {json.dumps(doc['settings'])}; skipped: {doc['skipped'] or 'none'}")
+
+
+if __name__ == "__main__":
+    main()

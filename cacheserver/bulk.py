@@ -10,6 +10,10 @@ after authenticating the caller (policy.TicketBook); the connection is then boun
 that principal and tenant, and every request is admitted by `AccessPolicy.admit` and
 named by `AccessPolicy.storage_key`, exactly as the gRPC handlers do. With TLS on the
 gRPC port, this listener uses the same certificate (and client-certificate CA).
+
+Each request is observed like an RPC (ServerTelemetry.rpc, methods `kvshare.bulk/Get`,
+`kvshare.bulk/Put`, `kvshare.bulk/Hello`); a request flagged TRACED carries its
+caller's trace context, so its span joins the caller's trace as a gRPC call's does.
 """
 
 from __future__ import annotations
@@ -23,9 +27,12 @@ import threading
 from collections.abc import Sequence
 
 from cacheserver.config import LimitsConfig
+from cacheserver.events import Tier
 from cacheserver.store import BlockStore
+from cacheserver.telemetry import ServerTelemetry
 from kvshare import bulkwire as w
 from kvshare.errors import InvalidArgument, KvshareError
+from kvshare.tracing import context_from_binary
 from policy import AccessPolicy, Action
 from policy.tickets import Grant, TicketBook
 from policy.types import StorageKey, TenantId, parse_digest, parse_model
@@ -34,6 +41,7 @@ log = logging.getLogger(__name__)
 MAX_CONNECTIONS = 256
 IDLE_TIMEOUT_S = 300.0
 DISK_BATCH_BYTES = 64 << 20
+BULK_SYSTEM = "kvshare_bulk"  # the `rpc.system` of this listener's spans
 
 
 class BulkServer:
@@ -45,7 +53,10 @@ class BulkServer:
         tickets: TicketBook,
         limits: LimitsConfig,
         tls: ssl.SSLContext | None = None,
+        *,
+        telemetry: ServerTelemetry | None = None,
     ) -> None:
+        self._telemetry = telemetry or ServerTelemetry()
         self._store = store
         self._policy = policy
         self._tickets = tickets
@@ -116,13 +127,15 @@ class BulkServer:
     def _handshake(self, conn: socket.socket) -> Grant | None:
         hello = w.recv_bytes(conn, w.HELLO.size)
         magic, ticket = w.HELLO.unpack(hello)
-        try:
-            if magic != w.MAGIC:
-                raise InvalidArgument("not a kvshare bulk client (bad magic)")
-            grant = self._tickets.redeem(ticket)
-        except KvshareError as error:
-            conn.sendall(w.error_frame(error.status, str(error)))
-            return None
+        with self._telemetry.rpc("kvshare.bulk/Hello", None, system=BULK_SYSTEM) as call:
+            try:
+                if magic != w.MAGIC:
+                    raise InvalidArgument("not a kvshare bulk client (bad magic)")
+                grant = self._tickets.redeem(ticket)
+            except KvshareError as error:
+                call.status = error.status
+                conn.sendall(w.error_frame(error.status, str(error)))
+                return None
         conn.sendall(bytes([w.OK]))
         return grant
 
@@ -133,16 +146,23 @@ class BulkServer:
         except w.ConnectionClosed:
             return False
         op, model_len, count = w.REQUEST.unpack(header)
-        try:
-            keys = self._request_keys(conn, grant, op, model_len, count)
-            if op == w.OP_GET:
-                self._get(conn, grant.tenant, keys)
+        parent = None
+        if op & w.TRACED:
+            op &= ~w.TRACED
+            parent = context_from_binary(w.recv_bytes(conn, w.TRACE_CONTEXT_BYTES))
+        name = {w.OP_GET: "Get", w.OP_PUT: "Put"}.get(op, "Invalid")
+        with self._telemetry.rpc(f"kvshare.bulk/{name}", parent, system=BULK_SYSTEM) as call:
+            try:
+                keys = self._request_keys(conn, grant, op, model_len, count)
+                if op == w.OP_GET:
+                    self._get(conn, grant.tenant, keys)
+                    return True
+                self._put(conn, grant.tenant, keys)
                 return True
-            self._put(conn, grant.tenant, keys)
-            return True
-        except KvshareError as error:
-            conn.sendall(w.error_frame(error.status, str(error)))
-            return False  # the rest of the request may still be in flight: resync by closing
+            except KvshareError as error:
+                call.status = error.status
+                conn.sendall(w.error_frame(error.status, str(error)))
+                return False  # the rest of the request may be in flight: resync by closing
 
     def _request_keys(
         self, conn: socket.socket, grant: Grant, op: int, model_len: int, count: int
@@ -163,19 +183,21 @@ class BulkServer:
 
     def _get(self, conn: socket.socket, tenant: TenantId, keys: Sequence[StorageKey]) -> None:
         conn.sendall(bytes([w.OK]))
-        served = served_bytes = 0
+        served = 0
         while served < len(keys):
+            tier: Tier = "memory"
             payloads = self._store.read_from_memory(keys[served:])
             if not payloads:
+                tier = "lmdb"
                 payloads = self._store.read_from_disk(tenant, keys[served:], DISK_BATCH_BYTES)
                 if not payloads:
                     break
             for payload in payloads:
                 w.send_parts(conn, [w.SIZE.pack(len(payload)), payload])
             served += len(payloads)
-            served_bytes += sum(len(p) for p in payloads)
+            self._store.note_served(tenant, tier, payloads)
+        self._store.note_get(tenant, len(keys), served)  # counted before the caller hears
         conn.sendall(w.END)
-        self._store.note_served(tenant, served, served_bytes)
 
     def _put(self, conn: socket.socket, tenant: TenantId, keys: Sequence[StorageKey]) -> None:
         sizes_raw = w.recv_bytes(conn, w.SIZE.size * len(keys))

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import sys
 from dataclasses import replace
 from pathlib import Path
 
-from cacheserver.config import ServerConfig, load_config
+from cacheserver.config import ServerConfig, check_telemetry, load_config
 from kvshare.errors import ConfigError
 from kvshare.memtune import tune_allocator
 
@@ -83,6 +82,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["debug", "info", "warning", "error"],
         help="log verbosity",
     )
+    parser.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        help="text lines, or one JSON object per line with request ids (overrides "
+        "[telemetry] log_format; default text)",
+    )
+    parser.add_argument(
+        "--metrics-listen",
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics (kvshare_*) at http://HOST:PORT/metrics; port 0 "
+        "picks one, printed as 'metrics on HOST:PORT' (overrides [telemetry] metrics_listen)",
+    )
+    parser.add_argument(
+        "--otlp-endpoint",
+        metavar="URL",
+        help="export metrics and traces over OTLP/HTTP to this collector, e.g. "
+        "http://127.0.0.1:4318 (needs the otlp extra; overrides [telemetry] otlp_endpoint)",
+    )
 
 
 def _config_from(args: argparse.Namespace) -> ServerConfig:
@@ -96,31 +113,37 @@ def _config_from(args: argparse.Namespace) -> ServerConfig:
         storage = replace(storage, sync_writes=False, sync_interval_ms=0)
     if args.sync_writes:
         storage = replace(storage, sync_writes=True)
+    telemetry = replace(
+        config.telemetry,
+        metrics_listen=args.metrics_listen or config.telemetry.metrics_listen,
+        otlp_endpoint=args.otlp_endpoint or config.telemetry.otlp_endpoint,
+        log_format=args.log_format or config.telemetry.log_format,
+    )
+    check_telemetry(telemetry, "telemetry")
     return replace(
         config,
         listen=args.listen or config.listen,
         data_dir=args.data_dir or config.data_dir,
         allow_insecure_listen=args.allow_insecure_listen or config.allow_insecure_listen,
         storage=storage,
+        telemetry=telemetry,
     )
 
 
 def run(args: argparse.Namespace) -> int:
     tune_allocator()
     from cacheserver.server import TlsFiles, serve
+    from kvshare.logs import configure_logging
 
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
     try:
+        config = _config_from(args)
+        configure_logging(args.log_level, config.telemetry.log_format)
         if (args.tls_cert is None) != (args.tls_key is None):
             raise ConfigError("give both --tls-cert and --tls-key, or neither")
         if args.tls_client_ca and not args.tls_cert:
             raise ConfigError("--tls-client-ca (mTLS) needs --tls-cert and --tls-key")
         tls = TlsFiles(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
-        asyncio.run(serve(_config_from(args), tls))
+        asyncio.run(serve(config, tls))
     except ConfigError as error:
         print(f"kvshare serve: error: {error}", file=sys.stderr)
         return 2

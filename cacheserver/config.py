@@ -1,8 +1,8 @@
 """Server configuration, parsed once at start-up into frozen dataclasses.
 
 The TOML keys `listen`, `data_dir`, `[[tenants]]` and `[[principals]]` are a contract
-(DESIGN §8); `[storage]`, `[limits]`, `[tls]` and `audit_log` are optional with the
-defaults below.
+(DESIGN §8); `[storage]`, `[limits]`, `[tls]`, `[telemetry]` and `audit_log` are optional
+with the defaults below.
 Command-line flags override the file. Unknown keys anywhere are errors naming the key
 and its line.
 """
@@ -34,10 +34,12 @@ TOP_KEYS = frozenset(
         "storage",
         "limits",
         "tls",
+        "telemetry",
         "audit_log",
     }
 )
 TLS_KEYS = frozenset({"cert", "key", "client_ca"})
+LOG_FORMATS = ("text", "json")
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,23 @@ class TlsFiles:
 
 
 @dataclass(frozen=True)
+class TelemetryConfig:
+    """What the server exports; by default nothing leaves the process but its logs."""
+
+    # HOST:PORT of a Prometheus text endpoint (/metrics); "": off. Port 0 picks one.
+    metrics_listen: str = ""
+    # OTLP/HTTP collector base URL (e.g. http://127.0.0.1:4318) for metrics and traces;
+    # "": off. Needs the `otlp` extra.
+    otlp_endpoint: str = ""
+    # Label tenant-level metrics with the tenant id. Off by default: tenant ids are
+    # customer names to some operators, and a label per tenant multiplies the series.
+    per_tenant_labels: bool = False
+    log_format: str = "text"  # or "json": one object per line, with request ids
+    # How often the health probe writes to the LMDB tier and checks free disk space.
+    health_interval_ms: int = 500
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     listen: str = DEFAULT_LISTEN
     data_dir: Path = Path(DEFAULT_DATA_DIR)
@@ -112,6 +131,7 @@ class ServerConfig:
     access: AccessConfig | None = None  # None: dev mode (tenant `dev`, token in data dir)
     tls: TlsFiles | None = None  # None: plaintext (loopback, or allow_insecure_listen)
     audit_log: Path | None = None  # None: <data_dir>/audit.log
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
 
     @property
     def audit_log_path(self) -> Path:
@@ -168,6 +188,38 @@ def _parse_tls(raw: Mapping[str, Any], source: str, text: str) -> TlsFiles | Non
     return TlsFiles(Path(raw["cert"]), Path(raw["key"]), Path(client_ca) if client_ca else None)
 
 
+def _parse_telemetry(raw: Mapping[str, Any], source: str, text: str) -> TelemetryConfig:
+    """`[telemetry]`: the keys of TelemetryConfig, each of its type."""
+    defaults = TelemetryConfig()
+    for key, value in raw.items():
+        where = f"{source}:{line_of(text, key)}"
+        if not hasattr(defaults, key):
+            allowed = ", ".join(sorted(defaults.__dataclass_fields__))
+            raise ConfigError(f"{where}: telemetry.{key}: unknown key; allowed: {allowed}")
+        expected = type(getattr(defaults, key))
+        if type(value) is not expected or (expected is int and value <= 0):
+            raise ConfigError(
+                f"{where}: telemetry.{key}: must be {expected.__name__}"
+                + (" > 0" if expected is int else "")
+            )
+    config = replace(defaults, **raw)
+    check_telemetry(config, f"{source}: telemetry")
+    return config
+
+
+def check_telemetry(config: TelemetryConfig, where: str) -> None:
+    """Values a flag can also set: checked the same way for the file and the flags."""
+    if config.log_format not in LOG_FORMATS:
+        raise ConfigError(f"{where}: log_format {config.log_format!r}; use text or json")
+    if config.metrics_listen and ":" not in config.metrics_listen:
+        raise ConfigError(f"{where}: metrics_listen {config.metrics_listen!r} is not HOST:PORT")
+    if config.otlp_endpoint and not config.otlp_endpoint.startswith(("http://", "https://")):
+        raise ConfigError(
+            f"{where}: otlp_endpoint {config.otlp_endpoint!r}; give the collector's "
+            "OTLP/HTTP base URL, e.g. http://127.0.0.1:4318"
+        )
+
+
 def load_config(path: Path) -> ServerConfig:
     try:
         text = path.read_text(encoding="utf-8")
@@ -219,4 +271,5 @@ def load_config(path: Path) -> ServerConfig:
         access=access,
         tls=_parse_tls(_table(raw, "tls", source, text), source, text),
         audit_log=Path(audit_log) if audit_log else None,
+        telemetry=_parse_telemetry(_table(raw, "telemetry", source, text), source, text),
     )

@@ -13,12 +13,19 @@ from types import TracebackType
 
 from cacheserver.config import ServerConfig
 from cacheserver.server import Server, TlsFiles
+from cacheserver.telemetry import ServerTelemetry
 
 
 class EmbeddedServer:
-    def __init__(self, config: ServerConfig, tls: TlsFiles | None = None) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        tls: TlsFiles | None = None,
+        telemetry: ServerTelemetry | None = None,
+    ) -> None:
         self.config = config
         self._tls = tls
+        self._telemetry = telemetry
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="kvshare-server", daemon=True
@@ -38,7 +45,7 @@ class EmbeddedServer:
         return self.address
 
     async def _start(self) -> str:
-        self.server = Server(self.config, self._tls)
+        self.server = Server(self.config, self._tls, self._telemetry)
         return await self.server.start()
 
     def stop(self, grace_s: float = 1.0) -> None:

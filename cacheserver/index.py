@@ -17,8 +17,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Literal, TypeAlias
 
 from policy.types import StorageKey, TenantId
+
+EvictReason: TypeAlias = Literal["quota", "budget"]
 
 
 @dataclass(slots=True)
@@ -122,6 +125,10 @@ class BlockIndex:
 
         Does not change the index; raises NoRoom when the rules above forbid it.
         """
+        return list(self.victims_with_reasons(tenant, size))
+
+    def victims_with_reasons(self, tenant: TenantId, size: int) -> dict[StorageKey, EvictReason]:
+        """Like `victims_for`, with why each goes: rule 1 (`quota`) or rule 2 (`budget`)."""
         quota = self.quotas_bytes.get(tenant, 0)
         if size > self.budget_bytes or (quota and size > quota):
             limit = min(self.budget_bytes, quota) if quota else self.budget_bytes
@@ -136,6 +143,7 @@ class BlockIndex:
                     break
                 planned[key] = entry.size
                 tenant_used -= entry.size
+        own_quota = len(planned)  # the first victims are rule 1's
         used = self.used_bytes - sum(planned.values())
         if used + size > self.budget_bytes:
             for key, entry_size in self._global_candidates(tenant, planned):
@@ -145,7 +153,7 @@ class BlockIndex:
                     break
         if used + size > self.budget_bytes:
             raise NoRoom("every remaining block belongs to a tenant within its quota")
-        return list(planned)
+        return {key: "quota" if i < own_quota else "budget" for i, key in enumerate(planned)}
 
     def _global_candidates(
         self, tenant: TenantId, planned: Mapping[StorageKey, int]

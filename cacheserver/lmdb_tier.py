@@ -6,13 +6,16 @@ epoch, clock). Both are written in one transaction, so a block is visible only o
 all of its bytes and its checksum are committed; a torn write is never visible.
 Reads use `buffers=True` (zero-copy from the memory map) and verify the xxh3-128
 checksum before anything leaves the read transaction; a mismatch deletes the block and
-is reported to the caller as a miss.
+is reported to the caller as a miss. A third database, `health`, holds one key that
+the health probe rewrites to prove the tier still commits.
 """
 
 from __future__ import annotations
 
+import os
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +28,11 @@ from policy.types import StorageKey, TenantId
 
 # checksum (16) | size (8) | epoch (4) | clock (8) | then the tenant id in UTF-8
 _META = struct.Struct(">16sQIQ")
+_PROBE_KEY = b"probe"
+# A commit that needs fresh pages fails when the file system is full, yet the probe's
+# own tiny write reuses freed pages and still succeeds: so the probe also asks for this
+# much free space, about what a burst of new blocks needs before eviction catches up.
+MIN_FREE_BYTES = 8 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,10 +99,28 @@ class LmdbTier:
             raise ConfigError(f"cannot create data dir {path}: {error.strerror}") from None
         self._blocks = self._env.open_db(b"blocks")
         self._meta = self._env.open_db(b"meta")
+        self._health = self._env.open_db(b"health")
+        self.path = path
         self.map_bytes = map_bytes
         self.integrity_failures = 0
         self._lock = threading.Lock()  # guards integrity_failures
         self._on_integrity_failure = on_integrity_failure
+
+    def probe(self) -> str | None:
+        """Why the tier cannot take writes now (a short reason), or None when it can."""
+        try:
+            with self._env.begin(write=True, db=self._health) as txn:
+                txn.put(_PROBE_KEY, struct.pack(">d", time.time()))
+        except lmdb.Error as error:
+            return f"LMDB write failed ({type(error).__name__})"
+        try:
+            fs = os.statvfs(self.path)
+        except OSError as error:
+            return f"cannot stat the data dir ({error.strerror})"
+        free = fs.f_bavail * fs.f_frsize
+        if free < MIN_FREE_BYTES:
+            return f"disk full: {free} bytes free under the LMDB tier"
+        return None
 
     def sync(self) -> None:
         """fsync what earlier commits wrote (they are already in the OS page cache)."""

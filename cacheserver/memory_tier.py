@@ -8,23 +8,28 @@ its lock.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TypeAlias
 
-from cacheserver.index import BlockIndex, NoRoom
+from cacheserver.index import BlockIndex, EvictReason, NoRoom
 from policy.types import StorageKey, TenantId
 
 # A block's bytes as the store holds them: bytes from gRPC, the receive buffer itself
 # (bytearray, never written again) from the bulk channel, so neither path copies.
 Payload: TypeAlias = bytes | bytearray
+OnEvict: TypeAlias = Callable[[EvictReason, int], None]  # (reason, bytes) per block evicted
 
 
 class MemoryTier:
     def __init__(
-        self, budget_bytes: int, quotas_bytes: Mapping[TenantId, int] | None = None
+        self,
+        budget_bytes: int,
+        quotas_bytes: Mapping[TenantId, int] | None = None,
+        on_evict: OnEvict | None = None,
     ) -> None:
         self._index = BlockIndex(budget_bytes, quotas_bytes)
         self._payloads: dict[StorageKey, Payload] = {}
+        self._on_evict = on_evict
 
     @property
     def used_bytes(self) -> int:
@@ -43,19 +48,25 @@ class MemoryTier:
             self._index.touch(key)
         return payload
 
-    def admit(self, key: StorageKey, tenant: TenantId, payload: Payload) -> None:
-        """Keep `payload` hot, evicting least recently used blocks; skip it if it cannot fit."""
+    def admit(self, key: StorageKey, tenant: TenantId, payload: Payload) -> bool:
+        """Keep `payload` hot, evicting least recently used blocks; skip it if it cannot fit.
+
+        True when the block was newly admitted."""
         if key in self._payloads:
             self._index.touch(key)
-            return
+            return False
         try:
-            victims = self._index.victims_for(tenant, len(payload))
+            victims = self._index.victims_with_reasons(tenant, len(payload))
         except NoRoom:
-            return  # larger than the whole tier: serve it from disk only
-        for victim in victims:
+            return False  # larger than the whole tier: serve it from disk only
+        for victim, reason in victims.items():
+            dropped = self._payloads.get(victim)
             self.drop(victim)
+            if dropped is not None and self._on_evict is not None:
+                self._on_evict(reason, len(dropped))
         self._index.add(key, tenant, len(payload))
         self._payloads[key] = payload
+        return True
 
     def drop(self, key: StorageKey) -> None:
         if self._payloads.pop(key, None) is not None:

@@ -26,8 +26,10 @@ from grpc_reflection.v1alpha import reflection
 
 from cacheserver.bulk import BulkServer, server_tls_context
 from cacheserver.config import ServerConfig, TlsFiles
+from cacheserver.health import HealthMonitor
 from cacheserver.service import BlockStoreService, BulkEndpoint
 from cacheserver.store import BlockStore
+from cacheserver.telemetry import ServerTelemetry
 from cacheserver.wire import AuthInterceptor
 from kvshare.errors import ConfigError
 from kvshare.v1 import kvshare_pb2, kvshare_pb2_grpc
@@ -37,6 +39,7 @@ from policy.devmode import dev_access
 from policy.naming import load_or_create_server_secret
 from policy.ratelimit import RequestRateLimiter
 from policy.tickets import TicketBook
+from policy.types import TenantId
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = kvshare_pb2.DESCRIPTOR.services_by_name["BlockStore"].full_name
@@ -123,11 +126,18 @@ def check_tls(config: ServerConfig, tls: TlsFiles | None) -> None:
 
 
 class Server:
-    def __init__(self, config: ServerConfig, tls: TlsFiles | None = None) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        tls: TlsFiles | None = None,
+        telemetry: ServerTelemetry | None = None,
+    ) -> None:
+        """`telemetry`: instruments and exporters; by default built from config.telemetry."""
         tls = tls or config.tls
         check_tls(config, tls)
         self.config = config
         self._tls = tls
+        self.telemetry = telemetry or ServerTelemetry(config.telemetry)
         self._lock_file = prepare_data_dir(config.data_dir)
         access = config.access or dev_access(config.data_dir)
         self.audit = AuditLog(config.audit_log_path)
@@ -145,21 +155,35 @@ class Server:
             self.policy.quotas_bytes,
             epochs,
             on_integrity_failure=self.policy.record_integrity_failure,
+            events=self.telemetry,
         )
+        self.telemetry.watch(self.store.tier_usage, self._tenant_usage)
         if self.store.reclaimed_at_start:
             self.policy.record_admin(
                 None, "reclaim_retired_epochs", blocks=self.store.reclaimed_at_start
             )
         self.health = health.aio.HealthServicer()
+        self.health_monitor = HealthMonitor(
+            self.health,
+            ("", SERVICE_NAME),
+            self.store.probe,
+            config.telemetry.health_interval_ms / 1000,
+            on_change=lambda serving: setattr(self.telemetry, "serving", serving),
+        )
         self.tickets = TicketBook()
         self.bulk: BulkServer | None = None
         self._server: grpc.aio.Server | None = None
         self.address = ""
+        self.metrics_address = ""
+
+    def _tenant_usage(self) -> dict[TenantId, tuple[int, int]]:
+        quotas = self.policy.quotas_bytes
+        return {t: (self.store.tenant_usage(t)[1], quotas[t]) for t in sorted(quotas)}
 
     async def start(self) -> str:
         max_message = self.config.limits.max_message_bytes + GRPC_SLACK_BYTES
         server = grpc.aio.server(
-            interceptors=[AuthInterceptor(self.policy)],
+            interceptors=[AuthInterceptor(self.policy, self.telemetry)],
             options=[
                 ("grpc.max_receive_message_length", max_message),
                 ("grpc.max_send_message_length", max_message),
@@ -168,7 +192,13 @@ class Server:
         )
         host = self.config.listen.rsplit(":", 1)[0]
         self.bulk = BulkServer(
-            host, self.store, self.policy, self.tickets, self.config.limits, _bulk_tls(self._tls)
+            host,
+            self.store,
+            self.policy,
+            self.tickets,
+            self.config.limits,
+            _bulk_tls(self._tls),
+            telemetry=self.telemetry,
         )
         kvshare_pb2_grpc.add_BlockStoreServicer_to_server(
             BlockStoreService(
@@ -189,9 +219,9 @@ class Server:
             server,
         )
         port = self._bind(server)
+        self.metrics_address = self.telemetry.start()
         await server.start()
-        for name in ("", SERVICE_NAME):
-            await _maybe_await(self.health.set(name, health_pb2.HealthCheckResponse.SERVING))
+        await self.health_monitor.start()
         self._server = server
         self.address = f"{host}:{port}"
         return self.address
@@ -217,6 +247,8 @@ class Server:
         await self._server.wait_for_termination()
 
     async def stop(self, grace_s: float = SHUTDOWN_GRACE_S) -> None:
+        await self.health_monitor.stop()
+        await self.health.enter_graceful_shutdown()  # probes see NOT_SERVING while draining
         if self._server is not None:
             await self._server.stop(grace_s)
             self._server = None
@@ -224,6 +256,7 @@ class Server:
             self.bulk.stop()
             self.bulk = None
         self.store.close()
+        self.telemetry.shutdown()
         self.audit.close()
         self._lock_file.close()
 
@@ -236,11 +269,6 @@ def _bulk_tls(tls: TlsFiles | None) -> ssl.SSLContext | None:
         return server_tls_context(tls.cert_chain.read_bytes(), tls.private_key.read_bytes(), ca)
     except OSError as error:
         raise ConfigError(f"cannot read TLS file {error.filename}: {error.strerror}") from None
-
-
-async def _maybe_await(value: object) -> None:
-    if asyncio.iscoroutine(value):
-        await value
 
 
 def _server_credentials(tls: TlsFiles) -> grpc.ServerCredentials:
@@ -268,6 +296,8 @@ async def serve(config: ServerConfig, tls: TlsFiles | None = None) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):  # before "serving on": a signal right
         loop.add_signal_handler(sig, stopping.set)  # after it must drain, not kill
+    if server.metrics_address:
+        print(f"kvshare metrics on {server.metrics_address} (/metrics)", flush=True)
     print(f"kvshare serving on {address}{mode}", flush=True)
     await stopping.wait()
     log.info("draining in-flight RPCs (grace %.0f s)", SHUTDOWN_GRACE_S)

@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 
 from cacheserver.config import LimitsConfig
+from cacheserver.events import Tier
 from cacheserver.memory_tier import Payload
 from cacheserver.store import BlockStore
 from cacheserver.wire import current_principal
@@ -59,7 +60,10 @@ class BlockStoreService(pb_grpc.BlockStoreServicer):
         tenant = self._policy.admit(principal, request.tenant, action)
         ticket = self._bulk.tickets.issue(principal, tenant)
         return pb.OpenBulkResponse(
-            ticket=ticket, address=self._bulk.address, ttl_ms=int(self._bulk.tickets.ttl_s * 1000)
+            ticket=ticket,
+            address=self._bulk.address,
+            ttl_ms=int(self._bulk.tickets.ttl_s * 1000),
+            trace_context=True,
         )
 
     def _keys(
@@ -86,10 +90,12 @@ class BlockStoreService(pb_grpc.BlockStoreServicer):
         )
         loop = asyncio.get_running_loop()
         framer = _Framer(frame_bytes)
-        served = served_bytes = 0
+        served = 0
         while served < len(keys):
+            tier: Tier = "memory"
             payloads = self._store.read_from_memory(keys[served:])
             if not payloads:
+                tier = "lmdb"
                 payloads = await loop.run_in_executor(
                     None, self._store.read_from_disk, tenant, keys[served:], DISK_BATCH_BYTES
                 )
@@ -98,11 +104,11 @@ class BlockStoreService(pb_grpc.BlockStoreServicer):
             for frame in framer.frames(served, payloads):
                 yield frame
             served += len(payloads)
-            served_bytes += sum(len(p) for p in payloads)
+            self._store.note_served(tenant, tier, payloads)
         last = framer.flush()
         if last is not None:
             yield last
-        self._store.note_served(tenant, served, served_bytes)
+        self._store.note_get(tenant, len(keys), served)
 
     async def Put(
         self, request_iterator: AsyncIterator[pb.PutFrame], context: Context
@@ -156,6 +162,7 @@ class BlockStoreService(pb_grpc.BlockStoreServicer):
                     quota_bytes=self._policy.quotas_bytes.get(tenant, 0),
                     lookups=c.lookups,
                     lookup_hits=c.lookup_hits,
+                    lookup_digests=c.lookup_digests,
                     blocks_served=c.blocks_served,
                     bytes_served=c.bytes_served,
                     blocks_stored=c.blocks_stored,

@@ -11,6 +11,10 @@ Invariants:
 
 Writes go through one writer thread that groups every queued block into one LMDB
 transaction (group commit): with `sync_writes`, one fsync acknowledges many puts.
+
+Everything countable (hits, misses, blocks and bytes per tier, evictions, refusals,
+integrity failures) is reported to a `StoreEvents` as it happens; the server's
+telemetry turns those into metrics. The events carry tenants and sizes, never keys.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cacheserver.config import StorageConfig
-from cacheserver.index import BlockIndex, Entry, NoRoom
+from cacheserver.events import NoEvents, StoreEvents, Tier
+from cacheserver.index import BlockIndex, Entry, EvictReason, NoRoom
 from cacheserver.lmdb_tier import LmdbTier, PendingWrite
 from cacheserver.memory_tier import MemoryTier, Payload
 from kvshare.errors import KvshareError, ResourceExhausted, Unavailable
@@ -39,6 +44,7 @@ MAX_BATCH_BLOCKS = 4096
 class TenantCounters:
     lookups: int = 0
     lookup_hits: int = 0
+    lookup_digests: int = 0  # digests asked: lookup_hits / lookup_digests is the hit rate
     blocks_served: int = 0
     bytes_served: int = 0
     blocks_stored: int = 0
@@ -78,18 +84,24 @@ class BlockStore:
         epochs: Mapping[TenantId, int],
         *,
         on_integrity_failure: Callable[[TenantId, int], None] | None = None,
+        events: StoreEvents | None = None,
     ) -> None:
+        self.events: StoreEvents = events or NoEvents()
+        self._on_integrity_failure = on_integrity_failure
         self._disk = LmdbTier(
             data_dir / "lmdb",
             map_bytes=storage.effective_map_bytes(),
             sync_writes=storage.sync_writes,
-            on_integrity_failure=on_integrity_failure,
+            on_integrity_failure=self._integrity_failed,
         )
         self._index = BlockIndex(storage.disk_budget_bytes, quotas_bytes)
         self._memory = MemoryTier(
             storage.memory_budget_bytes,
             memory_quotas(quotas_bytes, storage.memory_budget_bytes, storage.disk_budget_bytes),
+            on_evict=lambda reason, nbytes: self.events.evicted("memory", reason, nbytes),
         )
+        # Why the last commit failed, until the health probe has seen it (see probe()).
+        self._commit_failure: str | None = None
         self.reclaimed_at_start = 0  # blocks of retired epochs or removed tenants
         self._epochs = dict(epochs)
         self._lock = threading.Lock()
@@ -108,6 +120,21 @@ class BlockStore:
                 daemon=True,
             )
             self._syncer.start()
+
+    def _integrity_failed(self, tenant: TenantId, blocks: int) -> None:
+        self.events.integrity_failure(tenant, blocks)
+        if self._on_integrity_failure is not None:
+            self._on_integrity_failure(tenant, blocks)
+
+    def probe(self) -> str | None:
+        """Why the store cannot take writes (for the health check), or None. Blocking.
+
+        A real commit that failed since the last probe counts once even if the probe's
+        own write works, so a failure between probes is seen; health then recovers by
+        itself as soon as the tier commits again."""
+        with self._lock:
+            failure, self._commit_failure = self._commit_failure, None
+        return self._disk.probe() or failure
 
     def _sync_loop(self, interval_s: float) -> None:
         """Bound what a power loss can take when commits are not fsynced one by one."""
@@ -141,6 +168,7 @@ class BlockStore:
                     break
                 victims.append(key)
                 excess -= entry.size
+                self.events.evicted("lmdb", "budget", entry.size)
             self._remove_everywhere(victims)
             self._disk.delete(victims)
 
@@ -162,6 +190,8 @@ class BlockStore:
             counters = self.count(tenant)
             counters.lookups += 1
             counters.lookup_hits += present
+            counters.lookup_digests += len(keys)
+            self.events.looked_up(tenant, len(keys), present)
             return present
 
     def read_from_memory(self, keys: Sequence[StorageKey]) -> list[Payload]:
@@ -200,16 +230,23 @@ class BlockStore:
                 if payload is None:
                     self._remove_everywhere([key])  # corrupt or gone: a miss from now on
                     break
-                if self._index.touch(key):
-                    self._memory.admit(key, tenant, payload)
+                if self._index.touch(key) and self._memory.admit(key, tenant, payload):
+                    self.events.stored(tenant, "memory", len(payload))
                 out.append(payload)
         return out
 
-    def note_served(self, tenant: TenantId, blocks: int, nbytes: int) -> None:
+    def note_served(self, tenant: TenantId, tier: Tier, payloads: Sequence[Payload]) -> None:
+        """`payloads` (read from `tier`) went to a client."""
+        nbytes = sum(len(p) for p in payloads)
         with self._lock:
             counters = self.count(tenant)
-            counters.blocks_served += blocks
+            counters.blocks_served += len(payloads)
             counters.bytes_served += nbytes
+        self.events.served(tenant, tier, len(payloads), nbytes)
+
+    def note_get(self, tenant: TenantId, asked: int, served: int) -> None:
+        """A get of `asked` blocks ended after `served` of them (the rest: misses)."""
+        self.events.got(tenant, asked, served)
 
     # -- writes -----------------------------------------------------------------------
 
@@ -222,6 +259,7 @@ class BlockStore:
             if key in self._index:
                 self._index.touch(key)
                 job.future.set_result(False)
+                self.events.put_outcome(tenant, "already_present")
                 return job.future
         self._queue.put(job)
         return job.future
@@ -247,17 +285,20 @@ class BlockStore:
 
     def _plan(
         self, batch: Sequence[_PutJob]
-    ) -> tuple[list[_PutJob], list[tuple[StorageKey, Entry]]]:
+    ) -> tuple[list[_PutJob], list[tuple[StorageKey, Entry, EvictReason]]]:
         """Reserve room for the batch in the index; returns admitted jobs and evicted entries."""
         admitted: list[_PutJob] = []
-        evicted: list[tuple[StorageKey, Entry]] = []
+        evicted: list[tuple[StorageKey, Entry, EvictReason]] = []
         for job in batch:
             if job.key in self._index or any(a.key == job.key for a in admitted):
                 job.future.set_result(False)
+                self.events.put_outcome(job.tenant, "already_present")
                 continue
             try:
-                victims = self._index.victims_for(job.tenant, len(job.payload))
+                victims = self._index.victims_with_reasons(job.tenant, len(job.payload))
             except NoRoom as error:
+                self.events.quota_rejected(job.tenant)
+                self.events.put_outcome(job.tenant, "rejected")
                 job.future.set_exception(
                     ResourceExhausted(
                         f"no room for a {len(job.payload)}-byte block: {error.reason}; raise the "
@@ -265,10 +306,10 @@ class BlockStore:
                     )
                 )
                 continue
-            for victim in victims:
+            for victim, reason in victims.items():
                 entry = self._index.remove(victim)
                 if entry is not None:
-                    evicted.append((victim, entry))
+                    evicted.append((victim, entry, reason))
             self._index.add(job.key, job.tenant, len(job.payload))
             job.clock = self._index.clock
             admitted.append(job)
@@ -277,7 +318,7 @@ class BlockStore:
     def _commit(self, batch: Sequence[_PutJob]) -> None:
         with self._lock:
             admitted, evicted = self._plan(batch)
-            for key, _ in evicted:
+            for key, _, _ in evicted:
                 self._memory.drop(key)
             # Entries are in the index for planning only; hide them until committed.
             for job in admitted:
@@ -286,11 +327,14 @@ class BlockStore:
             return
         writes = [PendingWrite(j.key, j.tenant, j.epoch, j.clock, j.payload) for j in admitted]
         try:
-            stored = self._disk.write(writes, [k for k, _ in evicted])
+            stored = self._disk.write(writes, [k for k, _, _ in evicted])
         except Exception as error:  # the batch failed as a whole: nothing was written
             with self._lock:
-                for key, entry in evicted:
+                for key, entry, _ in evicted:
                     self._index.add(key, entry.tenant, entry.size, clock=entry.clock)
+                self._commit_failure = f"an LMDB commit failed ({type(error).__name__})"
+                for job in admitted:
+                    self.events.put_outcome(job.tenant, "failed")
             failure = (
                 error
                 if isinstance(error, KvshareError)
@@ -305,13 +349,20 @@ class BlockStore:
                 job.future.set_exception(failure)
             return
         with self._lock:
+            for _, entry, reason in evicted:
+                self.events.evicted("lmdb", reason, entry.size)
             for job, fresh in zip(admitted, stored, strict=True):
-                if fresh:
-                    self._index.add(job.key, job.tenant, len(job.payload), clock=job.clock)
-                    self._memory.admit(job.key, job.tenant, job.payload)
-                    counters = self.count(job.tenant)
-                    counters.blocks_stored += 1
-                    counters.bytes_stored += len(job.payload)
+                if not fresh:
+                    self.events.put_outcome(job.tenant, "already_present")
+                    continue
+                self._index.add(job.key, job.tenant, len(job.payload), clock=job.clock)
+                self.events.put_outcome(job.tenant, "stored")
+                self.events.stored(job.tenant, "lmdb", len(job.payload))
+                if self._memory.admit(job.key, job.tenant, job.payload):
+                    self.events.stored(job.tenant, "memory", len(job.payload))
+                counters = self.count(job.tenant)
+                counters.blocks_stored += 1
+                counters.bytes_stored += len(job.payload)
         for job, fresh in zip(admitted, stored, strict=True):
             job.future.set_result(fresh)
 

@@ -11,19 +11,27 @@ credentials). A new RPC therefore cannot skip authentication.
 
 `KvshareError`s become `context.abort(status, message)` here and nowhere else; any other
 exception is a bug, logged with a request id and answered INTERNAL with a fixed message.
+
+The same wrapper observes the call (ServerTelemetry.rpc): a request id for its log and
+audit records, a server span whose parent is the caller's `traceparent` metadata, and
+the call's count and latency by method and final status.
 """
 
 from __future__ import annotations
 
 import contextvars
 import logging
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeAlias, TypeVar
 
 import grpc
+from opentelemetry.context import Context
 
+from cacheserver.telemetry import RpcCall, ServerTelemetry
 from kvshare.errors import KvshareError
+from kvshare.logs import current_request_id, new_request_id
+from kvshare.tracing import context_from_metadata
 from policy import AccessPolicy, Principal
 from policy.audit import bind_call
 
@@ -47,7 +55,7 @@ async def abort_for(
 ) -> None:
     if isinstance(error, KvshareError):
         await context.abort(_status(error), str(error))
-    request_id = uuid.uuid4().hex[:12]
+    request_id = current_request_id() or new_request_id()
     log.error(
         "internal error in %s (request id %s)",
         method,
@@ -84,42 +92,59 @@ def _auth_context(context: grpc.aio.ServicerContext[Any, Any]) -> dict[str, list
     return {str(k): [bytes(v) for v in values] for k, values in raw.items()}
 
 
-def _wrap_unary(
-    behavior: Callable[..., Awaitable[T]],
-    policy: AccessPolicy,
-    authorization: str | None,
-    method: str,
-) -> Callable[..., Awaitable[T]]:
+@dataclass(frozen=True)
+class _Call:
+    """What the interceptor learnt of a call from its metadata, for the wrapped behaviour."""
+
+    policy: AccessPolicy
+    telemetry: ServerTelemetry
+    authorization: str | None
+    parent: Context | None  # the caller's trace context (traceparent)
+    method: str
+
+    @property
+    def name(self) -> str:
+        """The method as metrics and spans name it: `kvshare.v1.BlockStore/Get`."""
+        return self.method.lstrip("/")
+
+    async def fail(
+        self, context: grpc.aio.ServicerContext[Any, Any], error: Exception, observed: RpcCall
+    ) -> None:
+        """Record the call's status, then abort with it (re-raise an abort)."""
+        if isinstance(error, grpc.aio.AbortError):
+            code = context.code()
+            observed.status = code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
+            raise error
+        observed.status = error.status if isinstance(error, KvshareError) else "INTERNAL"
+        await abort_for(context, error, self.method)
+
+
+def _wrap_unary(behavior: Callable[..., Awaitable[T]], call: _Call) -> Callable[..., Awaitable[T]]:
     async def wrapped(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> T:
-        await _authenticate(policy, authorization, method, context)
-        try:
-            return await behavior(request, context)
-        except Exception as exc:
-            if isinstance(exc, grpc.aio.AbortError):
-                raise
-            await abort_for(context, exc, method)
-            raise  # unreachable: abort raises
+        with call.telemetry.rpc(call.name, call.parent) as observed:
+            try:
+                await _authenticate(call.policy, call.authorization, call.method, context)
+                return await behavior(request, context)
+            except Exception as exc:
+                await call.fail(context, exc, observed)
+                raise  # unreachable: abort raises
 
     return wrapped
 
 
 def _wrap_stream(
-    behavior: Callable[..., AsyncIterator[T]],
-    policy: AccessPolicy,
-    authorization: str | None,
-    method: str,
+    behavior: Callable[..., AsyncIterator[T]], call: _Call
 ) -> Callable[..., AsyncIterator[T]]:
     async def wrapped(
         request: Any, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[T]:
-        await _authenticate(policy, authorization, method, context)
-        try:
-            async for item in behavior(request, context):
-                yield item
-        except Exception as exc:
-            if isinstance(exc, grpc.aio.AbortError):
-                raise
-            await abort_for(context, exc, method)
+        with call.telemetry.rpc(call.name, call.parent, restore_context=False) as observed:
+            try:
+                await _authenticate(call.policy, call.authorization, call.method, context)
+                async for item in behavior(request, context):
+                    yield item
+            except Exception as exc:
+                await call.fail(context, exc, observed)
 
     return wrapped
 
@@ -128,8 +153,9 @@ Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"  # generic only in the st
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, policy: AccessPolicy) -> None:
+    def __init__(self, policy: AccessPolicy, telemetry: ServerTelemetry | None = None) -> None:
         self._policy = policy
+        self._telemetry = telemetry or ServerTelemetry()
 
     async def intercept_service(
         self,
@@ -142,26 +168,19 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             return handler
         metadata = handler_call_details.invocation_metadata or ()
         authorization = next((str(v) for k, v in metadata if k == "authorization"), None)
-        return _rewrap(handler, self._policy, authorization, method)
+        parent = context_from_metadata(metadata)
+        return _rewrap(handler, _Call(self._policy, self._telemetry, authorization, parent, method))
 
 
-def _rewrap(handler: Any, policy: AccessPolicy, authorization: str | None, method: str) -> Handler:
+def _rewrap(handler: Any, call: _Call) -> Handler:
     """The same handler (a namedtuple) with its one behaviour wrapped."""
     replaced: Handler
     if handler.unary_unary is not None:
-        replaced = handler._replace(
-            unary_unary=_wrap_unary(handler.unary_unary, policy, authorization, method)
-        )
+        replaced = handler._replace(unary_unary=_wrap_unary(handler.unary_unary, call))
     elif handler.stream_unary is not None:
-        replaced = handler._replace(
-            stream_unary=_wrap_unary(handler.stream_unary, policy, authorization, method)
-        )
+        replaced = handler._replace(stream_unary=_wrap_unary(handler.stream_unary, call))
     elif handler.unary_stream is not None:
-        replaced = handler._replace(
-            unary_stream=_wrap_stream(handler.unary_stream, policy, authorization, method)
-        )
+        replaced = handler._replace(unary_stream=_wrap_stream(handler.unary_stream, call))
     else:
-        replaced = handler._replace(
-            stream_stream=_wrap_stream(handler.stream_stream, policy, authorization, method)
-        )
+        replaced = handler._replace(stream_stream=_wrap_stream(handler.stream_stream, call))
     return replaced

@@ -5,8 +5,12 @@ After `OpenBulk` (gRPC) issues a ticket, the client opens a TCP (or TLS) connect
     client: HELLO  = b"KVB1" | ticket (32 bytes)
     server: status u8 (0 = ok; else an error frame, and the connection closes)
     then any number of requests, each answered before the next:
-    client: REQUEST = op u8 | model_len u16 | count u32 | model | count x digest (32)
+    client: REQUEST = op u8 | model_len u16 | count u32 | [trace] | model | count x digest (32)
             PUT adds count x size u64, then the payloads back to back
+            op | TRACED (only when OpenBulk said `trace_context`): a 25-byte trace
+            context follows the header (trace id 16 | span id 8 | flags u8, the fields
+            of a W3C traceparent: kvshare.tracing), so the server's span of this
+            request joins the caller's trace
     server: GET  -> status u8, then per block size u64 | payload, then END (size 0)
             PUT  -> status u8, then count x outcome u8 (1 stored, 2 already present)
     error frame: status u8 (a gRPC status code) | message_len u16 | message (UTF-8)
@@ -28,6 +32,8 @@ SIZE = struct.Struct(">Q")
 ERROR = struct.Struct(">BH")
 OP_GET = 1
 OP_PUT = 2
+TRACED = 0x80  # flag on op: a trace context follows the REQUEST header
+TRACE_CONTEXT_BYTES = 25
 OK = 0
 END = SIZE.pack(0)
 OUTCOME_STORED = 1

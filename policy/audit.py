@@ -8,17 +8,23 @@ Events (`event` field):
     integrity_failure  stored blocks that failed their checksum and were dropped
 
 Every record has `ts` (UTC, RFC 3339) and `event`; RPC events add `method` and `peer`
-(bound once per call by the server's wire edge with `bind_call`), and where known
-`principal`, `tenant`, `action`. Invariant: a record never holds a token, a digest,
-a storage name or a payload — only names and counts; callers pass keyword fields and
-`record` refuses bytes, so a digest cannot slip in by accident.
+(bound once per call by the server's wire edge with `bind_call`), `request_id` (the
+same id as the call's log lines and span), and where known `principal`, `tenant`,
+`action`. Invariant: a record never holds a token, a digest, a storage name or a
+payload — only names and counts; callers pass keyword fields and `record` refuses
+bytes, so a digest cannot slip in by accident.
+
+The file is the audit trail (its own sink: 0600, append-only, flushed per record,
+whatever the log level). Each record is also handed to the `kvshare.audit` logger,
+rendered by the same encoder (kvshare.logs.render), so an operator who ships the
+structured log sees the security events in the same stream.
 """
 
 from __future__ import annotations
 
 import contextvars
-import datetime
 import json
+import logging
 import os
 import threading
 from dataclasses import dataclass
@@ -26,8 +32,10 @@ from pathlib import Path
 from typing import IO
 
 from kvshare.errors import ConfigError
+from kvshare.logs import FIELDS_ATTR, current_request_id, render, utc_now
 
 AUDIT_FILE = "audit.log"
+_log = logging.getLogger("kvshare.audit")
 Field = str | int | float | bool | None | list[str]
 
 
@@ -72,24 +80,26 @@ class AuditLog:
         return cls(None)
 
     def record(self, event: str, **fields: Field) -> None:
-        entry: dict[str, Field] = {
-            "ts": datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds"),
-            "event": event,
-        }
+        entry: dict[str, Field] = {"ts": utc_now(), "event": event}
         call = _call.get()
         if call is not None:
             entry["method"] = call.method
             entry["peer"] = call.peer
+        request_id = current_request_id()
+        if request_id is not None:
+            entry["request_id"] = request_id
         for key, value in fields.items():
             if isinstance(value, (bytes, bytearray, memoryview)):
                 raise TypeError(f"audit field {key!r} is bytes; the audit log takes no raw bytes")
             if value is not None:
                 entry[key] = value
-        line = json.dumps(entry, sort_keys=True, ensure_ascii=True) + "\n"
+        line = render(entry) + "\n"
         with self._lock:
             if self._file is not None:
                 self._file.write(line)
                 self._file.flush()
+        if self._file is not None:
+            _log.info("audit %s", event, extra={FIELDS_ATTR: {"audit": entry}})
 
     def close(self) -> None:
         with self._lock:

@@ -11,7 +11,8 @@ misses (`match` -> 0 blocks, `load` -> fewer blocks, `save` -> dropped). The gRP
 reconnects by itself, and the breaker lets a trial call through after its cooldown.
 With a sealer, payloads are sealed before they leave the replica and opened before
 they are decoded: a block that fails to open is a miss plus a counter and never
-becomes a tensor.
+becomes a tensor. `AgentStats` counts for this agent; `AgentTelemetry` records the same
+events as OpenTelemetry metrics and spans (replica_agent/telemetry.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -33,6 +35,7 @@ from replica_agent.codec import encode_block
 from replica_agent.device import BlockRestorer
 from replica_agent.hashing import BlockHasher
 from replica_agent.spec import ModelSpec
+from replica_agent.telemetry import AgentTelemetry, Context
 
 log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 5.0
@@ -73,6 +76,7 @@ class _SaveJob:
     tenant: str
     digests: tuple[bytes, ...]
     blocks: tuple[torch.Tensor, ...]
+    parent: Context | None = None  # the trace context of the `save` call
 
 
 class ReplicaAgent:
@@ -85,6 +89,7 @@ class ReplicaAgent:
         device: torch.device | str = "cpu",
         breaker: CircuitBreaker | None = None,
         save_queue_jobs: int = DEFAULT_SAVE_QUEUE_JOBS,
+        telemetry: AgentTelemetry | None = None,
     ) -> None:
         tune_allocator()  # block-sized buffers come and go: keep them in the heap
         self.client = client
@@ -93,6 +98,8 @@ class ReplicaAgent:
         self.sealer = sealer
         self.breaker = breaker or CircuitBreaker()
         self.stats = AgentStats()
+        self.telemetry = telemetry or AgentTelemetry()
+        self.telemetry.watch_breaker(self.breaker)
         self._restorer = BlockRestorer(spec, device)
         self._hashers: dict[bytes, BlockHasher] = {}
         self._saves: queue.Queue[_SaveJob | None] = queue.Queue(maxsize=save_queue_jobs)
@@ -128,12 +135,15 @@ class ReplicaAgent:
         """How many leading blocks the store holds; blocks before `first_block` are
         assumed present locally and not asked for."""
         found = 0
-        if first_block < len(digests) and self._allow():
-            try:
-                found = self.client.lookup(tenant, self.model, digests[first_block:])
-                self.breaker.record_success()
-            except KvshareError as error:
-                self._store_failed("lookup", error)
+        with self.telemetry.span("kvshare.agent.match", tenant) as span:
+            if first_block < len(digests) and self._allow():
+                try:
+                    found = self.client.lookup(tenant, self.model, digests[first_block:])
+                    self.breaker.record_success()
+                except KvshareError as error:
+                    self._store_failed("lookup", error)
+            asked = max(len(digests) - first_block, 0)
+            self.telemetry.matched(span, tenant, asked, found, self.spec.block_tokens)
         self.stats.lookups += 1
         self.stats.blocks_matched += found
         return PrefixMatch(tenant, tuple(digests), first_block + found, self.spec.block_tokens)
@@ -145,13 +155,26 @@ class ReplicaAgent:
         to open or decode): the caller recomputes from block `first_block + n`.
         """
         wanted = match.digests[first_block : match.blocks]
-        if not wanted or not self._allow():
-            return self._restorer.restore(iter(()), 0)
-        errors_before = self._restorer.format_errors
-        blocks = self._restorer.restore(self._opened(match.tenant, wanted), len(wanted))
-        self.stats.format_errors += self._restorer.format_errors - errors_before
+        with self.telemetry.span("kvshare.agent.load", match.tenant) as span:
+            started = time.perf_counter()
+            if not wanted or not self._allow():
+                blocks = self._restorer.restore(iter(()), 0)
+            else:
+                errors_before = self._restorer.format_errors
+                blocks = self._restorer.restore(self._opened(match.tenant, wanted), len(wanted))
+                self.stats.format_errors += self._restorer.format_errors - errors_before
+            nbytes = blocks.numel() * blocks.element_size()
+            self.telemetry.loaded(
+                span,
+                match.tenant,
+                len(wanted),
+                len(blocks),
+                nbytes,
+                time.perf_counter() - started,
+                self.spec.block_tokens,
+            )
         self.stats.blocks_restored += len(blocks)
-        self.stats.bytes_restored += blocks.numel() * blocks.element_size()
+        self.stats.bytes_restored += nbytes
         return blocks
 
     def _opened(self, tenant: str, digests: Sequence[bytes]) -> Iterator[bytes | memoryview]:
@@ -164,6 +187,7 @@ class ReplicaAgent:
                         payload = self.sealer.open(tenant, self.model, digest, payload)
                     except SealError:
                         self.stats.open_failures += 1
+                        self.telemetry.open_failure()
                         log.warning("a block failed to open; treating it as a miss")
                         return
                 yield payload
@@ -182,10 +206,12 @@ class ReplicaAgent:
             raise ValueError(f"{len(digests)} digests for {len(blocks)} blocks; pass one each")
         if not digests:
             return True
+        job = _SaveJob(tenant, tuple(digests), tuple(blocks), self.telemetry.current_context())
         try:
-            self._saves.put_nowait(_SaveJob(tenant, tuple(digests), tuple(blocks)))
+            self._saves.put_nowait(job)
         except queue.Full:
             self.stats.saves_dropped += 1
+            self.telemetry.save_dropped("queue_full")
             return False
         self.stats.saves_queued += 1
         return True
@@ -199,6 +225,7 @@ class ReplicaAgent:
                 self._save_now(job)
             except Exception:  # a bug must not kill the saver: later saves still run
                 self.stats.saves_dropped += 1
+                self.telemetry.save_dropped("error")
                 log.exception("save failed unexpectedly; dropped")
             finally:
                 self._saves.task_done()
@@ -206,19 +233,22 @@ class ReplicaAgent:
     def _save_now(self, job: _SaveJob) -> None:
         if not self._allow():
             self.stats.saves_dropped += 1
+            self.telemetry.save_dropped("breaker_open")
             return
-        payloads = []
-        for digest, block in zip(job.digests, job.blocks, strict=True):
-            payload = encode_block(self.spec, block)
-            if self.sealer is not None:
-                payload = self.sealer.seal(job.tenant, self.model, digest, payload)
-            payloads.append(payload)
-        try:
-            self.client.put(job.tenant, self.model, job.digests, payloads)
-            self.breaker.record_success()
-            self.stats.blocks_saved += len(payloads)
-        except KvshareError as error:
-            self._store_failed("put", error)
+        with self.telemetry.span("kvshare.agent.save", job.tenant, job.parent) as span:
+            payloads = []
+            for digest, block in zip(job.digests, job.blocks, strict=True):
+                payload = encode_block(self.spec, block)
+                if self.sealer is not None:
+                    payload = self.sealer.seal(job.tenant, self.model, digest, payload)
+                payloads.append(payload)
+            try:
+                self.client.put(job.tenant, self.model, job.digests, payloads)
+                self.breaker.record_success()
+                self.stats.blocks_saved += len(payloads)
+                self.telemetry.saved(span, job.tenant, len(payloads))
+            except KvshareError as error:
+                self._store_failed("put", error)
 
     def flush(self) -> None:
         """Wait until every queued save has been attempted (tests, demo, shutdown)."""
@@ -230,10 +260,12 @@ class ReplicaAgent:
         if self.breaker.allow():
             return True
         self.stats.skipped_breaker_open += 1
+        self.telemetry.breaker_skip()
         return False
 
     def _store_failed(self, operation: str, error: KvshareError) -> None:
         self.stats.store_errors += 1
+        self.telemetry.store_error(operation)
         self.breaker.record_failure()
         code = getattr(error, "code", None)
         status = code().name if callable(code) else type(error).__name__

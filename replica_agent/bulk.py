@@ -18,15 +18,18 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 
 from kvshare import bulkwire as w
+from kvshare.tracing import binary_context
 
-OpenTicket = Callable[[str], tuple[bytes, str]]  # tenant -> (ticket, "host:port")
+# tenant -> (ticket, "host:port", whether the listener takes trace contexts)
+OpenTicket = Callable[[str], tuple[bytes, str, bool]]
 RaiseStatus = Callable[[str, str], Exception]  # (status name, message) -> exception
 PAGE = mmap.PAGESIZE
 
 
 class _Connection:
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, traced: bool) -> None:
         self.sock = sock
+        self.traced = traced  # the server reads TRACED requests
         self.buffer = mmap.mmap(-1, 1 << 20)  # anonymous, page-aligned, grown on demand
 
     def ensure(self, size: int) -> memoryview:
@@ -73,7 +76,7 @@ class BulkChannel:
         return conn
 
     def _connect(self, tenant: str) -> _Connection:
-        ticket, address = self._open_ticket(tenant)
+        ticket, address, traced = self._open_ticket(tenant)
         host, _, port = address.rpartition(":")
         sock = socket.create_connection((host.strip("[]"), int(port)), timeout=self._timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -81,7 +84,7 @@ class BulkChannel:
             sock = self._tls.wrap_socket(sock, server_hostname=self._server_name or host)
         sock.sendall(w.HELLO.pack(w.MAGIC, ticket))
         self._expect_ok(sock)
-        return _Connection(sock)
+        return _Connection(sock, traced)
 
     def _drop(self, tenant: str) -> None:
         conn = self._local.__dict__.get("conns", {}).pop(tenant, None)
@@ -96,18 +99,23 @@ class BulkChannel:
         message = w.recv_bytes(sock, length).decode("utf-8", "replace")
         raise self._raise(w.STATUS_NAMES.get(status, "INTERNAL"), message)
 
-    def _request(self, sock: socket.socket, op: int, model: str, digests: Sequence[bytes]) -> None:
+    def _request(self, conn: _Connection, op: int, model: str, digests: Sequence[bytes]) -> None:
         # A malformed request would desynchronise the stream; such calls take the gRPC
         # path instead, where the server answers INVALID_ARGUMENT with its own message.
         encoded = model.encode("utf-8")
-        w.send_parts(sock, [w.REQUEST.pack(op, len(encoded), len(digests)), encoded, *digests])
+        trace = binary_context() if conn.traced else None
+        if trace is not None:
+            op |= w.TRACED
+        header = w.REQUEST.pack(op, len(encoded), len(digests))
+        parts = [header, trace, encoded] if trace is not None else [header, encoded]
+        w.send_parts(conn.sock, [*parts, *digests])
 
     def get_views(self, tenant: str, model: str, digests: Sequence[bytes]) -> list[memoryview]:
         """Leading present payloads as views into this thread's reused buffer."""
         _check_framable(model, digests)
         conn = self._connection(tenant)
         try:
-            self._request(conn.sock, w.OP_GET, model, digests)
+            self._request(conn, w.OP_GET, model, digests)
             self._expect_ok(conn.sock)
             spans: list[tuple[int, int]] = []
             offset = 0
@@ -144,7 +152,7 @@ class BulkChannel:
         conn = self._connection(tenant)
         finished = False
         try:
-            self._request(conn.sock, w.OP_GET, model, digests)
+            self._request(conn, w.OP_GET, model, digests)
             self._expect_ok(conn.sock)
             size_buf = bytearray(w.SIZE.size)
             while True:
@@ -175,7 +183,7 @@ class BulkChannel:
             raise UseGrpc("empty payload")
         conn = self._connection(tenant)
         try:
-            self._request(conn.sock, w.OP_PUT, model, digests)
+            self._request(conn, w.OP_PUT, model, digests)
             sizes = b"".join(w.SIZE.pack(memoryview(p).nbytes) for p in payloads)
             conn.sock.sendall(sizes)
             for payload in payloads:

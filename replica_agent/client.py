@@ -10,6 +10,10 @@ Misses are results: `lookup` counts, `get` returns the leading blocks that exist
 Errors raise `BlockStoreError`, whose `.code()` is the `grpc.StatusCode` and whose
 subclass mirrors the server's exception (e.g. `isinstance(e, PermissionDenied)`).
 Thread-safe: one client (one HTTP/2 channel) may be shared by threads.
+
+Each call carries the caller's current trace context (W3C `traceparent`, and its
+binary form on the bulk channel: kvshare.tracing), so the server's span of the call
+joins the caller's trace.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any
 import grpc
 
 from kvshare import errors
+from kvshare.tracing import outgoing_metadata
 from kvshare.v1 import kvshare_pb2 as pb
 from kvshare.v1 import kvshare_pb2_grpc as pb_grpc
 from replica_agent.bulk import BulkChannel, UseGrpc
@@ -167,16 +172,21 @@ class BlockClient:
             self._bulk.close()
         self._channel.close()
 
-    def _open_bulk(self, tenant: str) -> tuple[bytes, str]:
+    def _call_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata + outgoing_metadata()
+
+    def _open_bulk(self, tenant: str) -> tuple[bytes, str, bool]:
         try:
             response = self._stub.OpenBulk(
-                pb.OpenBulkRequest(tenant=tenant), timeout=self.timeout_s, metadata=self._metadata
+                pb.OpenBulkRequest(tenant=tenant),
+                timeout=self.timeout_s,
+                metadata=self._call_metadata(),
             )
         except grpc.RpcError as error:
             if error.code() == grpc.StatusCode.UNIMPLEMENTED:
                 raise _NoBulk("server predates the bulk channel") from None
             raise _raise(error) from None
-        return response.ticket, response.address
+        return response.ticket, response.address, response.trace_context
 
     def _bulk_failed(self, error: Exception) -> None:
         """The bulk path broke below the policy layer (a reset connection, an old server):
@@ -190,7 +200,9 @@ class BlockClient:
     def lookup(self, tenant: str, model: str, digests: Sequence[bytes]) -> int:
         request = pb.LookupRequest(tenant=tenant, model=model, digests=digests)
         try:
-            response = self._stub.Lookup(request, timeout=self.timeout_s, metadata=self._metadata)
+            response = self._stub.Lookup(
+                request, timeout=self.timeout_s, metadata=self._call_metadata()
+            )
         except grpc.RpcError as error:
             raise _raise(error) from None
         return int(response.present)
@@ -247,7 +259,7 @@ class BlockClient:
         request = pb.GetRequest(
             tenant=tenant, model=model, digests=digests, max_frame_bytes=self.frame_bytes
         )
-        call = self._stub.Get(request, timeout=self.timeout_s, metadata=self._metadata)
+        call = self._stub.Get(request, timeout=self.timeout_s, metadata=self._call_metadata())
         assembled = 0
         partial: bytearray | None = None
         try:
@@ -297,7 +309,9 @@ class BlockClient:
                 self._bulk_failed(error)  # puts are idempotent: retry over gRPC
         frames = _put_frames(tenant, model, digests, payloads, self.frame_bytes)
         try:
-            response = self._stub.Put(frames, timeout=self.timeout_s, metadata=self._metadata)
+            response = self._stub.Put(
+                frames, timeout=self.timeout_s, metadata=self._call_metadata()
+            )
         except grpc.RpcError as error:
             raise _raise(error) from None
         stored = [False] * len(digests)
@@ -314,7 +328,9 @@ class BlockClient:
 
     def _delete(self, request: pb.DeleteRequest) -> int:
         try:
-            response = self._stub.Delete(request, timeout=self.timeout_s, metadata=self._metadata)
+            response = self._stub.Delete(
+                request, timeout=self.timeout_s, metadata=self._call_metadata()
+            )
         except grpc.RpcError as error:
             raise _raise(error) from None
         return int(response.deleted)
@@ -322,7 +338,7 @@ class BlockClient:
     def stats(self) -> pb.StatsResponse:
         try:
             return self._stub.Stats(
-                pb.StatsRequest(), timeout=self.timeout_s, metadata=self._metadata
+                pb.StatsRequest(), timeout=self.timeout_s, metadata=self._call_metadata()
             )
         except grpc.RpcError as error:
             raise _raise(error) from None

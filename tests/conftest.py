@@ -133,6 +133,7 @@ class ServerProcess:
             cwd=REPO,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
+        self.startup_lines: list[str] = []  # stdout up to "serving on" (e.g. "metrics on")
         self.address = self._wait_ready()
 
     def _wait_ready(self, timeout_s: float = 60) -> str:
@@ -143,6 +144,7 @@ class ServerProcess:
             if not line:
                 _, err = self.proc.communicate(timeout=10)
                 raise RuntimeError(f"server exited ({self.proc.returncode}): {err}")
+            self.startup_lines.append(line)
             match = SERVING_RE.search(line)
             if match:
                 return match.group(1)

@@ -413,6 +413,7 @@ class TenantStats(_message.Message):
     BYTES_SERVED_FIELD_NUMBER: _builtins.int
     BLOCKS_STORED_FIELD_NUMBER: _builtins.int
     BYTES_STORED_FIELD_NUMBER: _builtins.int
+    LOOKUP_DIGESTS_FIELD_NUMBER: _builtins.int
     tenant: _builtins.str
     blocks: _builtins.int
     bytes: _builtins.int
@@ -424,6 +425,8 @@ class TenantStats(_message.Message):
     bytes_served: _builtins.int
     blocks_stored: _builtins.int
     bytes_stored: _builtins.int
+    lookup_digests: _builtins.int
+    """digests asked by lookups: hit rate = lookup_hits / this"""
     def __init__(
         self,
         *,
@@ -437,10 +440,11 @@ class TenantStats(_message.Message):
         bytes_served: _builtins.int = ...,
         blocks_stored: _builtins.int = ...,
         bytes_stored: _builtins.int = ...,
+        lookup_digests: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "blocks_served", b"blocks_served", "blocks_stored", b"blocks_stored", "bytes", b"bytes", "bytes_served", b"bytes_served", "bytes_stored", b"bytes_stored", "lookup_hits", b"lookup_hits", "lookups", b"lookups", "quota_bytes", b"quota_bytes", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "blocks_served", b"blocks_served", "blocks_stored", b"blocks_stored", "bytes", b"bytes", "bytes_served", b"bytes_served", "bytes_stored", b"bytes_stored", "lookup_digests", b"lookup_digests", "lookup_hits", b"lookup_hits", "lookups", b"lookups", "quota_bytes", b"quota_bytes", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -502,22 +506,26 @@ class OpenBulkResponse(_message.Message):
     TICKET_FIELD_NUMBER: _builtins.int
     ADDRESS_FIELD_NUMBER: _builtins.int
     TTL_MS_FIELD_NUMBER: _builtins.int
+    TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
     ticket: _builtins.bytes
     """32 random bytes, single use"""
     address: _builtins.str
     """HOST:PORT of the bulk listener (TLS when the gRPC port is TLS)"""
     ttl_ms: _builtins.int
     """the ticket must be presented within this time"""
+    trace_context: _builtins.bool
+    """The listener accepts requests that carry a trace context (kvshare/bulkwire.py)."""
     def __init__(
         self,
         *,
         ticket: _builtins.bytes = ...,
         address: _builtins.str = ...,
         ttl_ms: _builtins.int = ...,
+        trace_context: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "ticket", b"ticket", "ttl_ms", b"ttl_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "ticket", b"ticket", "trace_context", b"trace_context", "ttl_ms", b"ttl_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -12,6 +11,7 @@ from google.protobuf import message_factory
 
 from kvshare.v1 import kvshare_pb2
 from tests.conftest import Running
+from tests.isolation.rpc import invoke
 
 SERVICE = kvshare_pb2.DESCRIPTOR.services_by_name["BlockStore"]
 
@@ -22,27 +22,8 @@ def call_method(
     request: Any,
     metadata: tuple[tuple[str, str], ...],
 ) -> None:
-    """Invoke any method of the descriptor with a generic stub, consuming its response."""
-    path = f"/{SERVICE.full_name}/{method.name}"
-    response_cls = message_factory.GetMessageClass(method.output_type)
-    kwargs: dict[str, Any] = {
-        "request_serializer": lambda m: m.SerializeToString(),
-        "response_deserializer": response_cls.FromString,
-    }
-    factory: Callable[..., Any]
-    if method.client_streaming and method.server_streaming:
-        factory = channel.stream_stream
-    elif method.client_streaming:
-        factory = channel.stream_unary
-    elif method.server_streaming:
-        factory = channel.unary_stream
-    else:
-        factory = channel.unary_unary
-    rpc = factory(path, **kwargs)
-    arg = iter([request]) if method.client_streaming else request
-    result = rpc(arg, metadata=metadata, timeout=10)
-    if method.server_streaming:
-        list(result)
+    """Invoke any method of the descriptor with one request message."""
+    invoke(channel, method, [request] if method.client_streaming else request, metadata)
 
 
 def example_request(method: _descriptor.MethodDescriptor, tenant: str) -> Any:

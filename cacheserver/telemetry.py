@@ -1,0 +1,342 @@
+"""The server's metrics and traces: the one home of the OpenTelemetry SDK on this side.
+
+Nothing leaves the process unless the operator asks (`[telemetry]` or flags): a
+Prometheus text endpoint (`metrics_listen`), OTLP/HTTP export of metrics and traces
+(`otlp_endpoint`, optional `otlp` extra, imported only when configured). With neither,
+the meter and tracer are the API's no-ops and cost nothing.
+
+What is recorded (L5 of MAESTRO: leakage through observability): methods, status
+codes, tiers, eviction reasons, outcomes, counts, sizes and durations. Never a token,
+digest, payload, model string or storage name. Tenant ids appear as labels and span
+attributes only with `per_tenant_labels = true`. Label values come from fixed sets
+(methods of registered services, status names, tiers) or from configured tenants, so
+a client cannot grow the number of series.
+
+Metric names are dotted here (OTLP) and become `kvshare_*` in Prometheus, with the
+unit and `_total` suffixes: `kvshare.rpc.duration` (s) -> `kvshare_rpc_duration_seconds`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from opentelemetry import context as otel_context
+from opentelemetry import metrics, trace
+from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import MetricReader
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from cacheserver.config import TelemetryConfig
+from cacheserver.events import PutOutcome, Tier
+from cacheserver.index import EvictReason
+from kvshare.errors import ConfigError, KvshareError
+from kvshare.logs import new_request_id
+from policy.types import TenantId
+
+if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
+
+log = logging.getLogger(__name__)
+SCOPE = "kvshare.server"
+# Seconds: from a memory-tier lookup (~100 us) to a large restore from disk.
+LATENCY_BUCKETS_S = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+    2.5, 5.0, 10.0,
+)  # fmt: skip
+# Bounds each OTLP export with its retries, so a dead collector delays shutdown by
+# seconds, not the exporter's default minute.
+OTLP_TIMEOUT_S = 3.0
+# gRPC status numbers by name, for the `rpc.grpc.status_code` span attribute.
+_STATUS_NAMES = (
+    "OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
+    "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
+    "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
+    "UNAUTHENTICATED",
+)  # fmt: skip
+GRPC_CODES = {name: number for number, name in enumerate(_STATUS_NAMES)}
+
+
+@dataclass
+class RpcCall:
+    """One observed call; the wire edge sets `status` when it knows it better."""
+
+    method: str
+    request_id: str
+    status: str | None = None
+
+
+def status_of(error: BaseException) -> str:
+    if isinstance(error, KvshareError):
+        return error.status
+    if isinstance(error, (GeneratorExit, asyncio.CancelledError)):
+        return "CANCELLED"
+    return "UNKNOWN"
+
+
+class ServerTelemetry:
+    """Instruments, exporters and the per-call span of one server.
+
+    Implements `cacheserver.events.StoreEvents`. `metric_readers` and `span_processors`
+    are for tests (in-memory readers/exporters); exporters the config asks for are added
+    to them."""
+
+    def __init__(
+        self,
+        config: TelemetryConfig | None = None,
+        *,
+        metric_readers: Sequence[MetricReader] = (),
+        span_processors: Sequence[SpanProcessor] = (),
+    ) -> None:
+        self.config = config or TelemetryConfig()
+        self.metrics_address = ""
+        self.serving = True  # kept by cacheserver.health
+        self._http: WSGIServer | None = None
+        self._registry: Any = None
+        readers = list(metric_readers)
+        processors = list(span_processors)
+        if self.config.metrics_listen:
+            readers.append(self._prometheus_reader())
+        if self.config.otlp_endpoint:
+            reader, processor = _otlp(self.config.otlp_endpoint)
+            readers.append(reader)
+            processors.append(processor)
+        resource = Resource.create({"service.name": "kvshare-server"})
+        self._meter_provider: metrics.MeterProvider = (
+            MeterProvider(metric_readers=readers, resource=resource)
+            if readers
+            else metrics.NoOpMeterProvider()
+        )
+        self._tracer_provider: trace.TracerProvider
+        if processors:
+            sdk_tracer_provider = TracerProvider(resource=resource)
+            for processor in processors:
+                sdk_tracer_provider.add_span_processor(processor)
+            self._tracer_provider = sdk_tracer_provider
+        else:
+            self._tracer_provider = trace.NoOpTracerProvider()
+        self._tracer = self._tracer_provider.get_tracer(SCOPE)
+        self._make_instruments(self._meter_provider.get_meter(SCOPE))
+
+    def _make_instruments(self, meter: metrics.Meter) -> None:
+        count = meter.create_counter
+        self._rpc_requests = count("kvshare.rpc.requests", "{request}", "RPCs by method, status")
+        self._rpc_duration = meter.create_histogram(
+            "kvshare.rpc.duration",
+            "s",
+            "RPC latency by method and status",
+            explicit_bucket_boundaries_advisory=LATENCY_BUCKETS_S,
+        )
+        self._lookups = count("kvshare.lookups", "{lookup}", "Lookup calls")
+        self._lookup_blocks = count("kvshare.lookup.blocks", "{block}", "digests looked up")
+        self._get_blocks = count("kvshare.get.blocks", "{block}", "blocks asked by gets")
+        self._served_blocks = count("kvshare.served.blocks", "{block}", "blocks served")
+        self._served_bytes = count("kvshare.served.bytes", "By", "payload bytes served")
+        self._stored_blocks = count("kvshare.stored.blocks", "{block}", "blocks stored")
+        self._stored_bytes = count("kvshare.stored.bytes", "By", "payload bytes stored")
+        self._put_blocks = count("kvshare.put.blocks", "{block}", "blocks put, by outcome")
+        self._evictions = count("kvshare.evictions", "{block}", "blocks evicted")
+        self._evicted_bytes = count("kvshare.evicted.bytes", "By", "bytes evicted")
+        self._quota_rejections = count(
+            "kvshare.quota.rejections", "{block}", "blocks refused: no room within quota"
+        )
+        self._integrity_failures = count(
+            "kvshare.integrity.failures", "{block}", "stored blocks that failed their checksum"
+        )
+        self._meter = meter
+
+    def watch(
+        self,
+        tier_usage: Callable[[], Mapping[str, tuple[int, int, int]]],
+        tenant_usage: Callable[[], Mapping[TenantId, tuple[int, int]]],
+    ) -> None:
+        """Gauges read at collection time: tier sizes, health; per tenant if enabled.
+
+        `tier_usage()`: tier -> (blocks, bytes, budget); `tenant_usage()`: tenant ->
+        (bytes, quota_bytes)."""
+
+        def tiers(index: int) -> Callable[[CallbackOptions], Iterable[Observation]]:
+            return lambda _: [Observation(v[index], {"tier": t}) for t, v in tier_usage().items()]
+
+        gauge = self._meter.create_observable_gauge
+        gauge("kvshare.tier.blocks", [tiers(0)], "{block}", "blocks held per tier")
+        gauge("kvshare.tier.bytes", [tiers(1)], "By", "bytes held per tier")
+        gauge("kvshare.tier.budget.bytes", [tiers(2)], "By", "byte budget per tier")
+        gauge(
+            "kvshare.health.serving",
+            [lambda _: [Observation(1 if self.serving else 0)]],
+            "1",
+            "1 while the health check answers SERVING",
+        )
+        if self.config.per_tenant_labels:
+            gauge(
+                "kvshare.tenant.bytes",
+                [lambda _: [Observation(b, {"tenant": t}) for t, (b, _) in tenant_usage().items()]],
+                "By",
+                "bytes held per tenant",
+            )
+            gauge(
+                "kvshare.tenant.quota.bytes",
+                [lambda _: [Observation(q, {"tenant": t}) for t, (_, q) in tenant_usage().items()]],
+                "By",
+                "quota per tenant (0: none)",
+            )
+
+    # -- exporters ------------------------------------------------------------------
+
+    def _prometheus_reader(self) -> MetricReader:
+        from opentelemetry.exporter.prometheus import PrometheusMetricReader
+        from prometheus_client import CollectorRegistry
+
+        # A registry per server, not the process-global one: several servers in one
+        # process (tests, `kvshare demo`) must not clash or see each other's metrics.
+        self._registry = CollectorRegistry(auto_describe=True)
+        return PrometheusMetricReader(scope_info_enabled=False, registry=self._registry)
+
+    def start(self) -> str:
+        """Start the Prometheus endpoint if configured; its bound HOST:PORT, or ""."""
+        listen = self.config.metrics_listen
+        if not listen:
+            return ""
+        from prometheus_client import start_http_server
+
+        host, _, port_text = listen.rpartition(":")
+        host = host.strip("[]")
+        try:
+            self._http, _ = start_http_server(int(port_text), host, self._registry)
+        except (OSError, ValueError) as error:
+            raise ConfigError(
+                f"cannot serve metrics on {listen}: {error}; pick another --metrics-listen"
+            ) from None
+        port = self._http.server_port
+        self.metrics_address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        if host not in ("127.0.0.1", "::1", "localhost"):
+            log.warning(
+                "metrics on %s answer anyone who can reach them (no authentication); "
+                "they hold counts only%s",
+                self.metrics_address,
+                ", and tenant ids (per_tenant_labels)" if self.config.per_tenant_labels else "",
+            )
+        return self.metrics_address
+
+    def shutdown(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+        for provider in (self._meter_provider, self._tracer_provider):
+            stop = getattr(provider, "shutdown", None)
+            if stop is not None:
+                stop()
+
+    # -- calls ----------------------------------------------------------------------
+
+    @contextmanager
+    def rpc(
+        self,
+        method: str,
+        parent: otel_context.Context | None,
+        *,
+        system: str = "grpc",
+        restore_context: bool = True,
+    ) -> Iterator[RpcCall]:
+        """Observe one call: request id, server span (child of `parent`), count, latency.
+
+        `restore_context=False` for async generators, which may be finished from another
+        task: the call's own task context is discarded with it anyway."""
+        call = RpcCall(method, new_request_id())
+        started = time.perf_counter()
+        span = self._tracer.start_span(
+            method,
+            context=parent,
+            kind=SpanKind.SERVER,
+            attributes={
+                "rpc.system": system,
+                "rpc.method": method,
+                "kvshare.request_id": call.request_id,
+            },
+        )
+        token = otel_context.attach(trace.set_span_in_context(span))
+        try:
+            yield call
+        except BaseException as error:
+            call.status = call.status or status_of(error)
+            raise
+        finally:
+            status = call.status or "OK"
+            span.set_attribute("rpc.grpc.status_code", GRPC_CODES.get(status, 2))
+            if status != "OK":
+                span.set_status(Status(StatusCode.ERROR, status))
+            span.end()
+            labels = {"method": method, "status": status}
+            self._rpc_requests.add(1, labels)
+            self._rpc_duration.record(time.perf_counter() - started, labels)
+            if restore_context:
+                otel_context.detach(token)
+
+    # -- StoreEvents ----------------------------------------------------------------
+
+    def _tenant(self, tenant: TenantId, **labels: str) -> dict[str, str]:
+        if self.config.per_tenant_labels:
+            labels["tenant"] = tenant
+        return labels
+
+    def looked_up(self, tenant: TenantId, asked: int, present: int) -> None:
+        self._lookups.add(1, self._tenant(tenant))
+        self._lookup_blocks.add(present, self._tenant(tenant, result="hit"))
+        self._lookup_blocks.add(asked - present, self._tenant(tenant, result="miss"))
+
+    def got(self, tenant: TenantId, asked: int, served: int) -> None:
+        self._get_blocks.add(served, self._tenant(tenant, result="hit"))
+        self._get_blocks.add(asked - served, self._tenant(tenant, result="miss"))
+
+    def served(self, tenant: TenantId, tier: Tier, blocks: int, nbytes: int) -> None:
+        self._served_blocks.add(blocks, self._tenant(tenant, tier=tier))
+        self._served_bytes.add(nbytes, self._tenant(tenant, tier=tier))
+
+    def stored(self, tenant: TenantId, tier: Tier, nbytes: int) -> None:
+        self._stored_blocks.add(1, self._tenant(tenant, tier=tier))
+        self._stored_bytes.add(nbytes, self._tenant(tenant, tier=tier))
+
+    def put_outcome(self, tenant: TenantId, outcome: PutOutcome) -> None:
+        self._put_blocks.add(1, self._tenant(tenant, outcome=outcome))
+
+    def evicted(self, tier: Tier, reason: EvictReason, nbytes: int) -> None:
+        self._evictions.add(1, {"tier": tier, "reason": reason})
+        self._evicted_bytes.add(nbytes, {"tier": tier, "reason": reason})
+
+    def quota_rejected(self, tenant: TenantId) -> None:
+        self._quota_rejections.add(1, self._tenant(tenant))
+
+    def integrity_failure(self, tenant: TenantId, blocks: int) -> None:
+        self._integrity_failures.add(blocks, self._tenant(tenant, tier="lmdb"))
+
+
+def _otlp(endpoint: str) -> tuple[MetricReader, SpanProcessor]:
+    """OTLP/HTTP exporters for metrics and traces (the `otlp` extra)."""
+    try:
+        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    except ImportError:
+        raise ConfigError(
+            "otlp_endpoint needs the OTLP exporter; pip install 'kvshare[otlp]' "
+            "or remove otlp_endpoint from [telemetry]"
+        ) from None
+    from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    base = endpoint.rstrip("/")
+    return (
+        PeriodicExportingMetricReader(
+            OTLPMetricExporter(endpoint=f"{base}/v1/metrics", timeout=OTLP_TIMEOUT_S)
+        ),
+        BatchSpanProcessor(OTLPSpanExporter(endpoint=f"{base}/v1/traces", timeout=OTLP_TIMEOUT_S)),
+    )

@@ -1,0 +1,105 @@
+"""Structured logs: one JSON object per line, each tied to its request.
+
+The server gives every RPC (and every bulk-channel request) a request id, kept in a
+context variable for the call's task or thread; every log record and audit record made
+during the call carries it, and an INTERNAL error quotes it to the client, so an
+operator can go from a client's error to the server's log lines and the call's trace.
+
+What a record may hold is the caller's business (names and counts, never tokens,
+digests, payloads or storage names: see policy/audit.py); this module only renders.
+`render` is the one JSON encoder of both the log and the audit log, so the two read
+alike and an encoding choice (ASCII only: no terminal escapes from odd input) is
+made once.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import datetime
+import json
+import logging
+import sys
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from kvshare.tracing import current_trace_ids
+
+LOG_FORMATS = ("text", "json")
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s"
+# `extra={"fields": {...}}` on a log call adds these keys to the JSON object.
+FIELDS_ATTR = "fields"
+
+_request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "kvshare_request_id", default=None
+)
+
+
+def new_request_id() -> str:
+    """A fresh id, bound to the current call (task or thread) from now on."""
+    request_id = uuid.uuid4().hex[:16]
+    _request_id.set(request_id)
+    return request_id
+
+
+def current_request_id() -> str | None:
+    return _request_id.get()
+
+
+def utc_now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds")
+
+
+def render(entry: Mapping[str, Any], *, strict: bool = True) -> str:
+    """One JSON line (no newline): sorted keys, ASCII only. `strict`: a value JSON
+    cannot encode is an error (the audit log) rather than its str() (log records)."""
+    return json.dumps(entry, sort_keys=True, ensure_ascii=True, default=None if strict else str)
+
+
+class _RequestIdFilter(logging.Filter):
+    """Gives every record `request_id` (or "-"), for the text format."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.request_id = current_request_id() or "-"
+        return True
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "ts": datetime.datetime.fromtimestamp(record.created, datetime.UTC).isoformat(
+                timespec="milliseconds"
+            ),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        request_id = current_request_id()
+        if request_id is not None:
+            entry["request_id"] = request_id
+        ids = current_trace_ids()
+        if ids is not None:
+            entry["trace_id"], entry["span_id"] = ids
+        fields = getattr(record, FIELDS_ATTR, None)
+        if isinstance(fields, Mapping):
+            for key, value in fields.items():
+                entry.setdefault(str(key), value)
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return render(entry, strict=False)
+
+
+def configure_logging(level: str = "info", log_format: str = "text") -> None:
+    """Route the root logger to stderr in `log_format` ("text" or "json")."""
+    if log_format not in LOG_FORMATS:
+        raise ValueError(f"log format {log_format!r}; use one of {', '.join(LOG_FORMATS)}")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(_RequestIdFilter())
+    handler.setFormatter(
+        JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT)
+    )
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(level.upper())

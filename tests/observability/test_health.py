@@ -1,0 +1,103 @@
+"""grpc.health.v1 follows the LMDB tier: NOT_SERVING while it cannot write, then back.
+
+The tier is made really unwritable: its data dir is a 16 MiB tmpfs, filled to ENOSPC
+with a filler file. Needs root and mount (skipped with the reason otherwise).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cacheserver.config import StorageConfig, TelemetryConfig, load_config
+from cacheserver.embedded import EmbeddedServer
+from cacheserver.server import SERVICE_NAME
+from kvshare.errors import KvshareError
+from tests.conftest import Running, write_config
+
+MODEL = "obs/model@r1;fp32;L2;H2;D8;B4;tp0/1"
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    mount_point = tmp_path / "disk"
+    mount_point.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("needs root and mount(8) to put the data dir on a small tmpfs")
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount_point)],
+        capture_output=True,
+        text=True,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"mounting a tmpfs is not permitted here: {mounted.stderr.strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], capture_output=True)
+
+
+def fill(path: Path) -> None:
+    """Write until the file system is full (ENOSPC)."""
+    chunk = b"\0" * (256 << 10)
+    with path.open("wb", buffering=0) as filler:
+        try:
+            while True:
+                filler.write(chunk)
+        except OSError:
+            pass
+        try:  # the last partial chunk's worth of space
+            while True:
+                filler.write(b"\0" * 4096)
+        except OSError:
+            pass
+
+
+def wait_for(check: grpc.UnaryUnaryMultiCallable, status: int, timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        answers = [
+            check(health_pb2.HealthCheckRequest(service=s)).status for s in ("", SERVICE_NAME)
+        ]
+        if answers == [status, status]:
+            return
+        assert time.monotonic() < deadline, f"health stayed {answers}, expected {status}"
+        time.sleep(0.05)
+
+
+def test_health_is_not_serving_while_the_lmdb_tier_is_full_then_recovers(
+    tmp_path: Path, small_disk: Path
+) -> None:
+    tenancy = write_config(tmp_path)
+    config = dataclasses.replace(
+        load_config(tenancy.path),
+        data_dir=small_disk / "data",
+        storage=StorageConfig(memory_budget_bytes=1 << 20, disk_budget_bytes=4 << 20),
+        telemetry=TelemetryConfig(health_interval_ms=100),
+    )
+    filler = small_disk / "filler"
+    with EmbeddedServer(config) as server, grpc.insecure_channel(server.address) as channel:
+        check = health_pb2_grpc.HealthStub(channel).Check  # no credentials: exempt
+        running = Running(server.address, config.data_dir, tenancy.tokens)
+        wait_for(check, SERVING)
+
+        fill(filler)
+        wait_for(check, NOT_SERVING)
+        with running.client("a", bulk=False) as client, pytest.raises(KvshareError):
+            client.put("alpha", MODEL, [os.urandom(32)], [os.urandom(1 << 20)])  # really full
+
+        filler.unlink()
+        wait_for(check, SERVING)
+        with running.client("a", bulk=False) as client:
+            assert client.put("alpha", MODEL, [os.urandom(32)], [os.urandom(1 << 20)]) == [True]

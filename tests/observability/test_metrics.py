@@ -1,0 +1,189 @@
+"""Prometheus metrics of a real `kvshare serve`: counters equal the operations performed."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+from cacheserver.config import ServerConfig, StorageConfig, TelemetryConfig, load_config
+from cacheserver.embedded import EmbeddedServer
+from cacheserver.telemetry import ServerTelemetry
+from kvshare.errors import ResourceExhausted
+from replica_agent.client import BlockClient
+from tests.conftest import Running, ServerProcess, write_config
+from tests.observability.scrape import Samples, parse, scrape_text, value
+
+MODEL = "obs/model@r1;fp32;L2;H2;D8;B4;tp0/1"
+SIZES = (1000, 2000, 3000, 4000)  # 10000 payload bytes per workload
+METRICS_RE = re.compile(r"metrics on (\S+)")
+Series = tuple[str, tuple[tuple[str, str], ...]]  # (name, sorted labels)
+
+
+def workload(client: BlockClient) -> None:
+    """4 stored, 2 already present; lookups: 4 hits, 3 misses; gets: 4 served, 6 misses."""
+    digests = [os.urandom(32) for _ in SIZES]
+    payloads = [bytes([i + 1]) * size for i, size in enumerate(SIZES)]
+    assert client.put("dev", MODEL, digests, payloads) == [True] * 4
+    assert client.put("dev", MODEL, digests[:2], payloads[:2]) == [False] * 2
+    assert client.lookup("dev", MODEL, [*digests, os.urandom(32), os.urandom(32)]) == 4
+    assert client.lookup("dev", MODEL, [os.urandom(32)]) == 0
+    assert client.get("dev", MODEL, [*digests, os.urandom(32)]) == payloads
+    assert client.get("dev", MODEL, [os.urandom(32), *digests]) == []
+
+
+def expected_store_counters(runs: int) -> dict[Series, float]:
+    per_run = {
+        ("kvshare_put_blocks_total", (("outcome", "stored"),)): 4,
+        ("kvshare_put_blocks_total", (("outcome", "already_present"),)): 2,
+        ("kvshare_stored_blocks_total", (("tier", "lmdb"),)): 4,
+        ("kvshare_stored_bytes_total", (("tier", "lmdb"),)): sum(SIZES),
+        ("kvshare_stored_blocks_total", (("tier", "memory"),)): 4,
+        ("kvshare_stored_bytes_total", (("tier", "memory"),)): sum(SIZES),
+        ("kvshare_lookups_total", ()): 2,
+        ("kvshare_lookup_blocks_total", (("result", "hit"),)): 4,
+        ("kvshare_lookup_blocks_total", (("result", "miss"),)): 3,
+        ("kvshare_get_blocks_total", (("result", "hit"),)): 4,
+        ("kvshare_get_blocks_total", (("result", "miss"),)): 6,
+        ("kvshare_served_blocks_total", (("tier", "memory"),)): 4,
+        ("kvshare_served_bytes_total", (("tier", "memory"),)): sum(SIZES),
+        ("kvshare_served_blocks_total", (("tier", "lmdb"),)): 0,
+        ("kvshare_tier_blocks", (("tier", "lmdb"),)): 4,
+        ("kvshare_tier_bytes", (("tier", "lmdb"),)): sum(SIZES),
+    }
+    return {key: count * runs for key, count in per_run.items()}
+
+
+def rpcs(**counts: int) -> dict[Series, float]:
+    names = {
+        "Put": "kvshare.v1.BlockStore/Put",
+        "Lookup": "kvshare.v1.BlockStore/Lookup",
+        "Get": "kvshare.v1.BlockStore/Get",
+        "OpenBulk": "kvshare.v1.BlockStore/OpenBulk",
+        "BulkHello": "kvshare.bulk/Hello",
+        "BulkPut": "kvshare.bulk/Put",
+        "BulkGet": "kvshare.bulk/Get",
+    }
+    return {
+        ("kvshare_rpc_requests_total", (("method", names[k]), ("status", "OK"))): n
+        for k, n in counts.items()
+    }
+
+
+def settled(scrape: Callable[[], Samples], expected: dict[Series, float]) -> Samples:
+    """Scrape until every expected value is reached (a bulk reply can overtake the
+    server's bookkeeping by microseconds), then return the samples to assert on."""
+    deadline = time.monotonic() + 5
+    while True:
+        samples = scrape()
+        reached = all(
+            value(samples, name, **dict(labels)) >= v for (name, labels), v in expected.items()
+        )
+        if reached or time.monotonic() > deadline:
+            return samples
+        time.sleep(0.05)
+
+
+def assert_counts(samples: Samples, expected: dict[Series, float]) -> None:
+    actual = {key: value(samples, key[0], **dict(key[1])) for key in expected}
+    assert actual == expected
+
+
+def test_scraped_counters_equal_the_workload_over_grpc_and_bulk(tmp_path: Path) -> None:
+    server = ServerProcess(
+        "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "data"),
+        "--metrics-listen", "127.0.0.1:0",
+    )  # fmt: skip
+    try:
+        found = [m.group(1) for line in server.startup_lines if (m := METRICS_RE.search(line))]
+        assert found, server.startup_lines
+        scrape = lambda: parse(scrape_text(found[0]))  # noqa: E731
+        token = (tmp_path / "data" / "dev.token").read_text().strip()
+
+        with BlockClient(server.address, token, bulk=False) as client:
+            workload(client)
+        expected = expected_store_counters(1) | rpcs(Put=2, Lookup=2, Get=2)
+        assert_counts(settled(scrape, expected), expected)
+
+        with BlockClient(server.address, token) as client:  # the bulk channel
+            workload(client)
+        expected = expected_store_counters(2) | rpcs(
+            Put=2, Lookup=4, Get=2, OpenBulk=1, BulkHello=1, BulkPut=2, BulkGet=2
+        )
+        samples = settled(scrape, expected)
+        assert_counts(samples, expected)
+        assert value(samples, "kvshare_rpc_duration_seconds_count",
+                     method="kvshare.bulk/Get", status="OK") == 2  # fmt: skip
+        assert value(samples, "kvshare_health_serving") == 1
+        assert not any(name.startswith("kvshare") and "tenant" in dict(labels)
+                       for name, labels in samples)  # fmt: skip
+    finally:
+        server.terminate()
+
+
+def test_evictions_rejections_and_integrity_failures_are_counted(tmp_path: Path) -> None:
+    kib = 1 << 10
+    tenancy = write_config(tmp_path, quotas={"beta": 8 * kib})
+    config = dataclasses.replace(
+        load_config(tenancy.path),
+        storage=StorageConfig(memory_budget_bytes=32 * kib, disk_budget_bytes=64 * kib),
+        telemetry=TelemetryConfig(per_tenant_labels=True),
+    )
+    reader = InMemoryMetricReader()
+
+    def counts() -> dict[Series, float]:
+        out: dict[Series, float] = {}
+        for resource in reader.get_metrics_data().resource_metrics:  # type: ignore[union-attr]
+            for scope in resource.scope_metrics:
+                for metric in scope.metrics:
+                    for point in metric.data.data_points:
+                        labels = tuple(sorted((k, str(v)) for k, v in point.attributes.items()))
+                        out[(metric.name, labels)] = getattr(point, "value", 0)
+        return out
+
+    digests = [os.urandom(32) for _ in range(12)]
+    payloads = [os.urandom(8 * kib) for _ in digests]  # 96 KiB into a 64 KiB disk budget
+    telemetry = ServerTelemetry(config.telemetry, metric_readers=[reader])
+    with EmbeddedServer(config, telemetry=telemetry) as server:
+        running = Running(server.address, config.data_dir, tenancy.tokens)
+        with running.client("a", bulk=False) as a, running.client("b", bulk=False) as b:
+            for i in range(12):
+                a.put("alpha", MODEL, digests[i : i + 1], payloads[i : i + 1])
+            with pytest.raises(ResourceExhausted):
+                b.put("beta", MODEL, [os.urandom(32)], [os.urandom(9 * kib)])  # over beta's quota
+            assert a.get("alpha", MODEL, digests[4:6]) == payloads[4:6]  # from disk
+        got = counts()
+    assert got[("kvshare.evictions", (("reason", "budget"), ("tier", "lmdb")))] == 4
+    assert got[("kvshare.evicted.bytes", (("reason", "budget"), ("tier", "lmdb")))] == 32 * kib
+    assert got[("kvshare.evictions", (("reason", "budget"), ("tier", "memory")))] >= 8
+    assert got[("kvshare.quota.rejections", (("tenant", "beta"),))] == 1
+    assert got[("kvshare.served.blocks", (("tenant", "alpha"), ("tier", "lmdb")))] == 2
+    assert got[("kvshare.tenant.quota.bytes", (("tenant", "beta"),))] == 8 * kib
+    assert got[("kvshare.tenant.bytes", (("tenant", "alpha"),))] == 64 * kib
+
+    data_file = config.data_dir / "lmdb" / "data.mdb"
+    raw = bytearray(data_file.read_bytes())
+    where = raw.find(payloads[-1][:4096])
+    assert where >= 0
+    raw[where + 100] ^= 0x01
+    data_file.write_bytes(bytes(raw))
+    reader = InMemoryMetricReader()
+    telemetry = ServerTelemetry(config.telemetry, metric_readers=[reader])
+    with EmbeddedServer(config, telemetry=telemetry) as server:
+        with Running(server.address, config.data_dir, tenancy.tokens).client("a") as a:
+            assert a.get("alpha", MODEL, digests[-1:]) == []  # corrupt: a miss
+        assert (
+            counts()[("kvshare.integrity.failures", (("tenant", "alpha"), ("tier", "lmdb")))] == 1
+        )
+
+
+def test_no_exporter_by_default() -> None:
+    telemetry = ServerTelemetry(ServerConfig().telemetry)
+    assert telemetry.start() == ""  # nothing listens
+    telemetry.shutdown()

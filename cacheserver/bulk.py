@@ -39,7 +39,10 @@ from policy.types import StorageKey, TenantId, parse_digest, parse_model
 
 log = logging.getLogger(__name__)
 MAX_CONNECTIONS = 256
-IDLE_TIMEOUT_S = 300.0
+IDLE_TIMEOUT_S = 300.0  # an authenticated connection may idle between requests this long
+# Before its ticket is accepted a peer is unauthenticated: it gets only this long to
+# finish TLS and present the ticket, so idle strangers cannot hold the connection slots.
+HANDSHAKE_TIMEOUT_S = 5.0
 DISK_BATCH_BYTES = 64 << 20
 BULK_SYSTEM = "kvshare_bulk"  # the `rpc.system` of this listener's spans
 
@@ -72,6 +75,7 @@ class BulkServer:
         self._connections: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._stopping = False
+        self.handshake_timeout_s = HANDSHAKE_TIMEOUT_S
         self._acceptor = threading.Thread(
             target=self._accept_loop, name="kvshare-bulk-accept", daemon=True
         )
@@ -108,11 +112,12 @@ class BulkServer:
         conn = raw
         try:
             raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            raw.settimeout(IDLE_TIMEOUT_S)
+            raw.settimeout(self.handshake_timeout_s)
             if self._tls is not None:
                 conn = self._tls.wrap_socket(raw, server_side=True)
             grant = self._handshake(conn)
             if grant is not None:
+                conn.settimeout(IDLE_TIMEOUT_S)
                 while self._serve_one(conn, grant):
                     pass
         except (OSError, w.ConnectionClosed, ssl.SSLError):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 
 import grpc
 import pytest
@@ -144,3 +145,14 @@ def test_the_rate_limit_counts_every_bulk_request(tmp_path: object) -> None:
             with pytest.raises(ResourceExhausted, match="over its rate"):
                 for _ in range(20):  # one OpenBulk, then requests on the bulk channel
                     client.get("alpha", MODEL, [b"k" * 32])
+
+
+def test_an_unauthenticated_peer_cannot_hold_a_connection(dev_server: Running) -> None:
+    response = open_bulk(dev_server, "dev", "dev")
+    host, _, port = response.address.rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=30) as idle:
+        idle.settimeout(30)
+        started = time.monotonic()
+        assert idle.recv(1) == b""  # the server closed it: no ticket within the deadline
+        assert time.monotonic() - started < 15
+    assert hello(response.address, response.ticket) == w.OK  # positive control

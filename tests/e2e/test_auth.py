@@ -47,7 +47,7 @@ def test_the_descriptor_lists_the_rpcs_of_the_contract() -> None:
     assert {m.name for m in SERVICE.methods} >= {"Lookup", "Get", "Put", "Delete", "Stats"}
 
 
-@pytest.mark.parametrize("method", SERVICE.methods, ids=lambda m: m.name)
+@pytest.mark.parametrize("method", list(SERVICE.methods), ids=lambda m: m.name)
 @pytest.mark.parametrize("credential", ["none", "wrong", "malformed"])
 def test_every_method_requires_a_valid_token(
     dev_server: Running, method: Any, credential: str

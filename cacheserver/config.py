@@ -55,6 +55,9 @@ class StorageConfig:
     # take — only cache entries, which replicas recompute. Like Redis appendfsync everysec.
     sync_writes: bool = False
     sync_interval_ms: int = 1000
+    # Payload bytes that may wait for the disk writer; past it, puts are refused with
+    # RESOURCE_EXHAUSTED instead of growing the server's memory without bound.
+    max_pending_write_bytes: int = 1 * GiB
 
     def effective_map_bytes(self) -> int:
         if self.lmdb_map_bytes:

@@ -107,6 +107,9 @@ class BlockStore:
         self._lock = threading.Lock()
         self.counters: dict[TenantId, TenantCounters] = {}
         self._queue: queue.Queue[_PutJob | None] = queue.Queue()
+        self._pending_bytes = 0  # payload bytes queued for, or inside, the writer
+        self._pending_lock = threading.Lock()
+        self._max_pending_bytes = storage.max_pending_write_bytes
         self._rebuild_index()
         self._writer = threading.Thread(target=self._write_loop, name="kvshare-writer", daemon=True)
         self._writer.start()
@@ -261,8 +264,28 @@ class BlockStore:
                 job.future.set_result(False)
                 self.events.put_outcome(tenant, "already_present")
                 return job.future
+        with self._pending_lock:
+            if self._pending_bytes + len(payload) > self._max_pending_bytes:
+                # Refuse rather than queue without bound: writers faster than the disk
+                # must not grow the server's memory (the client retries or drops).
+                job.future.set_exception(
+                    ResourceExhausted(
+                        f"{self._pending_bytes} bytes already wait for the disk writer; "
+                        f"max_pending_write_bytes is {self._max_pending_bytes}: retry later, "
+                        "or raise it in [storage]"
+                    )
+                )
+                self.events.put_outcome(tenant, "rejected")
+                return job.future
+            self._pending_bytes += len(payload)
+        job.future.add_done_callback(lambda _: self._release_pending(len(payload)))
         self._queue.put(job)
         return job.future
+
+    def _release_pending(self, nbytes: int) -> None:
+        # Futures may complete while the writer holds _lock: count under a lock of its own.
+        with self._pending_lock:
+            self._pending_bytes -= nbytes
 
     def _write_loop(self) -> None:
         while True:

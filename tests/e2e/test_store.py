@@ -184,3 +184,18 @@ def test_lmdb_map_full_is_a_clear_resource_exhausted(tmp_path: Path) -> None:
         with pytest.raises(ResourceExhausted, match=r"LMDB map full.*lmdb_map_bytes"):
             client.put("alpha", MODEL, [os.urandom(32)], [os.urandom(2 * MiB)])
         assert client.put("alpha", MODEL, [os.urandom(32)], [b"small"]) == [True]
+
+
+@pytest.mark.parametrize("bulk", [True, False], ids=["bulk", "grpc"])
+def test_writes_beyond_the_pending_bound_are_refused_not_queued(tmp_path: Path, bulk: bool) -> None:
+    tenancy = write_config(tmp_path, extra="[storage]\nmax_pending_write_bytes = 65536\n")
+    config = load_config(tenancy.path)
+    with (
+        EmbeddedServer(config) as server,
+        Running(server.address, config.data_dir, tenancy.tokens).client("a", bulk=bulk) as client,
+    ):
+        for _ in range(3):  # positive control, and the bound is released after each commit
+            assert client.put("alpha", MODEL, [os.urandom(32)], [os.urandom(60_000)]) == [True]
+        with pytest.raises(ResourceExhausted, match="max_pending_write_bytes is 65536"):
+            client.put("alpha", MODEL, [os.urandom(32)], [os.urandom(100_000)])
+        assert client.put("alpha", MODEL, [os.urandom(32)], [os.urandom(60_000)]) == [True]

@@ -23,10 +23,10 @@ class WorkloadShape:
     system_prompt_tokens: int = 256
     active_sessions: int = 6
     chat_turns: int = 6
-    user_tokens: int = 64
-    assistant_tokens: int = 96
+    user_tokens: int = 96
+    assistant_tokens: int = 128
     agent_steps: int = 6
-    tool_output_tokens: int = 160
+    tool_output_tokens: int = 256
     max_new_tokens: int = 4
     vocab_size: int = 8192
 

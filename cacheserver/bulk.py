@@ -35,7 +35,7 @@ from kvshare.errors import InvalidArgument, KvshareError
 from kvshare.tracing import context_from_binary
 from policy import AccessPolicy, Action
 from policy.tickets import Grant, TicketBook
-from policy.types import StorageKey, TenantId, parse_digest, parse_model
+from policy.types import ModelTag, StorageKey, TenantId, parse_digest, parse_model
 
 log = logging.getLogger(__name__)
 MAX_CONNECTIONS = 256
@@ -158,11 +158,11 @@ class BulkServer:
         name = {w.OP_GET: "Get", w.OP_PUT: "Put"}.get(op, "Invalid")
         with self._telemetry.rpc(f"kvshare.bulk/{name}", parent, system=BULK_SYSTEM) as call:
             try:
-                keys = self._request_keys(conn, grant, op, model_len, count)
+                keys, tag = self._request_keys(conn, grant, op, model_len, count)
                 if op == w.OP_GET:
                     self._get(conn, grant.tenant, keys)
                     return True
-                self._put(conn, grant.tenant, keys)
+                self._put(conn, grant.tenant, keys, tag)
                 return True
             except KvshareError as error:
                 call.status = error.status
@@ -171,7 +171,7 @@ class BulkServer:
 
     def _request_keys(
         self, conn: socket.socket, grant: Grant, op: int, model_len: int, count: int
-    ) -> list[StorageKey]:
+    ) -> tuple[list[StorageKey], ModelTag]:
         if op not in (w.OP_GET, w.OP_PUT):
             raise InvalidArgument(f"unknown bulk operation {op}")
         self._limits.check_digest_count(count)
@@ -184,7 +184,7 @@ class BulkServer:
             self._policy.storage_key(tenant, model, parse_digest(bytes(raw[i : i + 32]), n))
             for n, i in enumerate(range(0, len(raw), 32))
         ]
-        return keys
+        return keys, self._policy.model_tag(tenant, model)
 
     def _get(self, conn: socket.socket, tenant: TenantId, keys: Sequence[StorageKey]) -> None:
         conn.sendall(bytes([w.OK]))
@@ -204,7 +204,9 @@ class BulkServer:
         self._store.note_get(tenant, len(keys), served)  # counted before the caller hears
         conn.sendall(w.END)
 
-    def _put(self, conn: socket.socket, tenant: TenantId, keys: Sequence[StorageKey]) -> None:
+    def _put(
+        self, conn: socket.socket, tenant: TenantId, keys: Sequence[StorageKey], tag: ModelTag
+    ) -> None:
         sizes_raw = w.recv_bytes(conn, w.SIZE.size * len(keys))
         sizes = [w.SIZE.unpack_from(sizes_raw, i * w.SIZE.size)[0] for i in range(len(keys))]
         for index, size in enumerate(sizes):
@@ -212,7 +214,7 @@ class BulkServer:
         futures = []
         for key, size in zip(keys, sizes, strict=True):
             payload = w.recv_bytes(conn, size)  # stored as received: no copy
-            futures.append(self._store.submit_put(tenant, key, payload))
+            futures.append(self._store.submit_put(tenant, key, payload, tag))
         concurrent.futures.wait(futures)
         failed = next((f.exception() for f in futures if f.exception() is not None), None)
         if isinstance(failed, KvshareError):

@@ -29,6 +29,7 @@ class Entry:
     tenant: TenantId
     size: int
     clock: int
+    tag: bytes = b""  # the block's model tag (disk index only; see policy.naming)
 
 
 class NoRoom(Exception):
@@ -66,7 +67,10 @@ class BlockIndex:
     def tenant_blocks(self, tenant: TenantId) -> int:
         return len(self._by_tenant.get(tenant, ()))
 
-    def keys_of(self, tenant: TenantId) -> list[StorageKey]:
+    def keys_of(self, tenant: TenantId, tag: bytes | None = None) -> list[StorageKey]:
+        """The tenant's keys, or only those of one model tag."""
+        if tag is not None:
+            return [k for k, e in self._by_tenant.get(tenant, {}).items() if e.tag == tag]
         return list(self._by_tenant.get(tenant, ()))
 
     @property
@@ -91,7 +95,14 @@ class BlockIndex:
         self._by_tenant[entry.tenant].move_to_end(key)
         return True
 
-    def add(self, key: StorageKey, tenant: TenantId, size: int, clock: int | None = None) -> None:
+    def add(
+        self,
+        key: StorageKey,
+        tenant: TenantId,
+        size: int,
+        clock: int | None = None,
+        tag: bytes = b"",
+    ) -> None:
         """Record a block. The caller made room first (see `victims_for`)."""
         if key in self._entries:
             self.touch(key)
@@ -100,7 +111,7 @@ class BlockIndex:
             clock = self._tick()
         else:
             self._clock = max(self._clock, clock)
-        entry = Entry(tenant, size, clock)
+        entry = Entry(tenant, size, clock, tag)
         self._entries[key] = entry
         self._by_tenant.setdefault(tenant, OrderedDict())[key] = entry
         self._tenant_bytes[tenant] = self._tenant_bytes.get(tenant, 0) + size

@@ -24,11 +24,12 @@ import lmdb
 import xxhash
 
 from kvshare.errors import ConfigError, ResourceExhausted
-from policy.types import StorageKey, TenantId
+from policy.types import ModelTag, StorageKey, TenantId
 
 # checksum (16) | size (8) | epoch (4) | clock (8) | then the tenant id in UTF-8
-_META = struct.Struct(">16sQIQ")
+_META = struct.Struct(">16sQIQ16s")  # checksum, size, epoch, clock, model tag
 _PROBE_KEY = b"probe"
+NO_MODEL_TAG = ModelTag(bytes(16))  # blocks written without a model tag
 # A commit that needs fresh pages fails when the file system is full, yet the probe's
 # own tiny write reuses freed pages and still succeeds: so the probe also asks for this
 # much free space, about what a burst of new blocks needs before eviction catches up.
@@ -42,6 +43,7 @@ class StoredMeta:
     size: int
     epoch: int
     clock: int
+    model_tag: ModelTag = NO_MODEL_TAG
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +53,7 @@ class PendingWrite:
     epoch: int
     clock: int
     payload: bytes | bytearray | memoryview
+    model_tag: ModelTag = NO_MODEL_TAG
 
 
 def checksum(payload: bytes | bytearray | memoryview) -> bytes:
@@ -58,13 +61,15 @@ def checksum(payload: bytes | bytearray | memoryview) -> bytes:
 
 
 def _pack_meta(w: PendingWrite, digest: bytes) -> bytes:
-    return _META.pack(digest, len(w.payload), w.epoch, w.clock) + w.tenant.encode("utf-8")
+    return _META.pack(digest, len(w.payload), w.epoch, w.clock, w.model_tag) + w.tenant.encode(
+        "utf-8"
+    )
 
 
 def _unpack_meta(key: bytes | memoryview, raw: bytes | memoryview) -> tuple[bytes, StoredMeta]:
-    digest, size, epoch, clock = _META.unpack_from(raw)
+    digest, size, epoch, clock, tag = _META.unpack_from(raw)
     tenant = TenantId(bytes(raw[_META.size :]).decode("utf-8"))
-    return digest, StoredMeta(StorageKey(bytes(key)), tenant, size, epoch, clock)
+    return digest, StoredMeta(StorageKey(bytes(key)), tenant, size, epoch, clock, ModelTag(tag))
 
 
 class LmdbTier:

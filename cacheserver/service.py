@@ -24,7 +24,7 @@ from kvshare.v1 import kvshare_pb2 as pb
 from kvshare.v1 import kvshare_pb2_grpc as pb_grpc
 from policy import AccessPolicy, Action
 from policy.tickets import TicketBook
-from policy.types import StorageKey, TenantId, parse_digest, parse_model
+from policy.types import ModelName, ModelTag, StorageKey, TenantId, parse_digest, parse_model
 
 Context = grpc.aio.ServicerContext[Any, Any]
 DISK_BATCH_BYTES = 64 << 20  # read at most this much from LMDB per executor hop
@@ -122,13 +122,18 @@ class BlockStoreService(pb_grpc.BlockStoreServicer):
                 tenant = self._policy.admit(
                     current_principal.get(), frame.header.tenant, Action.WRITE
                 )
-                assembler = _BlockAssembler(tenant, parse_model(frame.header.model), self._limits)
+                model = parse_model(frame.header.model)
+                assembler = _BlockAssembler(
+                    tenant, model, self._policy.model_tag(tenant, model), self._limits
+                )
             for index, digest, payload in assembler.add(frame.chunks):
                 key = self._policy.storage_key(assembler.tenant, assembler.model, digest)
                 futures.append(
                     (
                         index,
-                        asyncio.wrap_future(self._store.submit_put(assembler.tenant, key, payload)),
+                        asyncio.wrap_future(
+                            self._store.submit_put(assembler.tenant, key, payload, assembler.tag)
+                        ),
                     )
                 )
         if assembler is None:
@@ -142,8 +147,14 @@ class BlockStoreService(pb_grpc.BlockStoreServicer):
             if request.digests:
                 raise InvalidArgument("whole_tenant deletes take no digests; send one or the other")
             tenant = self._policy.admit(principal, request.tenant, Action.ADMIN)
-            deleted = self._store.delete_tenant(tenant)
-            self._policy.record_admin(principal, "delete_tenant", tenant=tenant, blocks=deleted)
+            if request.model:  # one model's namespace of the tenant
+                tag = self._policy.model_tag(tenant, parse_model(request.model))
+                deleted = self._store.delete_tenant(tenant, tag)
+                action = "delete_model_namespace"
+            else:
+                deleted = self._store.delete_tenant(tenant)
+                action = "delete_tenant"
+            self._policy.record_admin(principal, action, tenant=tenant, blocks=deleted)
             return pb.DeleteResponse(deleted=deleted)
         _, keys = self._keys(request.tenant, request.model, request.digests, Action.WRITE)
         return pb.DeleteResponse(deleted=self._store.delete(keys))
@@ -238,9 +249,12 @@ class _Framer:
 class _BlockAssembler:
     """Reassembles Put chunks into whole blocks; a block is released only when complete."""
 
-    def __init__(self, tenant: TenantId, model: Any, limits: LimitsConfig) -> None:
+    def __init__(
+        self, tenant: TenantId, model: ModelName, tag: ModelTag, limits: LimitsConfig
+    ) -> None:
         self.tenant = tenant
         self.model = model
+        self.tag = tag
         self._limits = limits
         self._count = 0
         self._digest: Any = None

@@ -33,7 +33,7 @@ from cacheserver.index import BlockIndex, Entry, EvictReason, NoRoom
 from cacheserver.lmdb_tier import LmdbTier, PendingWrite
 from cacheserver.memory_tier import MemoryTier, Payload
 from kvshare.errors import KvshareError, ResourceExhausted, Unavailable
-from policy.types import StorageKey, TenantId
+from policy.types import ModelTag, StorageKey, TenantId
 
 log = logging.getLogger(__name__)
 MAX_BATCH_BYTES = 256 << 20  # bound one commit's size so a burst cannot stall reads long
@@ -57,6 +57,7 @@ class _PutJob:
     tenant: TenantId
     epoch: int
     payload: Payload
+    model_tag: ModelTag
     clock: int = 0
     future: concurrent.futures.Future[bool] = field(default_factory=concurrent.futures.Future)
 
@@ -159,7 +160,7 @@ class BlockStore:
             else:
                 stale.append(meta.key)
         for meta in sorted(live, key=lambda m: m.clock):
-            self._index.add(meta.key, meta.tenant, meta.size, clock=meta.clock)
+            self._index.add(meta.key, meta.tenant, meta.size, clock=meta.clock, tag=meta.model_tag)
         if stale:
             self.reclaimed_at_start = self._disk.delete(stale)
             log.info("reclaimed %d blocks of retired epochs or removed tenants", len(stale))
@@ -254,10 +255,10 @@ class BlockStore:
     # -- writes -----------------------------------------------------------------------
 
     def submit_put(
-        self, tenant: TenantId, key: StorageKey, payload: Payload
+        self, tenant: TenantId, key: StorageKey, payload: Payload, model_tag: ModelTag
     ) -> concurrent.futures.Future[bool]:
         """Queue a block for the writer; the future is True (stored) or False (already present)."""
-        job = _PutJob(key, tenant, self._epochs.get(tenant, 0), payload)
+        job = _PutJob(key, tenant, self._epochs.get(tenant, 0), payload, model_tag)
         with self._lock:
             if key in self._index:
                 self._index.touch(key)
@@ -348,13 +349,16 @@ class BlockStore:
                 self._index.remove(job.key)
         if not admitted and not evicted:
             return
-        writes = [PendingWrite(j.key, j.tenant, j.epoch, j.clock, j.payload) for j in admitted]
+        writes = [
+            PendingWrite(j.key, j.tenant, j.epoch, j.clock, j.payload, j.model_tag)
+            for j in admitted
+        ]
         try:
             stored = self._disk.write(writes, [k for k, _, _ in evicted])
         except Exception as error:  # the batch failed as a whole: nothing was written
             with self._lock:
                 for key, entry, _ in evicted:
-                    self._index.add(key, entry.tenant, entry.size, clock=entry.clock)
+                    self._index.add(key, entry.tenant, entry.size, clock=entry.clock, tag=entry.tag)
                 self._commit_failure = f"an LMDB commit failed ({type(error).__name__})"
                 for job in admitted:
                     self.events.put_outcome(job.tenant, "failed")
@@ -378,7 +382,9 @@ class BlockStore:
                 if not fresh:
                     self.events.put_outcome(job.tenant, "already_present")
                     continue
-                self._index.add(job.key, job.tenant, len(job.payload), clock=job.clock)
+                self._index.add(
+                    job.key, job.tenant, len(job.payload), clock=job.clock, tag=job.model_tag
+                )
                 self.events.put_outcome(job.tenant, "stored")
                 self.events.stored(job.tenant, "lmdb", len(job.payload))
                 if self._memory.admit(job.key, job.tenant, job.payload):
@@ -402,9 +408,10 @@ class BlockStore:
             self._remove_everywhere(present)
         return self._disk.delete(present) if present else 0
 
-    def delete_tenant(self, tenant: TenantId) -> int:
+    def delete_tenant(self, tenant: TenantId, model_tag: ModelTag | None = None) -> int:
+        """Every block of the tenant, or (with `model_tag`) of one model of it."""
         with self._lock:
-            keys = self._index.keys_of(tenant)
+            keys = self._index.keys_of(tenant, model_tag)
             self._remove_everywhere(keys)
         return self._disk.delete(keys) if keys else 0
 

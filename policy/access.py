@@ -36,7 +36,14 @@ from policy.identity import (
 )
 from policy.naming import BlockNamer
 from policy.ratelimit import RateLimited, RequestRateLimiter
-from policy.types import BlockDigest, ModelName, StorageKey, TenantId, parse_tenant_id
+from policy.types import (
+    BlockDigest,
+    ModelName,
+    ModelTag,
+    StorageKey,
+    TenantId,
+    parse_tenant_id,
+)
 
 AuthContext = Mapping[str, Sequence[bytes]]
 
@@ -176,6 +183,9 @@ class AccessPolicy:
 
     def epoch(self, tenant: TenantId) -> int:
         return self._namer.epoch(tenant)
+
+    def model_tag(self, tenant: TenantId, model: ModelName) -> ModelTag:
+        return self._namer.model_tag(tenant, model)
 
     def storage_key(self, tenant: TenantId, model: ModelName, digest: BlockDigest) -> StorageKey:
         return self._namer.storage_key(tenant, model, digest)

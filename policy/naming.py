@@ -22,10 +22,12 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from kvshare.encoding import enc
 from kvshare.errors import ConfigError
-from policy.types import BlockDigest, ModelName, StorageKey, TenantId
+from policy.types import BlockDigest, ModelName, ModelTag, StorageKey, TenantId
 
 SERVER_SECRET_BYTES = 32
 NAME_INFO_LABEL = "kvshare/name/v1"
+MODEL_TAG_LABEL = "kvshare/model-tag/v1"
+MODEL_TAG_BYTES = 16
 USER_SALT_LABEL = "kvshare/user-salt/v1"
 
 
@@ -58,6 +60,11 @@ class BlockNamer:
             key = derive_naming_key(self._secret, tenant, self.epoch(tenant))
             self._keys[tenant] = key
         return key
+
+    def model_tag(self, tenant: TenantId, model: ModelName) -> ModelTag:
+        """A 16-byte keyed tag of the model, stored beside each block for namespace deletes."""
+        mac = hmac.new(self._naming_key(tenant), enc(MODEL_TAG_LABEL, model), hashlib.sha256)
+        return ModelTag(mac.digest()[:MODEL_TAG_BYTES])
 
     def storage_key(self, tenant: TenantId, model: ModelName, digest: BlockDigest) -> StorageKey:
         mac = hmac.new(self._naming_key(tenant), enc(model, digest), hashlib.sha256)

@@ -16,6 +16,9 @@ TenantId = NewType("TenantId", str)
 ModelName = NewType("ModelName", str)
 BlockDigest = NewType("BlockDigest", bytes)
 StorageKey = NewType("StorageKey", bytes)
+# A keyed 16-byte tag of (tenant, model): lets the store find a model's blocks for a
+# namespace delete without ever holding the model string.
+ModelTag = NewType("ModelTag", bytes)
 
 DIGEST_BYTES = 32
 MAX_MODEL_CHARS = 512  # a model id plus its layout string; longer is a client bug

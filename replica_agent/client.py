@@ -322,9 +322,9 @@ class BlockClient:
     def delete(self, tenant: str, model: str, digests: Sequence[bytes]) -> int:
         return self._delete(pb.DeleteRequest(tenant=tenant, model=model, digests=digests))
 
-    def delete_tenant(self, tenant: str) -> int:
-        """Delete every block of `tenant` (needs the `admin` action)."""
-        return self._delete(pb.DeleteRequest(tenant=tenant, whole_tenant=True))
+    def delete_tenant(self, tenant: str, model: str = "") -> int:
+        """Delete every block of `tenant`, or only those of `model` (needs `admin`)."""
+        return self._delete(pb.DeleteRequest(tenant=tenant, model=model, whole_tenant=True))
 
     def _delete(self, request: pb.DeleteRequest) -> int:
         try:

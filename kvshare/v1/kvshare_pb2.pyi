@@ -318,7 +318,9 @@ class DeleteRequest(_message.Message):
     tenant: _builtins.str
     model: _builtins.str
     whole_tenant: _builtins.bool
-    """With no digests: delete every block of `tenant` (admin only). `model` is then ignored."""
+    """With no digests (admin only): delete every block of `tenant`, or, when `model` is
+    set, every block of that model in `tenant` (a model namespace).
+    """
     @_builtins.property
     def digests(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
     def __init__(

@@ -91,7 +91,7 @@ class BlockStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Delete(self, request, context):
-        """Delete blocks by digest, or (admin) a whole tenant/model namespace.
+        """Delete blocks by digest, or (admin) a whole tenant or tenant/model namespace.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -51,7 +51,7 @@ class BlockStoreStub:
     Put: _grpc.StreamUnaryMultiCallable[_kvshare_pb2.PutFrame, _kvshare_pb2.PutResponse]
     """A stream of blocks; the first frame names tenant and model. One result per block."""
     Delete: _grpc.UnaryUnaryMultiCallable[_kvshare_pb2.DeleteRequest, _kvshare_pb2.DeleteResponse]
-    """Delete blocks by digest, or (admin) a whole tenant/model namespace."""
+    """Delete blocks by digest, or (admin) a whole tenant or tenant/model namespace."""
     Stats: _grpc.UnaryUnaryMultiCallable[_kvshare_pb2.StatsRequest, _kvshare_pb2.StatsResponse]
     """Usage of the tenants the caller may see."""
     OpenBulk: _grpc.UnaryUnaryMultiCallable[_kvshare_pb2.OpenBulkRequest, _kvshare_pb2.OpenBulkResponse]
@@ -70,7 +70,7 @@ class BlockStoreAsyncStub(BlockStoreStub):
     Put: _aio.StreamUnaryMultiCallable[_kvshare_pb2.PutFrame, _kvshare_pb2.PutResponse]  # type: ignore[assignment]
     """A stream of blocks; the first frame names tenant and model. One result per block."""
     Delete: _aio.UnaryUnaryMultiCallable[_kvshare_pb2.DeleteRequest, _kvshare_pb2.DeleteResponse]  # type: ignore[assignment]
-    """Delete blocks by digest, or (admin) a whole tenant/model namespace."""
+    """Delete blocks by digest, or (admin) a whole tenant or tenant/model namespace."""
     Stats: _aio.UnaryUnaryMultiCallable[_kvshare_pb2.StatsRequest, _kvshare_pb2.StatsResponse]  # type: ignore[assignment]
     """Usage of the tenants the caller may see."""
     OpenBulk: _aio.UnaryUnaryMultiCallable[_kvshare_pb2.OpenBulkRequest, _kvshare_pb2.OpenBulkResponse]  # type: ignore[assignment]
@@ -110,7 +110,7 @@ class BlockStoreServicer(metaclass=_abc_1.ABCMeta):
         request: _kvshare_pb2.DeleteRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_kvshare_pb2.DeleteResponse, _abc.Awaitable[_kvshare_pb2.DeleteResponse]]:
-        """Delete blocks by digest, or (admin) a whole tenant/model namespace."""
+        """Delete blocks by digest, or (admin) a whole tenant or tenant/model namespace."""
 
     @_abc_1.abstractmethod
     def Stats(

@@ -155,6 +155,7 @@ def tamper_one_stored_block(lmdb_dir: Path, index: int) -> None:
                     victim.epoch,
                     victim.clock,
                     bytes(payload),
+                    victim.model_tag,
                 )
             ],
             [],

@@ -11,7 +11,7 @@ import pytest
 
 from cacheserver.config import StorageConfig, load_config
 from cacheserver.embedded import EmbeddedServer
-from kvshare.errors import InvalidArgument, ResourceExhausted
+from kvshare.errors import InvalidArgument, PermissionDenied, ResourceExhausted
 from replica_agent.client import BlockStoreError
 from tests.conftest import Running, ServerProcess, write_config
 
@@ -199,3 +199,32 @@ def test_writes_beyond_the_pending_bound_are_refused_not_queued(tmp_path: Path, 
         with pytest.raises(ResourceExhausted, match="max_pending_write_bytes is 65536"):
             client.put("alpha", MODEL, [os.urandom(32)], [os.urandom(100_000)])
         assert client.put("alpha", MODEL, [os.urandom(32)], [os.urandom(60_000)]) == [True]
+
+
+def test_an_admin_deletes_one_model_namespace_of_a_tenant(tenant_server: Running) -> None:
+    digests, payloads = blocks(3, 4096)
+    with tenant_server.client("a") as writer, tenant_server.client("root") as admin:
+        writer.put("alpha", MODEL, digests, payloads)
+        writer.put("alpha", MODEL + "-other", digests, payloads)
+        with pytest.raises(PermissionDenied):
+            writer.delete_tenant("alpha", MODEL)  # `write` is not enough
+        assert admin.delete_tenant("alpha", MODEL) == 3
+        assert writer.lookup("alpha", MODEL, digests) == 0
+        assert writer.get("alpha", MODEL + "-other", digests) == payloads  # control: kept
+        assert admin.delete_tenant("alpha") == 3
+        assert writer.lookup("alpha", MODEL + "-other", digests) == 0
+
+
+def test_model_tags_survive_a_restart(tmp_path: Path) -> None:
+    tenancy = write_config(tmp_path)
+    config = load_config(tenancy.path)
+    digests, payloads = blocks(2, 4096)
+    with EmbeddedServer(config) as server:
+        Running(server.address, config.data_dir, tenancy.tokens).client("a").put(
+            "alpha", MODEL, digests, payloads
+        )
+    with EmbeddedServer(config) as server:
+        running = Running(server.address, config.data_dir, tenancy.tokens)
+        with running.client("root") as admin:
+            assert admin.delete_tenant("alpha", MODEL + "-other") == 0
+            assert admin.delete_tenant("alpha", MODEL) == 2

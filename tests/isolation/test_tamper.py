@@ -281,7 +281,9 @@ def _rewrite_with_valid_checksum(lmdb_dir: Path, key: bytes) -> None:
         payload = bytearray(txn.get(key, db=blocks_db))
         payload[100] ^= 0xFF
         _, meta = _unpack_meta(key, txn.get(key, db=meta_db))
-        write = PendingWrite(meta.key, meta.tenant, meta.epoch, meta.clock, bytes(payload))
+        write = PendingWrite(
+            meta.key, meta.tenant, meta.epoch, meta.clock, bytes(payload), meta.model_tag
+        )
         txn.put(key, bytes(payload), db=blocks_db)
         txn.put(key, _pack_meta(write, checksum(bytes(payload))), db=meta_db)
     env.close()

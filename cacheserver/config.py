@@ -58,6 +58,12 @@ class StorageConfig:
     # Payload bytes that may wait for the disk writer; past it, puts are refused with
     # RESOURCE_EXHAUSTED instead of growing the server's memory without bound.
     max_pending_write_bytes: int = 1 * GiB
+    # Zero-fill this much file space ahead of LMDB while the writer is idle, so bursts
+    # of puts overwrite cached pages instead of growing the file: appends to a growing
+    # file ran at ~360 MB/s here, puts into a zero-filled region at ~3.4 GB/s. Costs
+    # that much disk beyond the data, and the same kernel time, spent while idle.
+    # Off by default (0); for write-burst-heavy stores, e.g. 268435456.
+    prewarm_bytes: int = 0
 
     def effective_map_bytes(self) -> int:
         if self.lmdb_map_bytes:

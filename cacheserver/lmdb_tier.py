@@ -34,6 +34,8 @@ NO_MODEL_TAG = ModelTag(bytes(16))  # blocks written without a model tag
 # own tiny write reuses freed pages and still succeeds: so the probe also asks for this
 # much free space, about what a burst of new blocks needs before eviction catches up.
 MIN_FREE_BYTES = 8 << 20
+PREWARM_CHUNK_BYTES = 2 << 20  # small steps: a put arriving meanwhile waits ~5 ms at most
+PREWARM_RESERVE_BYTES = 256 << 20  # never zero-fill into the last of the disk
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +112,51 @@ class LmdbTier:
         self.integrity_failures = 0
         self._lock = threading.Lock()  # guards integrity_failures
         self._on_integrity_failure = on_integrity_failure
+        self._warmed_to = 0  # file offset up to which prewarm() has written
+        self._page_bytes = int(self._env.stat()["psize"])
+
+    def prewarm(self, ahead_bytes: int, chunk_bytes: int = PREWARM_CHUNK_BYTES) -> bool:
+        """Write zeros to up to `chunk_bytes` of the file past LMDB's last used page.
+
+        A commit that appends pages to the data file makes the file system allocate and
+        the kernel fault in fresh page-cache pages (~360 MB/s measured here), while a
+        commit that overwrites cached pages runs at several GB/s. Zero-filling the
+        region LMDB will append to next, ahead of time, moves that cost off the put's
+        acknowledgement (PostgreSQL zero-fills its WAL segments for the same reason).
+        Pages past `last_pgno` belong to no transaction and to no free list; an open write
+        transaction holds LMDB's writer lock, so no commit can append there meanwhile.
+        Keeps a reserve of free disk space and never passes the map size. Returns whether
+        more remains to be warmed.
+        """
+        txn = self._env.begin(write=True)  # the writer lock; nothing is written through it
+        try:
+            return self._zero_fill_ahead(ahead_bytes, chunk_bytes)
+        finally:
+            txn.abort()
+
+    def _zero_fill_ahead(self, ahead_bytes: int, chunk_bytes: int) -> bool:
+        used_end = (int(self._env.info()["last_pgno"]) + 1) * self._page_bytes
+        start = max(self._warmed_to, used_end)
+        try:
+            fs = os.statvfs(self.path)
+        except OSError:
+            return False
+        reserve = max(PREWARM_RESERVE_BYTES, fs.f_blocks * fs.f_frsize // 10)
+        spare = fs.f_bavail * fs.f_frsize - reserve
+        limit = min(used_end + ahead_bytes, self.map_bytes, start + max(0, spare))
+        if start >= limit:
+            return False
+        size = min(chunk_bytes, limit - start)
+        try:
+            fd = os.open(self.path / "data.mdb", os.O_WRONLY)
+            try:
+                os.pwrite(fd, bytes(size), start)
+            finally:
+                os.close(fd)
+        except OSError:
+            return False  # a full or failing disk: the next commit will say so
+        self._warmed_to = start + size
+        return self._warmed_to < limit
 
     def probe(self) -> str | None:
         """Why the tier cannot take writes now (a short reason), or None when it can."""

@@ -38,6 +38,7 @@ from policy.types import ModelTag, StorageKey, TenantId
 log = logging.getLogger(__name__)
 MAX_BATCH_BYTES = 256 << 20  # bound one commit's size so a burst cannot stall reads long
 MAX_BATCH_BLOCKS = 4096
+PREWARM_IDLE_S = 0.02  # the writer warms file space after this long without puts
 
 
 @dataclass
@@ -109,6 +110,7 @@ class BlockStore:
         self.counters: dict[TenantId, TenantCounters] = {}
         self._queue: queue.Queue[_PutJob | None] = queue.Queue()
         self._pending_bytes = 0  # payload bytes queued for, or inside, the writer
+        self._prewarm_bytes = storage.prewarm_bytes
         self._pending_lock = threading.Lock()
         self._max_pending_bytes = storage.max_pending_write_bytes
         self._rebuild_index()
@@ -289,10 +291,17 @@ class BlockStore:
             self._pending_bytes -= nbytes
 
     def _write_loop(self) -> None:
+        warming = self._prewarm_bytes > 0
         while True:
-            job = self._queue.get()
+            try:
+                # Idle: zero-fill file space ahead of LMDB (LmdbTier.prewarm), a chunk at a time.
+                job = self._queue.get(timeout=PREWARM_IDLE_S) if warming else self._queue.get()
+            except queue.Empty:
+                warming = self._disk.prewarm(self._prewarm_bytes)
+                continue
             if job is None:
                 return
+            warming = self._prewarm_bytes > 0
             batch = [job]
             size = len(job.payload)
             while size < MAX_BATCH_BYTES and len(batch) < MAX_BATCH_BLOCKS:

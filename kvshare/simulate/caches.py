@@ -14,7 +14,7 @@ is the run of its leading ids that the cache holds. Invariants:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from typing import Protocol
 
 
@@ -32,6 +32,16 @@ class BlockCache(Protocol):
     def __len__(self) -> int: ...
 
 
+def count_leading(blocks: Container[int], block_ids: Sequence[int]) -> int:
+    """How many of `block_ids`, from the first, are in `blocks` (prefix semantics)."""
+    hits = 0
+    for block_id in block_ids:
+        if block_id not in blocks:
+            break
+        hits += 1
+    return hits
+
+
 class UnboundedBlockCache:
     """A cache that never evicts: a set, since recency order cannot matter."""
 
@@ -39,13 +49,7 @@ class UnboundedBlockCache:
         self._blocks: set[int] = set()
 
     def leading_hits(self, block_ids: Sequence[int]) -> int:
-        blocks = self._blocks
-        hits = 0
-        for block_id in block_ids:
-            if block_id not in blocks:
-                break
-            hits += 1
-        return hits
+        return count_leading(self._blocks, block_ids)
 
     def insert(self, block_ids: Sequence[int]) -> None:
         self._blocks.update(block_ids)
@@ -64,13 +68,7 @@ class LruBlockCache:
         self._blocks: OrderedDict[int, None] = OrderedDict()
 
     def leading_hits(self, block_ids: Sequence[int]) -> int:
-        blocks = self._blocks
-        hits = 0
-        for block_id in block_ids:
-            if block_id not in blocks:
-                break
-            hits += 1
-        return hits
+        return count_leading(self._blocks, block_ids)
 
     def insert(self, block_ids: Sequence[int]) -> None:
         blocks = self._blocks

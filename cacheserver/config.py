@@ -18,6 +18,7 @@ from typing import Any
 from kvshare.errors import ConfigError, InvalidArgument
 from policy.audit import AUDIT_FILE
 from policy.config import AccessConfig, line_of, parse_access
+from policy.naming import SECRET_FILE
 from policy.ratelimit import DEFAULT_BURST_S, DEFAULT_REQUESTS_PER_S
 
 MiB = 1 << 20
@@ -36,6 +37,7 @@ TOP_KEYS = frozenset(
         "tls",
         "telemetry",
         "audit_log",
+        "secret_file",
     }
 )
 TLS_KEYS = frozenset({"cert", "key", "client_ca"})
@@ -140,11 +142,18 @@ class ServerConfig:
     access: AccessConfig | None = None  # None: dev mode (tenant `dev`, token in data dir)
     tls: TlsFiles | None = None  # None: plaintext (loopback, or allow_insecure_listen)
     audit_log: Path | None = None  # None: <data_dir>/audit.log
+    # The naming secret. Keep it off the data dir's backups: with both, a holder can
+    # compute the storage name of a guessed prefix and test whether it was cached.
+    secret_file: Path | None = None  # None: <data_dir>/server.secret
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
 
     @property
     def audit_log_path(self) -> Path:
         return self.audit_log if self.audit_log is not None else self.data_dir / AUDIT_FILE
+
+    @property
+    def secret_path(self) -> Path:
+        return self.secret_file if self.secret_file is not None else self.data_dir / SECRET_FILE
 
     @property
     def is_dev_mode(self) -> bool:
@@ -257,14 +266,16 @@ def load_config(path: Path) -> ServerConfig:
     data_dir = raw.get("data_dir", DEFAULT_DATA_DIR)
     insecure = raw.get("allow_insecure_listen", False)
     audit_log = raw.get("audit_log")
+    secret_file = raw.get("secret_file")
     if (
         not isinstance(listen, str)
         or not isinstance(data_dir, str)
         or not isinstance(insecure, bool)
         or not isinstance(audit_log, str | None)
+        or not isinstance(secret_file, str | None)
     ):
         raise ConfigError(
-            f"{source}: listen, data_dir and audit_log must be strings, "
+            f"{source}: listen, data_dir, audit_log and secret_file must be strings, "
             "allow_insecure_listen a boolean"
         )
     return ServerConfig(
@@ -280,5 +291,6 @@ def load_config(path: Path) -> ServerConfig:
         access=access,
         tls=_parse_tls(_table(raw, "tls", source, text), source, text),
         audit_log=Path(audit_log) if audit_log else None,
+        secret_file=Path(secret_file) if secret_file else None,
         telemetry=_parse_telemetry(_table(raw, "telemetry", source, text), source, text),
     )

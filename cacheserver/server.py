@@ -143,7 +143,7 @@ class Server:
         self.audit = AuditLog(config.audit_log_path)
         self.policy = AccessPolicy.from_access(
             access,
-            load_or_create_server_secret(config.data_dir),
+            load_or_create_server_secret(config.secret_path),
             limiter=RequestRateLimiter(config.limits.requests_per_s, config.limits.request_burst_s),
             audit=self.audit,
             accept_certificates=tls is not None and tls.client_ca is not None,

@@ -25,6 +25,7 @@ from kvshare.errors import ConfigError
 from policy.types import BlockDigest, ModelName, ModelTag, StorageKey, TenantId
 
 SERVER_SECRET_BYTES = 32
+SECRET_FILE = "server.secret"  # noqa: S105 (a file name)
 NAME_INFO_LABEL = "kvshare/name/v1"
 MODEL_TAG_LABEL = "kvshare/model-tag/v1"
 MODEL_TAG_BYTES = 16
@@ -87,10 +88,14 @@ def derive_user_salt(salt_key: bytes, tenant: str, user_id: str) -> bytes:
     return hmac.new(salt_key, enc(USER_SALT_LABEL, tenant, user_id), hashlib.sha256).digest()
 
 
-def load_or_create_server_secret(data_dir: Path) -> bytes:
-    """The server's naming secret, generated once in the data dir (mode 0600)."""
-    path = data_dir / "server.secret"
+def load_or_create_server_secret(path: Path) -> bytes:
+    """The server's naming secret, generated once at `path` (mode 0600).
+
+    An existing file readable by group or others is refused: it names every block.
+    """
     if path.exists():
+        if path.stat().st_mode & 0o077:
+            raise ConfigError(f"{path} is readable by group or others; chmod 600 it")
         secret = path.read_bytes()
         if len(secret) != SERVER_SECRET_BYTES:
             raise ConfigError(
@@ -99,7 +104,10 @@ def load_or_create_server_secret(data_dir: Path) -> bytes:
             )
         return secret
     secret = secrets.token_bytes(SERVER_SECRET_BYTES)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as error:
+        raise ConfigError(f"cannot create the server secret {path}: {error.strerror}") from None
     with os.fdopen(fd, "wb") as f:
         f.write(secret)
         f.flush()

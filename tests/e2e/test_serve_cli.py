@@ -132,3 +132,37 @@ def test_help_documents_every_flag() -> None:
         if action.option_strings and action.dest != "help":
             assert action.help, f"{action.option_strings} has no help text"
             assert action.option_strings[0] in result.stdout
+
+
+def test_the_naming_secret_is_owner_only_and_can_live_outside_the_data_dir(
+    tmp_path: Path,
+) -> None:
+    from cacheserver.config import load_config
+    from cacheserver.embedded import EmbeddedServer
+    from tests.conftest import Running
+
+    secret = tmp_path / "keys" / "kvshare.secret"
+    secret.parent.mkdir()
+    tenancy = write_config(tmp_path, extra=f'secret_file = "{secret}"\n')
+    config = load_config(tenancy.path)
+    digest = b"s" * 32
+    with EmbeddedServer(config) as server:
+        Running(server.address, config.data_dir, tenancy.tokens).client("a").put(
+            "alpha", "m", [digest], [b"payload"]
+        )
+    assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+    assert not (config.data_dir / "server.secret").exists()  # not in the data dir's backups
+    with EmbeddedServer(config) as server:  # positive control: same secret, same names
+        client = Running(server.address, config.data_dir, tenancy.tokens).client("a")
+        assert client.get("alpha", "m", [digest]) == [b"payload"]
+    secret.chmod(0o640)
+    line = one_line_error(run_cli("serve", "--config", str(tenancy.path)))
+    assert "readable by group or others; chmod 600" in line
+
+
+def test_the_default_secret_file_is_owner_only(tmp_path: Path) -> None:
+    server = ServerProcess("--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "d"))
+    try:
+        assert stat.S_IMODE((tmp_path / "d" / "server.secret").stat().st_mode) == 0o600
+    finally:
+        server.terminate()

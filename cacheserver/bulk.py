@@ -212,8 +212,9 @@ class BulkServer:
         for index, size in enumerate(sizes):
             self._limits.check_block_bytes(index, size)
         futures = []
-        for key, size in zip(keys, sizes, strict=True):
+        for index, (key, size) in enumerate(zip(keys, sizes, strict=True)):
             payload = w.recv_bytes(conn, size)  # stored as received: no copy
+            self._policy.check_payload(tenant, payload, index)
             futures.append(self._store.submit_put(tenant, key, payload, tag))
         concurrent.futures.wait(futures)
         failed = next((f.exception() for f in futures if f.exception() is not None), None)

@@ -127,6 +127,7 @@ class BlockStoreService(pb_grpc.BlockStoreServicer):
                     tenant, model, self._policy.model_tag(tenant, model), self._limits
                 )
             for index, digest, payload in assembler.add(frame.chunks):
+                self._policy.check_payload(assembler.tenant, payload, index)
                 key = self._policy.storage_key(assembler.tenant, assembler.model, digest)
                 futures.append(
                     (

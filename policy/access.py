@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from kvshare.errors import PermissionDenied, Unauthenticated
+from kvshare.errors import InvalidArgument, PermissionDenied, Unauthenticated
 from policy.audit import AuditLog, Field
 from policy.config import AccessConfig, TenantConfig
 from policy.identity import (
@@ -36,6 +36,7 @@ from policy.identity import (
 )
 from policy.naming import BlockNamer
 from policy.ratelimit import RateLimited, RequestRateLimiter
+from policy.sealing import looks_sealed
 from policy.types import (
     BlockDigest,
     ModelName,
@@ -65,6 +66,7 @@ class AccessPolicy:
         self._namer = namer
         self.quotas_bytes = dict(quotas_bytes)
         self._shared = {t.id for t in tenants if t.shared}
+        self._sealed_only = {t.id for t in tenants if t.require_sealed}
         self._readers: dict[TenantId, frozenset[TenantId]] = {
             shared: frozenset(t.id for t in tenants if shared in t.read_shared)
             for shared in self._shared
@@ -183,6 +185,19 @@ class AccessPolicy:
 
     def epoch(self, tenant: TenantId) -> int:
         return self._namer.epoch(tenant)
+
+    def check_payload(self, tenant: TenantId, payload: bytes | bytearray, index: int) -> None:
+        """For a tenant with `require_sealed`, refuse a payload that is not a sealed block.
+
+        Only the sealed format's fixed header and minimum length are checked: the server
+        holds no data key and cannot open anything; a forged header still fails to open
+        on every agent.
+        """
+        if tenant in self._sealed_only and not looks_sealed(payload):
+            raise InvalidArgument(
+                f"block {index} is not sealed, and this tenant requires sealed blocks; give "
+                "the agent its keyring (policy.sealing.BlockSealer)"
+            )
 
     def model_tag(self, tenant: TenantId, model: ModelName) -> ModelTag:
         return self._namer.model_tag(tenant, model)

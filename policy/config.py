@@ -33,7 +33,7 @@ from policy.identity import (
 )
 from policy.types import TenantId, is_valid_tenant_id
 
-TENANT_KEYS = frozenset({"id", "quota_bytes", "epoch", "shared", "read_shared"})
+TENANT_KEYS = frozenset({"id", "quota_bytes", "epoch", "shared", "read_shared", "require_sealed"})
 PRINCIPAL_KEYS = frozenset(
     {"name", "token_sha256", "cert_identity", "tenants", "actions", "requests_per_s"}
 )
@@ -47,6 +47,9 @@ class TenantConfig:
     epoch: int = 0  # bump to make every block of the tenant unreachable (off-boarding)
     shared: bool = False  # a read-only namespace for public prefixes (writes need `publish`)
     read_shared: tuple[TenantId, ...] = ()  # shared namespaces this tenant's principals read
+    # Refuse puts whose payload is not a sealed block (an agent without its keyring would
+    # otherwise store plaintext KV, which the server cannot tell from ciphertext later).
+    require_sealed: bool = False
 
 
 @dataclass(frozen=True)
@@ -129,12 +132,16 @@ def _parse_tenant(raw: Mapping[str, Any], index: int, err: _Errors) -> TenantCon
     if not isinstance(shared, bool):
         raise err.error(f"{table}.shared", "must be true or false")
     read_shared = _parse_str_list(raw.get("read_shared", []), f"{table}.read_shared", err)
+    require_sealed = raw.get("require_sealed", False)
+    if not isinstance(require_sealed, bool):
+        raise err.error(f"{table}.require_sealed", "must be true or false")
     return TenantConfig(
         TenantId(tenant_id),
         quota_bytes=_count(raw, "quota_bytes", table, err),
         epoch=_count(raw, "epoch", table, err),
         shared=shared,
         read_shared=tuple(TenantId(t) for t in read_shared),
+        require_sealed=require_sealed,
     )
 
 

@@ -149,6 +149,12 @@ def new_key_entry(tenant: str, version: int) -> str:
     return f'[[keys]]\ntenant = "{tenant}"\nversion = {version}\nkey = "{key}"\n'
 
 
+def looks_sealed(payload: bytes | bytearray | memoryview) -> bool:
+    """Whether `payload` has the sealed format's header and room for a tag (not opened)."""
+    head = bytes(payload[:5])
+    return len(payload) >= HEADER_BYTES + TAG_BYTES and head == MAGIC + bytes([FORMAT])
+
+
 def associated_data(tenant: str, model: str, digest: bytes, version: int) -> bytes:
     return enc(AAD_LABEL, tenant, model, digest, version)
 

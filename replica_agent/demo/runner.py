@@ -77,14 +77,14 @@ def demo_tenants(shape: WorkloadShape) -> list[str]:
     return [f"tenant-{i}" for i in range(shape.tenants)]
 
 
-def demo_access(tenants: list[str], token: str) -> AccessConfig:
+def demo_access(tenants: list[str], token: str, *, require_sealed: bool = False) -> AccessConfig:
     principal = Principal(
         "demo-replicas",
         frozenset(TenantId(t) for t in tenants),
         frozenset({Action.READ, Action.WRITE}),
     )
     return AccessConfig(
-        tuple(TenantConfig(TenantId(t)) for t in tenants),
+        tuple(TenantConfig(TenantId(t), require_sealed=require_sealed) for t in tenants),
         (TokenCredential(hash_token(token), principal),),
     )
 
@@ -218,7 +218,7 @@ def run_demo(
                     storage=StorageConfig(
                         memory_budget_bytes=2 << 30, disk_budget_bytes=4 << 30, sync_writes=False
                     ),
-                    access=demo_access(tenants, token),
+                    access=demo_access(tenants, token, require_sealed=options.seal),
                 )
             )
             store = StoreHandle(

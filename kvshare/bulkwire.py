@@ -39,6 +39,7 @@ END = SIZE.pack(0)
 OUTCOME_STORED = 1
 OUTCOME_ALREADY_PRESENT = 2
 MAX_MESSAGE_CHARS = 1024
+MAX_IOV = 512  # below Linux's IOV_MAX (1024) per sendmsg
 
 # gRPC status codes by name, so errors read the same on both paths.
 STATUS_CODES = {
@@ -78,7 +79,7 @@ def send_parts(sock: socket.socket, parts: list[bytes | bytearray | memoryview])
             sock.sendall(view)
         return
     while views:
-        sent = sock.sendmsg(views)
+        sent = sock.sendmsg(views[:MAX_IOV])  # the kernel takes at most IOV_MAX buffers
         while views and sent >= views[0].nbytes:
             sent -= views[0].nbytes
             views.pop(0)

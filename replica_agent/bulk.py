@@ -89,6 +89,8 @@ class BulkChannel:
     def _drop(self, tenant: str) -> None:
         conn = self._local.__dict__.get("conns", {}).pop(tenant, None)
         if conn is not None:
+            with self._lock:
+                self._all.remove(conn)  # reconnects must not accumulate dead connections
             conn.close()
 
     def _expect_ok(self, sock: socket.socket) -> None:
@@ -108,7 +110,7 @@ class BulkChannel:
             op |= w.TRACED
         header = w.REQUEST.pack(op, len(encoded), len(digests))
         parts = [header, trace, encoded] if trace is not None else [header, encoded]
-        w.send_parts(conn.sock, [*parts, *digests])
+        w.send_parts(conn.sock, [*parts, b"".join(digests)])  # one buffer, not one each
 
     def get_views(self, tenant: str, model: str, digests: Sequence[bytes]) -> list[memoryview]:
         """Leading present payloads as views into this thread's reused buffer."""

@@ -156,3 +156,26 @@ def test_an_unauthenticated_peer_cannot_hold_a_connection(dev_server: Running) -
         assert idle.recv(1) == b""  # the server closed it: no ticket within the deadline
         assert time.monotonic() - started < 15
     assert hello(response.address, response.ticket) == w.OK  # positive control
+
+
+def test_a_dropped_connection_is_replaced_not_accumulated(dev_server: Running) -> None:
+    with dev_server.client() as client:
+        assert client.put("dev", MODEL, [b"r" * 32], [b"v"]) == [True]
+        bulk = client._bulk
+        assert bulk is not None and len(bulk._all) == 1
+        too_many = [b"r" * 32] * 8193  # over max_digests_per_call: the server answers
+        for _ in range(3):  # with an error frame and closes the connection
+            with pytest.raises(BlockStoreError):
+                bulk.get("dev", MODEL, too_many)
+            assert client.get("dev", MODEL, [b"r" * 32]) == [b"v"]
+        assert len(bulk._all) <= 1
+
+
+def test_one_bulk_request_carries_thousands_of_digests(dev_server: Running) -> None:
+    digests = [os.urandom(32) for _ in range(1500)]
+    payloads = [os.urandom(64) for _ in digests]
+    with dev_server.client() as client:
+        bulk = client._bulk
+        assert bulk is not None
+        assert bulk.put("dev", MODEL, digests, payloads) == [True] * 1500  # no gRPC fallback
+        assert bulk.get("dev", MODEL, digests) == payloads

@@ -35,7 +35,7 @@ from kvshare.errors import InvalidArgument, KvshareError
 from kvshare.tracing import context_from_binary
 from policy import AccessPolicy, Action
 from policy.tickets import Grant, TicketBook
-from policy.types import ModelTag, StorageKey, TenantId, parse_digest, parse_model
+from policy.types import ModelName, ModelTag, StorageKey, TenantId, parse_digest, parse_model
 
 log = logging.getLogger(__name__)
 MAX_CONNECTIONS = 256
@@ -158,11 +158,11 @@ class BulkServer:
         name = {w.OP_GET: "Get", w.OP_PUT: "Put"}.get(op, "Invalid")
         with self._telemetry.rpc(f"kvshare.bulk/{name}", parent, system=BULK_SYSTEM) as call:
             try:
-                keys, tag = self._request_keys(conn, grant, op, model_len, count)
+                keys, model = self._request_keys(conn, grant, op, model_len, count)
                 if op == w.OP_GET:
                     self._get(conn, grant.tenant, keys)
                     return True
-                self._put(conn, grant.tenant, keys, tag)
+                self._put(conn, grant.tenant, keys, self._policy.model_tag(grant.tenant, model))
                 return True
             except KvshareError as error:
                 call.status = error.status
@@ -171,7 +171,7 @@ class BulkServer:
 
     def _request_keys(
         self, conn: socket.socket, grant: Grant, op: int, model_len: int, count: int
-    ) -> tuple[list[StorageKey], ModelTag]:
+    ) -> tuple[list[StorageKey], ModelName]:
         if op not in (w.OP_GET, w.OP_PUT):
             raise InvalidArgument(f"unknown bulk operation {op}")
         self._limits.check_digest_count(count)
@@ -184,7 +184,7 @@ class BulkServer:
             self._policy.storage_key(tenant, model, parse_digest(bytes(raw[i : i + 32]), n))
             for n, i in enumerate(range(0, len(raw), 32))
         ]
-        return keys, self._policy.model_tag(tenant, model)
+        return keys, model
 
     def _get(self, conn: socket.socket, tenant: TenantId, keys: Sequence[StorageKey]) -> None:
         conn.sendall(bytes([w.OK]))

@@ -208,13 +208,8 @@ class BlockClient:
         return int(response.present)
 
     def get(self, tenant: str, model: str, digests: Sequence[bytes]) -> list[bytes]:
-        bulk = self._bulk
-        if bulk is not None:
-            try:
-                return bulk.get(tenant, model, digests)
-            except (OSError, _NoBulk, UseGrpc) as error:
-                self._bulk_failed(error)
-        return list(self.iter_get(tenant, model, digests))
+        views = self.get_views(tenant, model, digests)
+        return [v if isinstance(v, bytes) else bytes(v) for v in views]
 
     def get_views(
         self, tenant: str, model: str, digests: Sequence[bytes]

@@ -44,6 +44,7 @@ IDLE_TIMEOUT_S = 300.0  # an authenticated connection may idle between requests 
 # finish TLS and present the ticket, so idle strangers cannot hold the connection slots.
 HANDSHAKE_TIMEOUT_S = 5.0
 DISK_BATCH_BYTES = 64 << 20
+DISCARD_CHUNK_BYTES = 1 << 20
 BULK_SYSTEM = "kvshare_bulk"  # the `rpc.system` of this listener's spans
 
 
@@ -117,7 +118,10 @@ class BulkServer:
                 conn = self._tls.wrap_socket(raw, server_side=True)
             grant = self._handshake(conn)
             if grant is not None:
-                conn.settimeout(IDLE_TIMEOUT_S)
+                if conn is raw:  # plain TCP: kernel timeouts, so receives can wait for all
+                    w.kernel_timeouts(raw, IDLE_TIMEOUT_S)
+                else:
+                    conn.settimeout(IDLE_TIMEOUT_S)
                 while self._serve_one(conn, grant):
                     pass
         except (OSError, w.ConnectionClosed, ssl.SSLError):
@@ -187,6 +191,12 @@ class BulkServer:
         return keys, model
 
     def _get(self, conn: socket.socket, tenant: TenantId, keys: Sequence[StorageKey]) -> None:
+        with self._store.reading():  # payloads may be views of journal records
+            self._send_blocks(conn, tenant, keys)
+
+    def _send_blocks(
+        self, conn: socket.socket, tenant: TenantId, keys: Sequence[StorageKey]
+    ) -> None:
         conn.sendall(bytes([w.OK]))
         served = 0
         while served < len(keys):
@@ -211,6 +221,56 @@ class BulkServer:
         sizes = [w.SIZE.unpack_from(sizes_raw, i * w.SIZE.size)[0] for i in range(len(keys))]
         for index, size in enumerate(sizes):
             self._limits.check_block_bytes(index, size)
+        if self._store.receives_in_place:
+            outcomes = self._put_in_place(conn, tenant, keys, sizes, tag)
+        else:
+            outcomes = self._put_buffered(conn, tenant, keys, sizes, tag)
+        conn.sendall(bytes([w.OK]) + outcomes)
+
+    def _put_in_place(
+        self,
+        conn: socket.socket,
+        tenant: TenantId,
+        keys: Sequence[StorageKey],
+        sizes: Sequence[int],
+        tag: ModelTag,
+    ) -> bytes:
+        """Receive each block straight into its journal record: one copy, into memory
+        whose pages exist already; acknowledged once the record is committed."""
+        outcomes = bytearray()
+        for index, (key, size) in enumerate(zip(keys, sizes, strict=True)):
+            job = self._store.begin_put(tenant, key, size, tag)
+            if job is None:  # already stored: the bytes still arrive, into scratch space
+                self._discard(conn, size)
+                outcomes.append(w.OUTCOME_ALREADY_PRESENT)
+                continue
+            try:
+                w.recv_exact(conn, memoryview(job.payload))
+                self._policy.check_payload(tenant, job.payload, index)
+            except BaseException:
+                self._store.abandon_put(job)
+                raise
+            stored = self._store.finish_put(job)
+            outcomes.append(w.OUTCOME_STORED if stored else w.OUTCOME_ALREADY_PRESENT)
+        return bytes(outcomes)
+
+    def _discard(self, conn: socket.socket, size: int) -> None:
+        scratch = memoryview(bytearray(min(size, DISCARD_CHUNK_BYTES)))
+        while size:
+            step = min(size, len(scratch))
+            w.recv_exact(conn, scratch[:step])
+            size -= step
+
+    def _put_buffered(
+        self,
+        conn: socket.socket,
+        tenant: TenantId,
+        keys: Sequence[StorageKey],
+        sizes: Sequence[int],
+        tag: ModelTag,
+    ) -> bytes:
+        """Without the journal: receive each block into its own buffer (kept by the
+        memory tier) and acknowledge after the LMDB commit."""
         futures = []
         for index, (key, size) in enumerate(zip(keys, sizes, strict=True)):
             payload = w.recv_bytes(conn, size)  # stored as received: no copy
@@ -218,14 +278,9 @@ class BulkServer:
             futures.append(self._store.submit_put(tenant, key, payload, tag))
         concurrent.futures.wait(futures)
         failed = next((f.exception() for f in futures if f.exception() is not None), None)
-        if isinstance(failed, KvshareError):
-            raise failed
         if failed is not None:
             raise failed
-        outcomes = bytes(
-            w.OUTCOME_STORED if f.result() else w.OUTCOME_ALREADY_PRESENT for f in futures
-        )
-        conn.sendall(bytes([w.OK]) + outcomes)
+        return bytes(w.OUTCOME_STORED if f.result() else w.OUTCOME_ALREADY_PRESENT for f in futures)
 
 
 def _close_quietly(conn: socket.socket) -> None:

@@ -50,22 +50,28 @@ class StorageConfig:
     disk_budget_bytes: int = 8 * GiB
     # 0: derived from the disk budget with room for LMDB's page overhead and free lists.
     lmdb_map_bytes: int = 0
-    # Every commit reaches the OS before a put is acknowledged, so an acknowledged
-    # block always survives a crash of the server process (kill -9). With sync_writes,
-    # each commit is also fsynced (survives power loss; group commit shares the fsync);
-    # without, a background fsync every sync_interval_ms bounds what a power loss can
-    # take — only cache entries, which replicas recompute. Like Redis appendfsync everysec.
+    # An acknowledged block always survives a crash of the server process (kill -9).
+    # By default a put is acknowledged once it is written to the put journal, a ring
+    # file on tmpfs (cacheserver/journal.py), and moved into LMDB behind the ack; a
+    # crash replays what LMDB lacks. A host reboot clears tmpfs and so may lose what
+    # was not yet in LMDB (at most journal_bytes; only cache entries, which replicas
+    # recompute). journal_bytes = 0 acknowledges a put after its LMDB commit instead.
+    journal_bytes: int = 1 * GiB
+    # Where the journal lives: empty means /dev/shm when it is a writable tmpfs, else
+    # no journal. A directory on a disk-backed file system works but gains nothing.
+    journal_dir: str = ""
+    # Journaled puts move into LMDB once puts pause this long (or at once when the
+    # journal is half full, a delete waits, or the server stops), so the disk work of a
+    # burst does not compete with the burst for the CPU.
+    drain_idle_ms: int = 100
+    # With sync_writes, no journal: each LMDB commit is fsynced before the ack
+    # (survives power loss; group commit shares the fsync). Without, a background
+    # fsync every sync_interval_ms bounds what a power loss can take from LMDB.
     sync_writes: bool = False
     sync_interval_ms: int = 1000
     # Payload bytes that may wait for the disk writer; past it, puts are refused with
     # RESOURCE_EXHAUSTED instead of growing the server's memory without bound.
     max_pending_write_bytes: int = 1 * GiB
-    # Zero-fill this much file space ahead of LMDB while the writer is idle, so bursts
-    # of puts overwrite cached pages instead of growing the file: appends to a growing
-    # file ran at ~360 MB/s here, puts into a zero-filled region at ~3.4 GB/s. Costs
-    # that much disk beyond the data, and the same kernel time, spent while idle.
-    # Off by default (0); for write-burst-heavy stores, e.g. 268435456.
-    prewarm_bytes: int = 0
 
     def effective_map_bytes(self) -> int:
         if self.lmdb_map_bytes:

@@ -23,19 +23,22 @@ from pathlib import Path
 import lmdb
 import xxhash
 
+from cacheserver.journal import Position
 from kvshare.errors import ConfigError, ResourceExhausted
 from policy.types import ModelTag, StorageKey, TenantId
 
 # checksum (16) | size (8) | epoch (4) | clock (8) | then the tenant id in UTF-8
 _META = struct.Struct(">16sQIQ16s")  # checksum, size, epoch, clock, model tag
 _PROBE_KEY = b"probe"
+_DRAINED_KEY = b"drained"
+# journal id | last sequence number in LMDB | offset where the journal's chain goes on;
+# then the journal's path in UTF-8
+_DRAINED = struct.Struct(">16sQQ")
 NO_MODEL_TAG = ModelTag(bytes(16))  # blocks written without a model tag
 # A commit that needs fresh pages fails when the file system is full, yet the probe's
 # own tiny write reuses freed pages and still succeeds: so the probe also asks for this
 # much free space, about what a burst of new blocks needs before eviction catches up.
 MIN_FREE_BYTES = 8 << 20
-PREWARM_CHUNK_BYTES = 2 << 20  # small steps: a put arriving meanwhile waits ~5 ms at most
-PREWARM_RESERVE_BYTES = 256 << 20  # never zero-fill into the last of the disk
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +92,7 @@ class LmdbTier:
             self._env = lmdb.open(
                 str(path),
                 map_size=map_bytes,
-                max_dbs=4,
+                max_dbs=8,
                 subdir=True,
                 sync=sync_writes,
                 metasync=sync_writes,
@@ -107,56 +110,12 @@ class LmdbTier:
         self._blocks = self._env.open_db(b"blocks")
         self._meta = self._env.open_db(b"meta")
         self._health = self._env.open_db(b"health")
+        self._journal = self._env.open_db(b"journal")
         self.path = path
         self.map_bytes = map_bytes
         self.integrity_failures = 0
         self._lock = threading.Lock()  # guards integrity_failures
         self._on_integrity_failure = on_integrity_failure
-        self._warmed_to = 0  # file offset up to which prewarm() has written
-        self._page_bytes = int(self._env.stat()["psize"])
-
-    def prewarm(self, ahead_bytes: int, chunk_bytes: int = PREWARM_CHUNK_BYTES) -> bool:
-        """Write zeros to up to `chunk_bytes` of the file past LMDB's last used page.
-
-        A commit that appends pages to the data file makes the file system allocate and
-        the kernel fault in fresh page-cache pages (~360 MB/s measured here), while a
-        commit that overwrites cached pages runs at several GB/s. Zero-filling the
-        region LMDB will append to next, ahead of time, moves that cost off the put's
-        acknowledgement (PostgreSQL zero-fills its WAL segments for the same reason).
-        Pages past `last_pgno` belong to no transaction and to no free list; an open write
-        transaction holds LMDB's writer lock, so no commit can append there meanwhile.
-        Keeps a reserve of free disk space and never passes the map size. Returns whether
-        more remains to be warmed.
-        """
-        txn = self._env.begin(write=True)  # the writer lock; nothing is written through it
-        try:
-            return self._zero_fill_ahead(ahead_bytes, chunk_bytes)
-        finally:
-            txn.abort()
-
-    def _zero_fill_ahead(self, ahead_bytes: int, chunk_bytes: int) -> bool:
-        used_end = (int(self._env.info()["last_pgno"]) + 1) * self._page_bytes
-        start = max(self._warmed_to, used_end)
-        try:
-            fs = os.statvfs(self.path)
-        except OSError:
-            return False
-        reserve = max(PREWARM_RESERVE_BYTES, fs.f_blocks * fs.f_frsize // 10)
-        spare = fs.f_bavail * fs.f_frsize - reserve
-        limit = min(used_end + ahead_bytes, self.map_bytes, start + max(0, spare))
-        if start >= limit:
-            return False
-        size = min(chunk_bytes, limit - start)
-        try:
-            fd = os.open(self.path / "data.mdb", os.O_WRONLY)
-            try:
-                os.pwrite(fd, bytes(size), start)
-            finally:
-                os.close(fd)
-        except OSError:
-            return False  # a full or failing disk: the next commit will say so
-        self._warmed_to = start + size
-        return self._warmed_to < limit
 
     def probe(self) -> str | None:
         """Why the tier cannot take writes now (a short reason), or None when it can."""
@@ -219,13 +178,36 @@ class LmdbTier:
             for tenant, blocks in by_tenant.items():
                 self._on_integrity_failure(tenant, blocks)
 
-    def write(self, writes: Sequence[PendingWrite], deletes: Sequence[StorageKey]) -> list[bool]:
+    def journal_position(self) -> tuple[Position, Path] | None:
+        """How far the put journal has been moved into LMDB, and where that journal is."""
+        with self._env.begin(db=self._journal) as txn:
+            raw = txn.get(_DRAINED_KEY)
+        if raw is None or len(raw) < _DRAINED.size:
+            return None
+        journal_id, seq, offset = _DRAINED.unpack_from(raw)
+        return Position(journal_id, seq, offset), Path(raw[_DRAINED.size :].decode("utf-8"))
+
+    def write(
+        self,
+        writes: Sequence[PendingWrite],
+        deletes: Sequence[StorageKey],
+        drained: tuple[Position, Path] | None = None,
+    ) -> list[bool]:
         """Delete `deletes`, then insert `writes` first-writer-wins, in one durable commit.
+        With `drained`, the same commit records how far the put journal is now in LMDB.
 
         Returns, per write, whether it was stored (False: the key already existed).
         """
         try:
             with self._env.begin(write=True) as txn:
+                if drained is not None:
+                    position, path = drained
+                    txn.put(
+                        _DRAINED_KEY,
+                        _DRAINED.pack(position.journal_id, position.seq, position.offset)
+                        + str(path).encode("utf-8"),
+                        db=self._journal,
+                    )
                 for key in deletes:
                     txn.delete(key, db=self._blocks)
                     txn.delete(key, db=self._meta)

@@ -15,8 +15,9 @@ from cacheserver.index import BlockIndex, EvictReason, NoRoom
 from policy.types import StorageKey, TenantId
 
 # A block's bytes as the store holds them: bytes from gRPC, the receive buffer itself
-# (bytearray, never written again) from the bulk channel, so neither path copies.
-Payload: TypeAlias = bytes | bytearray
+# (bytearray, never written again), or a view of its record in the put journal, where
+# the bulk channel received it; no path copies.
+Payload: TypeAlias = bytes | bytearray | memoryview
 OnEvict: TypeAlias = Callable[[EvictReason, int], None]  # (reason, bytes) per block evicted
 
 

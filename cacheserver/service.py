@@ -8,9 +8,9 @@ Client digests are turned into keyed storage names before anything else sees the
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
@@ -25,6 +25,8 @@ from kvshare.v1 import kvshare_pb2_grpc as pb_grpc
 from policy import AccessPolicy, Action
 from policy.tickets import TicketBook
 from policy.types import ModelName, ModelTag, StorageKey, TenantId, parse_digest, parse_model
+
+_T = TypeVar("_T")
 
 Context = grpc.aio.ServicerContext[Any, Any]
 DISK_BATCH_BYTES = 64 << 20  # read at most this much from LMDB per executor hop
@@ -93,14 +95,18 @@ class BlockStoreService(pb_grpc.BlockStoreServicer):
         served = 0
         while served < len(keys):
             tier: Tier = "memory"
-            payloads = self._store.read_from_memory(keys[served:])
-            if not payloads:
-                tier = "lmdb"
-                payloads = await loop.run_in_executor(
-                    None, self._store.read_from_disk, tenant, keys[served:], DISK_BATCH_BYTES
-                )
+            with self._store.reading():
+                payloads = self._store.read_from_memory(keys[served:])
                 if not payloads:
-                    break  # the first miss ends the stream
+                    tier = "lmdb"
+                    payloads = await loop.run_in_executor(
+                        None, self._store.read_from_disk, tenant, keys[served:], DISK_BATCH_BYTES
+                    )
+                # Frames are built lazily, while the stream waits on its client: copy
+                # views of journal records now rather than pin them that long.
+                payloads = [bytes(p) if isinstance(p, memoryview) else p for p in payloads]
+            if not payloads:
+                break  # the first miss ends the stream
             for frame in framer.frames(served, payloads):
                 yield frame
             served += len(payloads)
@@ -129,14 +135,11 @@ class BlockStoreService(pb_grpc.BlockStoreServicer):
             for index, digest, payload in assembler.add(frame.chunks):
                 self._policy.check_payload(assembler.tenant, payload, index)
                 key = self._policy.storage_key(assembler.tenant, assembler.model, digest)
-                futures.append(
-                    (
-                        index,
-                        asyncio.wrap_future(
-                            self._store.submit_put(assembler.tenant, key, payload, assembler.tag)
-                        ),
-                    )
+                # Off the event loop: a journaled put copies the block before it returns.
+                submitted = await asyncio.get_running_loop().run_in_executor(
+                    None, self._store.submit_put, assembler.tenant, key, payload, assembler.tag
                 )
+                futures.append((index, asyncio.wrap_future(submitted)))
         if assembler is None:
             raise InvalidArgument("empty Put stream; send a first frame with `header`")
         assembler.finish()
@@ -150,15 +153,15 @@ class BlockStoreService(pb_grpc.BlockStoreServicer):
             tenant = self._policy.admit(principal, request.tenant, Action.ADMIN)
             if request.model:  # one model's namespace of the tenant
                 tag = self._policy.model_tag(tenant, parse_model(request.model))
-                deleted = self._store.delete_tenant(tenant, tag)
+                deleted = await _blocking(self._store.delete_tenant, tenant, tag)
                 action = "delete_model_namespace"
             else:
-                deleted = self._store.delete_tenant(tenant)
+                deleted = await _blocking(self._store.delete_tenant, tenant, None)
                 action = "delete_tenant"
             self._policy.record_admin(principal, action, tenant=tenant, blocks=deleted)
             return pb.DeleteResponse(deleted=deleted)
         _, keys = self._keys(request.tenant, request.model, request.digests, Action.WRITE)
-        return pb.DeleteResponse(deleted=self._store.delete(keys))
+        return pb.DeleteResponse(deleted=await _blocking(self._store.delete, keys))
 
     async def Stats(self, request: pb.StatsRequest, context: Context) -> pb.StatsResponse:
         principal = current_principal.get()
@@ -304,3 +307,8 @@ class _BlockAssembler:
 
 
 __all__ = ["BlockStoreService", "PermissionDenied"]
+
+
+async def _blocking(function: Callable[..., _T], *args: Any) -> _T:
+    """Run a blocking store call (LMDB I/O, waiting for the writer) off the event loop."""
+    return await asyncio.get_running_loop().run_in_executor(None, function, *args)

@@ -1,16 +1,24 @@
 """The block store: a memory tier over an LMDB tier, with one writer thread.
 
 Invariants:
-- A block is visible (to lookup and get) only after its durable commit: new entries
-  join the disk index after the commit that wrote them.
-- First writer wins: a key already on disk is never overwritten.
-- The disk index is the authority on what exists; the memory tier only ever holds a
-  subset of it (dropping a block from disk drops it from memory too).
+- A block is visible (to lookup and get) only once a crash of the server can no longer
+  lose it: after its LMDB commit, or, with the put journal, after its journal record
+  is written (`cacheserver.journal`). That is also when its put is acknowledged.
+- First writer wins: a key already stored is never overwritten.
+- The index is the authority on what exists; the memory tier only ever holds a
+  subset of it. A journaled block not yet in LMDB is in `_pending` until the writer
+  has committed it, and reads fall back to it there.
+- LMDB never gets back a block the index dropped: the writer skips journaled blocks
+  that were evicted or deleted before it reached them, and deletes wait for the
+  writer to pass their journal records (`_barrier`), so a replay after a crash cannot
+  bring them back either.
 - All index and memory-tier state is touched under `_lock`; LMDB I/O happens outside
   it (reads on executor threads, writes on the writer thread).
 
 Writes go through one writer thread that groups every queued block into one LMDB
 transaction (group commit): with `sync_writes`, one fsync acknowledges many puts.
+With the journal (the default unless `sync_writes`), the writer drains behind the
+acknowledgements, at whatever pace the disk allows.
 
 Everything countable (hits, misses, blocks and bytes per tier, evictions, refusals,
 integrity failures) is reported to a `StoreEvents` as it happens; the server's
@@ -20,25 +28,38 @@ telemetry turns those into metrics. The events carry tenants and sizes, never ke
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
+import os
 import queue
 import threading
-from collections.abc import Callable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from cacheserver.config import StorageConfig
 from cacheserver.events import NoEvents, StoreEvents, Tier
 from cacheserver.index import BlockIndex, Entry, EvictReason, NoRoom
+from cacheserver.journal import (
+    Journal,
+    JournalFull,
+    Position,
+    Reservation,
+    default_journal_path,
+    replay,
+)
 from cacheserver.lmdb_tier import LmdbTier, PendingWrite
 from cacheserver.memory_tier import MemoryTier, Payload
-from kvshare.errors import KvshareError, ResourceExhausted, Unavailable
+from kvshare.errors import ConfigError, KvshareError, ResourceExhausted, Unavailable
 from policy.types import ModelTag, StorageKey, TenantId
 
 log = logging.getLogger(__name__)
 MAX_BATCH_BYTES = 256 << 20  # bound one commit's size so a burst cannot stall reads long
 MAX_BATCH_BLOCKS = 4096
-PREWARM_IDLE_S = 0.02  # the writer warms file space after this long without puts
+RETRY_DRAIN_S = 1.0  # a failed drain of journaled puts is retried after this long
+JOURNAL_WAIT_S = 5.0  # a put waits this long for journal room before it is refused
+BARRIER_TIMEOUT_S = 60.0  # a delete waits at most this long for the writer
 
 
 @dataclass
@@ -61,6 +82,35 @@ class _PutJob:
     model_tag: ModelTag
     clock: int = 0
     future: concurrent.futures.Future[bool] = field(default_factory=concurrent.futures.Future)
+    # Journaled puts only: the record (its view is `payload`), the blocks its admission
+    # evicted (deleted from LMDB by the commit that drains this job), and whether the
+    # put was given up (refused or broken off): the writer then only passes its record.
+    record: Reservation | None = None
+    evicted: tuple[StorageKey, ...] = ()
+    void: bool = False
+
+
+@dataclass
+class _Barrier:
+    """Completes once every journal record reserved before it is drained or given up."""
+
+    through_seq: int
+    future: concurrent.futures.Future[None] = field(default_factory=concurrent.futures.Future)
+
+
+def _lower_this_threads_priority() -> None:
+    """Give the calling thread the lowest CPU priority (nice 19, Linux: per thread).
+
+    Used by the writer when puts are journaled: they are acknowledged already, so
+    moving them into LMDB, which costs a core-second per ~0.5 GB here (most of it the
+    kernel copying into the page cache), should take only CPU time that serving
+    connections leaves. When the journal fills, puts wait, and the CPU is the writer's."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+
+
+def _stored(job: _PutJob) -> bool:
+    return job.future.done() and job.future.exception() is None and job.future.result()
 
 
 def memory_quotas(
@@ -108,15 +158,29 @@ class BlockStore:
         self._epochs = dict(epochs)
         self._lock = threading.Lock()
         self.counters: dict[TenantId, TenantCounters] = {}
-        self._queue: queue.Queue[_PutJob | None] = queue.Queue()
+        self._queue: queue.Queue[_PutJob | _Barrier | None] = queue.Queue()
         self._pending_bytes = 0  # payload bytes queued for, or inside, the writer
-        self._prewarm_bytes = storage.prewarm_bytes
         self._pending_lock = threading.Lock()
+        self._pending_room = threading.Condition(self._pending_lock)
         self._max_pending_bytes = storage.max_pending_write_bytes
+        self._pending: dict[StorageKey, _PutJob] = {}  # journaled, not yet in LMDB
+        # Journaled blocks held by the memory tier as views of their records, by seq:
+        # dropped from memory before the record's space is released.
+        self._views_in_memory: dict[int, tuple[StorageKey, memoryview]] = {}
+        self._last_put = 0.0  # time.monotonic() of the last journaled put
+        self._drain_now = threading.Event()  # wakes a writer waiting for a quiet moment
+        # Journaled puts move into LMDB once puts pause this long ([storage] drain_idle_ms)
+        self._drain_idle_s = storage.drain_idle_ms / 1000
+        self._barriers = 0  # deletes waiting for the writer
+        self._closing = threading.Event()
         self._rebuild_index()
+        self.replayed_at_start = self._replay_journal()
+        self._journal: Journal | None = None
+        self._journal_path: Path | None = None
+        if storage.journal_bytes and not storage.sync_writes:
+            self._open_journal(data_dir, storage)
         self._writer = threading.Thread(target=self._write_loop, name="kvshare-writer", daemon=True)
         self._writer.start()
-        self._closing = threading.Event()
         self._syncer: threading.Thread | None = None
         if not storage.sync_writes and storage.sync_interval_ms:
             self._syncer = threading.Thread(
@@ -178,6 +242,72 @@ class BlockStore:
             self._remove_everywhere(victims)
             self._disk.delete(victims)
 
+    def _replay_journal(self) -> int:
+        """Commit to LMDB the journaled puts a crash left out of it; returns how many.
+
+        Runs after the index is rebuilt, so replayed blocks are admitted (quotas,
+        budget, first writer wins) like new puts. Blocks of retired epochs or removed
+        tenants are skipped, as start-up reclamation would drop them anyway."""
+        recorded = self._disk.journal_position()
+        if recorded is None:
+            return 0
+        position, path = recorded
+        batch: list[_PutJob] = []
+        size = 0
+        replayed = 0
+        last = position
+        for record in replay(path, position):
+            last = Position(position.journal_id, record.seq, record.end)
+            if self._epochs.get(record.tenant) != record.epoch:
+                continue
+            batch.append(
+                _PutJob(record.key, record.tenant, record.epoch, record.payload, record.model_tag)
+            )
+            size += len(record.payload)
+            if size >= MAX_BATCH_BYTES:
+                self._commit(batch, drained=(last, path))
+                replayed += sum(1 for job in batch if _stored(job))
+                batch, size = [], 0
+        if batch or last != position:
+            self._commit(batch, drained=(last, path))
+            replayed += sum(1 for job in batch if _stored(job))
+        if last != position:
+            log.info("replayed %d journaled puts into LMDB after an unclean stop", replayed)
+        return replayed
+
+    def _open_journal(self, data_dir: Path, storage: StorageConfig) -> None:
+        path = default_journal_path(data_dir, storage.journal_dir)
+        if path is None:
+            log.info(
+                "no tmpfs for the put journal (set [storage] journal_dir): puts are "
+                "acknowledged after their LMDB commit"
+            )
+            return
+        if storage.journal_dir:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            except OSError as error:
+                raise ConfigError(
+                    f"cannot create journal_dir {path.parent}: {error.strerror}"
+                ) from None
+        recorded = self._disk.journal_position()
+        if recorded is not None and recorded[1] != path:
+            recorded[1].unlink(missing_ok=True)  # replayed above; the journal moved
+        journal = Journal(path, storage.journal_bytes, recorded[0].seq if recorded else 0)
+        journal.on_full = self._drain_now.set
+        # From here on a replay follows the new journal's chain, which starts empty.
+        self._disk.write([], [], drained=(journal.start, path))
+        self._journal, self._journal_path = journal, path
+        threading.Thread(target=self._prefault, name="kvshare-prefault", daemon=True).start()
+
+    def _prefault(self) -> None:
+        """Keep the journal's pages made ahead of its use (Journal.prefault)."""
+        journal = self._journal
+        while journal is not None and not self._closing.is_set():
+            if not journal.prefault():
+                journal.prefault_wanted.wait()
+                journal.prefault_wanted.clear()
+
     # -- reads ------------------------------------------------------------------------
 
     def count(self, tenant: TenantId) -> TenantCounters:
@@ -199,6 +329,21 @@ class BlockStore:
             counters.lookup_digests += len(keys)
             self.events.looked_up(tenant, len(keys), present)
             return present
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        """Wrap reads whose payloads are used after they return (sent, copied): a
+        payload may be a view of a journal record, whose space is not written again
+        until every reader that entered before it was released has left."""
+        journal = self._journal
+        if journal is None:
+            yield
+            return
+        token = journal.enter_read()
+        try:
+            yield
+        finally:
+            journal.exit_read(token)
 
     def read_from_memory(self, keys: Sequence[StorageKey]) -> list[Payload]:
         """Leading payloads held in memory (fast; safe to call on the event loop)."""
@@ -229,7 +374,10 @@ class BlockStore:
                     break
                 wanted.append(key)
                 total += entry.size
-        payloads = self._disk.read_many(wanted)
+            journaled = {key: self._pending[key].payload for key in wanted if key in self._pending}
+        on_disk = [key for key in wanted if key not in journaled]
+        read = dict(zip(on_disk, self._disk.read_many(on_disk) if on_disk else [], strict=True))
+        payloads = [journaled[key] if key in journaled else read[key] for key in wanted]
         out: list[Payload] = []
         with self._lock:
             for key, payload in zip(wanted, payloads, strict=True):
@@ -259,7 +407,21 @@ class BlockStore:
     def submit_put(
         self, tenant: TenantId, key: StorageKey, payload: Payload, model_tag: ModelTag
     ) -> concurrent.futures.Future[bool]:
-        """Queue a block for the writer; the future is True (stored) or False (already present)."""
+        """Store a block; the future is True (stored) or False (already present).
+
+        With the journal, the block is copied into it and the future is done on return
+        (blocking); without, the future completes once the writer has committed the
+        block to LMDB."""
+        if self._journal is not None:
+            done: concurrent.futures.Future[bool] = concurrent.futures.Future()
+            try:
+                job = self.begin_put(tenant, key, len(payload), model_tag)
+                if job is not None:
+                    job.payload[:] = memoryview(payload).cast("B")  # type: ignore[index]
+                done.set_result(job is not None and self.finish_put(job))
+            except KvshareError as error:
+                done.set_exception(error)
+            return done
         job = _PutJob(key, tenant, self._epochs.get(tenant, 0), payload, model_tag)
         with self._lock:
             if key in self._index:
@@ -267,43 +429,152 @@ class BlockStore:
                 job.future.set_result(False)
                 self.events.put_outcome(tenant, "already_present")
                 return job.future
-        with self._pending_lock:
-            if self._pending_bytes + len(payload) > self._max_pending_bytes:
-                # Refuse rather than queue without bound: writers faster than the disk
-                # must not grow the server's memory (the client retries or drops).
-                job.future.set_exception(
-                    ResourceExhausted(
-                        f"{self._pending_bytes} bytes already wait for the disk writer; "
-                        f"max_pending_write_bytes is {self._max_pending_bytes}: retry later, "
-                        "or raise it in [storage]"
-                    )
-                )
-                self.events.put_outcome(tenant, "rejected")
-                return job.future
-            self._pending_bytes += len(payload)
-        job.future.add_done_callback(lambda _: self._release_pending(len(payload)))
+        nbytes = len(payload)
+        try:
+            self._reserve_pending(tenant, nbytes)
+        except ResourceExhausted as error:
+            job.future.set_exception(error)
+            return job.future
+        job.future.add_done_callback(lambda _: self._release_pending(nbytes))
         self._queue.put(job)
         return job.future
 
+    @property
+    def receives_in_place(self) -> bool:
+        """Whether puts are received straight into the journal (begin_put/finish_put)."""
+        return self._journal is not None
+
+    def begin_put(
+        self, tenant: TenantId, key: StorageKey, size: int, model_tag: ModelTag
+    ) -> _PutJob | None:
+        """Journal only: reserve a record for a block of `size` bytes. Write the block
+        into the job's `payload` (a view of the record), then call `finish_put`, or
+        `abandon_put` if it cannot be had. None: the block is already stored.
+
+        Raises ResourceExhausted when the tenant's quota or the journal has no room."""
+        journal = self._journal
+        assert journal is not None
+        job = _PutJob(key, tenant, self._epochs.get(tenant, 0), b"", model_tag)
+        with self._lock:
+            if key in self._index:
+                self._index.touch(key)
+                self.events.put_outcome(tenant, "already_present")
+                return None
+            try:  # refuse before journaling what cannot be admitted
+                self._index.victims_with_reasons(tenant, size)
+            except NoRoom as error:
+                raise self._no_room(tenant, size, error) from None
+        self._reserve_pending(tenant, size)
+        try:
+            job.record = journal.reserve(key, tenant, job.epoch, model_tag, size, JOURNAL_WAIT_S)
+        except JournalFull:
+            self._release_pending(size)
+            self.events.put_outcome(tenant, "rejected")
+            raise
+        except OSError as error:
+            self._release_pending(size)
+            self.events.put_outcome(tenant, "failed")
+            log.error("put journal write failed: %s", error.strerror)
+            raise Unavailable(
+                "the put journal could not be written; check free space on "
+                "[storage] journal_dir (default /dev/shm)"
+            ) from None
+        job.payload = job.record.view
+        return job
+
+    def finish_put(self, job: _PutJob) -> bool:
+        """The job's block is complete: commit its record and make it visible. Returns
+        whether it was stored (False: another put of the same key came first).
+
+        Raises ResourceExhausted if the block lost its room meanwhile (quota)."""
+        journal, record = self._journal, job.record
+        assert journal is not None and record is not None
+        journal.commit(record)
+        with self._lock:
+            admitted, evicted = self._plan([job])
+            job.evicted = tuple(key for key, _, _ in evicted)
+            for key, entry, reason in evicted:
+                self._memory.drop(key)
+                self._pending.pop(key, None)  # the writer will pass over it
+                self.events.evicted("lmdb", reason, entry.size)
+            if admitted:
+                self._pending[job.key] = job
+                self._note_stored(job)
+                if self._memory.get(job.key) is job.payload:
+                    self._views_in_memory[record.seq] = (job.key, record.view)
+            else:
+                job.void = True
+            self._last_put = time.monotonic()
+        self._queue.put(job)
+        failure = job.future.exception() if job.future.done() else None
+        if failure is not None:
+            raise failure
+        return bool(admitted)
+
+    def abandon_put(self, job: _PutJob) -> None:
+        """The block of a `begin_put` will not come (a dropped connection, a refused
+        payload): its record is passed over."""
+        job.void = True
+        self._queue.put(job)
+
+    def _reserve_pending(self, tenant: TenantId, nbytes: int) -> None:
+        """Count `nbytes` against max_pending_write_bytes, or refuse the put."""
+        deadline = time.monotonic() + (JOURNAL_WAIT_S if self._journal is not None else 0.0)
+        with self._pending_room:
+            # With the journal the writer drains on demand: wait for it, as for journal room.
+            while (
+                self._pending_bytes + nbytes > self._max_pending_bytes
+                and nbytes <= self._max_pending_bytes
+                and time.monotonic() < deadline
+            ):
+                self._drain_now.set()
+                self._pending_room.wait(max(0.0, deadline - time.monotonic()))
+            if self._pending_bytes + nbytes > self._max_pending_bytes:
+                # Refuse rather than queue without bound: writers faster than the disk
+                # must not grow the server's memory (the client retries or drops).
+                self.events.put_outcome(tenant, "rejected")
+                raise ResourceExhausted(
+                    f"{self._pending_bytes} bytes already wait for the disk writer; "
+                    f"max_pending_write_bytes is {self._max_pending_bytes}: retry later, "
+                    "or raise it in [storage]"
+                )
+            self._pending_bytes += nbytes
+
+    def _note_stored(self, job: _PutJob) -> None:
+        """A new block is stored (under `_lock`): count it and keep it hot."""
+        self.events.put_outcome(job.tenant, "stored")
+        if self._memory.admit(job.key, job.tenant, job.payload):
+            self.events.stored(job.tenant, "memory", len(job.payload))
+        counters = self.count(job.tenant)
+        counters.blocks_stored += 1
+        counters.bytes_stored += len(job.payload)
+
+    def _no_room(self, tenant: TenantId, size: int, error: NoRoom) -> ResourceExhausted:
+        self.events.quota_rejected(tenant)
+        self.events.put_outcome(tenant, "rejected")
+        return ResourceExhausted(
+            f"no room for a {size}-byte block: {error.reason}; raise the "
+            "tenant's quota_bytes or [storage] disk_budget_bytes"
+        )
+
     def _release_pending(self, nbytes: int) -> None:
         # Futures may complete while the writer holds _lock: count under a lock of its own.
-        with self._pending_lock:
+        with self._pending_room:
             self._pending_bytes -= nbytes
+            self._pending_room.notify_all()
 
     def _write_loop(self) -> None:
-        warming = self._prewarm_bytes > 0
+        if self._journal is not None:
+            _lower_this_threads_priority()
+        waiting: list[_Barrier] = []
         while True:
-            try:
-                # Idle: zero-fill file space ahead of LMDB (LmdbTier.prewarm), a chunk at a time.
-                job = self._queue.get(timeout=PREWARM_IDLE_S) if warming else self._queue.get()
-            except queue.Empty:
-                warming = self._disk.prewarm(self._prewarm_bytes)
-                continue
+            job = self._queue.get()
             if job is None:
                 return
-            warming = self._prewarm_bytes > 0
+            if isinstance(job, _PutJob) and job.record is not None:
+                self._wait_for_quiet()
             batch = [job]
-            size = len(job.payload)
+            size = len(job.payload) if isinstance(job, _PutJob) else 0
             while size < MAX_BATCH_BYTES and len(batch) < MAX_BATCH_BLOCKS:
                 try:
                     nxt = self._queue.get_nowait()
@@ -313,8 +584,85 @@ class BlockStore:
                     self._queue.put(None)  # finish this batch, then stop
                     break
                 batch.append(nxt)
-                size += len(nxt.payload)
-            self._commit(batch)
+                if isinstance(nxt, _PutJob):
+                    size += len(nxt.payload)
+            jobs = [j for j in batch if isinstance(j, _PutJob)]
+            if jobs and jobs[0].record is not None:
+                self._drain(jobs)
+            elif jobs:
+                self._commit(jobs)
+            waiting += [b for b in batch if isinstance(b, _Barrier)]
+            released = self._journal.released_seq if self._journal is not None else 0
+            for barrier in [b for b in waiting if b.through_seq <= released]:
+                waiting.remove(barrier)
+                barrier.future.set_result(None)
+
+    def _drain(self, jobs: Sequence[_PutJob]) -> None:
+        """Commit journaled (already acknowledged) blocks to LMDB, with how far the
+        journal's chain is now covered, then free what that covers. Retried until it
+        works: these blocks exist nowhere else but the journal."""
+        journal, path = self._journal, self._journal_path
+        assert journal is not None and path is not None
+        seqs = {job.record.seq for job in jobs if job.record is not None}
+        with self._lock:
+            live = [j for j in jobs if not j.void and self._pending.get(j.key) is j]
+        deletes = [key for job in jobs for key in job.evicted]
+        writes = [
+            PendingWrite(j.key, j.tenant, j.epoch, j.clock, j.payload, j.model_tag) for j in live
+        ]
+        point = journal.drain_point(seqs)
+        while writes or deletes or point is not None:
+            try:
+                self._disk.write(writes, deletes, (point, path) if point is not None else None)
+                break
+            except Exception as error:
+                reason = type(error).__name__
+                log.error("moving journaled puts into LMDB failed (%s); retrying", reason)
+                with self._lock:
+                    self._commit_failure = f"an LMDB commit failed ({reason})"
+                if self._closing.wait(RETRY_DRAIN_S):
+                    return  # stopping: the journal keeps them for the next start
+        with self._lock:
+            for job in live:
+                if self._pending.get(job.key) is job:
+                    del self._pending[job.key]
+                self.events.stored(job.tenant, "lmdb", len(job.payload))
+            if point is not None:  # readers entering from now on cannot see released views
+                for seq in [q for q in self._views_in_memory if q <= point.seq]:
+                    key, view = self._views_in_memory.pop(seq)
+                    if self._memory.get(key) is view:
+                        self._memory.drop(key)
+        journal.finish(seqs, point)
+        self._release_pending(sum(len(j.payload) for j in jobs))
+
+    def _wait_for_quiet(self) -> None:
+        """Hold journaled puts back until puts pause, unless something needs them now."""
+        journal = self._journal
+        while journal is not None and not self._closing.is_set() and not self._barriers:
+            quiet_for = time.monotonic() - self._last_put
+            if quiet_for >= self._drain_idle_s or journal.under_pressure():
+                return
+            self._drain_now.wait(self._drain_idle_s - quiet_for)
+            self._drain_now.clear()
+
+    def _barrier(self) -> None:
+        """Wait until every journal record reserved so far is drained or given up."""
+        if self._journal is None:
+            return
+        barrier = _Barrier(self._journal.last_seq)
+        with self._lock:
+            self._barriers += 1
+        self._queue.put(barrier)
+        self._drain_now.set()
+        try:
+            barrier.future.result(timeout=BARRIER_TIMEOUT_S)
+        except concurrent.futures.TimeoutError:
+            raise Unavailable(
+                "the disk writer is behind or failing; retry the delete later"
+            ) from None
+        finally:
+            with self._lock:
+                self._barriers -= 1
 
     def _plan(
         self, batch: Sequence[_PutJob]
@@ -330,25 +678,22 @@ class BlockStore:
             try:
                 victims = self._index.victims_with_reasons(job.tenant, len(job.payload))
             except NoRoom as error:
-                self.events.quota_rejected(job.tenant)
-                self.events.put_outcome(job.tenant, "rejected")
-                job.future.set_exception(
-                    ResourceExhausted(
-                        f"no room for a {len(job.payload)}-byte block: {error.reason}; raise the "
-                        "tenant's quota_bytes or [storage] disk_budget_bytes"
-                    )
-                )
+                job.future.set_exception(self._no_room(job.tenant, len(job.payload), error))
                 continue
             for victim, reason in victims.items():
                 entry = self._index.remove(victim)
                 if entry is not None:
                     evicted.append((victim, entry, reason))
-            self._index.add(job.key, job.tenant, len(job.payload))
+            self._index.add(job.key, job.tenant, len(job.payload), tag=job.model_tag)
             job.clock = self._index.clock
             admitted.append(job)
         return admitted, evicted
 
-    def _commit(self, batch: Sequence[_PutJob]) -> None:
+    def _commit(
+        self, batch: Sequence[_PutJob], drained: tuple[Position, Path] | None = None
+    ) -> None:
+        """Commit new blocks to LMDB, then make them visible (write-through puts, and
+        the replay of the journal at start-up, which passes the position it reached)."""
         with self._lock:
             admitted, evicted = self._plan(batch)
             for key, _, _ in evicted:
@@ -356,14 +701,14 @@ class BlockStore:
             # Entries are in the index for planning only; hide them until committed.
             for job in admitted:
                 self._index.remove(job.key)
-        if not admitted and not evicted:
+        if not admitted and not evicted and drained is None:
             return
         writes = [
             PendingWrite(j.key, j.tenant, j.epoch, j.clock, j.payload, j.model_tag)
             for j in admitted
         ]
         try:
-            stored = self._disk.write(writes, [k for k, _, _ in evicted])
+            stored = self._disk.write(writes, [k for k, _, _ in evicted], drained)
         except Exception as error:  # the batch failed as a whole: nothing was written
             with self._lock:
                 for key, entry, _ in evicted:
@@ -394,13 +739,8 @@ class BlockStore:
                 self._index.add(
                     job.key, job.tenant, len(job.payload), clock=job.clock, tag=job.model_tag
                 )
-                self.events.put_outcome(job.tenant, "stored")
                 self.events.stored(job.tenant, "lmdb", len(job.payload))
-                if self._memory.admit(job.key, job.tenant, job.payload):
-                    self.events.stored(job.tenant, "memory", len(job.payload))
-                counters = self.count(job.tenant)
-                counters.blocks_stored += 1
-                counters.bytes_stored += len(job.payload)
+                self._note_stored(job)
         for job, fresh in zip(admitted, stored, strict=True):
             job.future.set_result(fresh)
 
@@ -411,18 +751,34 @@ class BlockStore:
             self._index.remove(key)
             self._memory.drop(key)
 
+    def _remove_from_index(self, keys: Sequence[StorageKey]) -> None:
+        """Forget `keys`, journaled ones included, then wait until the writer has passed
+        their journal records, so that neither its next commit nor a replay after a
+        crash can bring them back. Blocking."""
+        with self._lock:
+            self._remove_everywhere(keys)
+            for key in keys:
+                self._pending.pop(key, None)
+        self._barrier()
+
     def delete(self, keys: Sequence[StorageKey]) -> int:
         with self._lock:
             present = [k for k in keys if k in self._index]
-            self._remove_everywhere(present)
-        return self._disk.delete(present) if present else 0
+        self._remove_from_index(present)
+        if not present:
+            return 0
+        self._disk.delete(present)
+        return len(present)
 
     def delete_tenant(self, tenant: TenantId, model_tag: ModelTag | None = None) -> int:
         """Every block of the tenant, or (with `model_tag`) of one model of it."""
         with self._lock:
             keys = self._index.keys_of(tenant, model_tag)
-            self._remove_everywhere(keys)
-        return self._disk.delete(keys) if keys else 0
+        self._remove_from_index(keys)
+        if not keys:
+            return 0
+        self._disk.delete(keys)
+        return len(keys)
 
     def tenant_usage(self, tenant: TenantId) -> tuple[int, int]:
         with self._lock:
@@ -437,14 +793,24 @@ class BlockStore:
             }
 
     @property
+    def undrained_blocks(self) -> int:
+        """Journaled (acknowledged) blocks not yet committed to LMDB."""
+        with self._lock:
+            return len(self._pending)
+
+    @property
     def integrity_failures(self) -> int:
         return self._disk.integrity_failures
 
     def close(self) -> None:
         """Finish queued writes, then close LMDB cleanly."""
+        self._closing.set()  # a writer retrying a failed drain gives up; the journal keeps it
+        self._drain_now.set()
         self._queue.put(None)
         self._writer.join()
-        self._closing.set()
         if self._syncer is not None:
             self._syncer.join()
+        if self._journal is not None:
+            # Everything journaled is in LMDB now: the journal is not needed to start again.
+            self._journal.close(remove=not self._pending)
         self._disk.close()

@@ -59,12 +59,30 @@ class ConnectionClosed(ConnectionError):
 
 
 def recv_exact(sock: socket.socket, view: memoryview) -> None:
-    """Fill `view` completely from `sock`."""
+    """Fill `view` completely from `sock`.
+
+    On a blocking plain socket (timeouts set with SO_RCVTIMEO, see `kernel_timeouts`),
+    MSG_WAITALL has the kernel fill the whole view in one call: one wake-up per block
+    instead of one per ~64 KiB that arrived."""
+    flags = 0
+    if sock.gettimeout() is None and not isinstance(sock, ssl.SSLSocket):
+        flags = socket.MSG_WAITALL
     while view.nbytes:
-        received = sock.recv_into(view)
+        received = sock.recv_into(view, 0, flags)
         if received == 0:
             raise ConnectionClosed("peer closed the bulk connection")
         view = view[received:]
+
+
+def kernel_timeouts(sock: socket.socket, seconds: float) -> None:
+    """Make `sock` blocking with `seconds` as the kernel's send and receive timeouts
+    (a call that waits longer fails with an OSError), so receives can use MSG_WAITALL,
+    which Python's own timeouts (a non-blocking socket underneath) rule out."""
+    whole = int(seconds)
+    timeval = struct.pack("ll", whole, int((seconds - whole) * 1_000_000))
+    sock.settimeout(None)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
 
 
 def send_parts(sock: socket.socket, parts: list[bytes | bytearray | memoryview]) -> None:

@@ -186,7 +186,9 @@ class AccessPolicy:
     def epoch(self, tenant: TenantId) -> int:
         return self._namer.epoch(tenant)
 
-    def check_payload(self, tenant: TenantId, payload: bytes | bytearray, index: int) -> None:
+    def check_payload(
+        self, tenant: TenantId, payload: bytes | bytearray | memoryview, index: int
+    ) -> None:
         """For a tenant with `require_sealed`, refuse a payload that is not a sealed block.
 
         Only the sealed format's fixed header and minimum length are checked: the server

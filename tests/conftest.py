@@ -23,6 +23,19 @@ from replica_agent.client import BlockClient
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _remove_journals_of_killed_servers() -> Iterator[None]:
+    """Servers this session killed with -9 and never restarted leave their put journal
+    on /dev/shm (a real server's restart would replay it): remove those at the end."""
+    shm = Path("/dev/shm")  # where servers put their journals by default
+    pattern = f"kvshare-{os.getuid()}-*.journal"
+    before = set(shm.glob(pattern)) if shm.is_dir() else set()
+    yield
+    if shm.is_dir():
+        for leftover in set(shm.glob(pattern)) - before:
+            leftover.unlink(missing_ok=True)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip `gpu`-marked tests where CUDA is absent (torch imported only if needed)."""
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]

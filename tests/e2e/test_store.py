@@ -175,7 +175,11 @@ def test_writing_3x_the_budgets_keeps_tiers_within_them_and_recent_blocks_surviv
 
 
 def test_lmdb_map_full_is_a_clear_resource_exhausted(tmp_path: Path) -> None:
-    tenancy = write_config(tmp_path, extra="[storage]\nlmdb_map_bytes = 1048576\n")
+    # Acknowledged after the LMDB commit (no journal), so the put itself hears of it;
+    # with the journal the drain retries and the health probe reports the failure.
+    tenancy = write_config(
+        tmp_path, extra="[storage]\nlmdb_map_bytes = 1048576\njournal_bytes = 0\n"
+    )
     config = load_config(tenancy.path)
     with (
         EmbeddedServer(config) as server,

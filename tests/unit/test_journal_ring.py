@@ -1,0 +1,156 @@
+"""The put journal's ring: what recovery replays, and what it never does."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from cacheserver.journal import (
+    ALIGN,
+    DATA_START,
+    MIN_CAPACITY,
+    Journal,
+    JournalFull,
+    Position,
+    record_bytes,
+    replay,
+)
+from kvshare.errors import ConfigError
+from policy.types import ModelTag, StorageKey, TenantId
+
+TAG = ModelTag(bytes(range(16)))
+
+
+def key(n: int) -> StorageKey:
+    return StorageKey(n.to_bytes(32, "big"))
+
+
+def append(journal: Journal, n: int, payload: bytes, tenant: str = "alpha") -> None:
+    journal.append(key(n), TenantId(tenant), 1, TAG, payload)
+
+
+def replayed(journal: Journal, after: Position | None = None) -> list[tuple[int, bytes]]:
+    return [
+        (int.from_bytes(r.key, "big"), r.payload)
+        for r in replay(journal.path, after or journal.start)
+    ]
+
+
+def test_committed_records_replay_in_order_with_their_fields(tmp_path: Path) -> None:
+    journal = Journal(tmp_path / "j", MIN_CAPACITY, after_seq=41)
+    payloads = [os.urandom(size) for size in (1, 4096, 100_000)]
+    for n, payload in enumerate(payloads):
+        append(journal, n, payload, tenant="beta")
+    records = list(replay(journal.path, journal.start))
+    assert [r.seq for r in records] == [42, 43, 44]
+    assert [r.payload for r in records] == payloads
+    assert {(r.tenant, r.epoch, r.model_tag) for r in records} == {("beta", 1, TAG)}
+    # from a drained position on, only what follows it
+    assert replayed(journal, Position(journal.journal_id, 42, records[0].end)) == [
+        (1, payloads[1]),
+        (2, payloads[2]),
+    ]
+
+
+def test_a_record_still_receiving_at_the_crash_is_skipped_and_later_ones_kept(
+    tmp_path: Path,
+) -> None:
+    journal = Journal(tmp_path / "j", MIN_CAPACITY)
+    receiving = journal.reserve(key(0), TenantId("alpha"), 1, TAG, 8192)
+    receiving.view[:100] = b"x" * 100  # half-received, never committed (never acknowledged)
+    append(journal, 1, b"after")
+    assert replayed(journal) == [(1, b"after")]
+    receiving.view[:] = b"y" * 8192
+    journal.commit(receiving)  # once committed, it is replayed in its place
+    assert replayed(journal) == [(0, b"y" * 8192), (1, b"after")]
+
+
+def test_records_forged_inside_a_payload_are_never_replayed(tmp_path: Path) -> None:
+    """A tenant controls payload bytes; stale space after a crash can hold them where
+    the chain goes on. Headers forged there lack the journal's MAC key."""
+    victim = Journal(tmp_path / "victim", MIN_CAPACITY)
+    donor = Journal(tmp_path / "donor", MIN_CAPACITY)  # same format, another key
+    forged = donor.reserve(key(9), TenantId("beta"), 1, TAG, ALIGN)
+    forged.view[:] = b"poison" * (ALIGN // 6) + b"p" * (ALIGN % 6)
+    donor.commit(forged)
+    with open(donor.path, "rb") as f:  # a complete, well-formed record of the donor
+        f.seek(forged.offset)
+        record = f.read(record_bytes(ALIGN))
+    append(victim, 0, record * 8)  # the attacker's payload: copies of it
+    payload_start = DATA_START + ALIGN
+    for skip in range(8):  # a chain resuming anywhere inside that payload
+        at = Position(victim.journal_id, 1, payload_start + skip * len(record))
+        assert list(replay(victim.path, at)) == []
+    assert replayed(victim) == [(0, record * 8)]  # positive control
+
+
+def test_the_ring_wraps_and_replays_across_its_end(tmp_path: Path) -> None:
+    journal = Journal(tmp_path / "j", MIN_CAPACITY)
+    size = 3 << 20  # five fit in 16 MiB; the sixth wraps
+    for n in range(4):
+        append(journal, n, bytes([n]) * size)
+    point = journal.drain_point({1, 2, 3, 4})
+    assert point is not None
+    assert journal.finish({1, 2, 3, 4}, point) == [1, 2, 3, 4]
+    for n in range(4, 7):
+        append(journal, n, bytes([n]) * size)
+    assert [n for n, _ in replayed(journal, point)] == [4, 5, 6]
+    assert all(p == bytes([n]) * size for n, p in replayed(journal, point))
+
+
+def test_space_is_not_reused_before_it_is_drained(tmp_path: Path) -> None:
+    journal = Journal(tmp_path / "j", MIN_CAPACITY)
+    append(journal, 0, b"\0" * (10 << 20))
+    with pytest.raises(JournalFull, match="journal_bytes"):
+        append(journal, 1, b"\0" * (10 << 20))
+    point = journal.drain_point({1})
+    journal.finish({1}, point)
+    append(journal, 1, b"\0" * (10 << 20))  # room again
+
+
+def test_a_reader_keeps_released_space_from_being_written(tmp_path: Path) -> None:
+    journal = Journal(tmp_path / "j", MIN_CAPACITY)
+    append(journal, 0, b"a" * (10 << 20))
+    view = journal.reserve(key(1), TenantId("alpha"), 1, TAG, 1).view  # keeps the head
+    token = journal.enter_read()  # a reader took views before the release
+    journal.finish({1, 2}, journal.drain_point({1, 2}))
+    with pytest.raises(JournalFull):  # wrapping over space the reader may still send
+        append(journal, 2, b"b" * (10 << 20))
+    done = threading.Event()
+
+    def wrap_when_allowed() -> None:
+        journal.append(key(2), TenantId("alpha"), 1, TAG, b"b" * (10 << 20), wait_s=5)
+        done.set()
+
+    waiting = threading.Thread(target=wrap_when_allowed)
+    waiting.start()
+    assert not done.wait(0.3)  # still waiting for the reader
+    journal.exit_read(token)
+    assert done.wait(5)
+    waiting.join()
+    assert bytes(view) == b"\0"  # the reserved, uncommitted record was left alone
+
+
+def test_a_planted_or_shared_journal_file_is_refused(tmp_path: Path) -> None:
+    target = tmp_path / "elsewhere"
+    target.write_bytes(b"")
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    with pytest.raises(ConfigError, match="symbolic link"):
+        Journal(link, MIN_CAPACITY)
+    readable = tmp_path / "readable"
+    readable.write_bytes(b"")
+    readable.chmod(0o644)
+    with pytest.raises(ConfigError, match="mode 0600"):
+        Journal(readable, MIN_CAPACITY)
+
+
+def test_a_journal_of_another_id_or_a_missing_one_replays_nothing(tmp_path: Path) -> None:
+    journal = Journal(tmp_path / "j", MIN_CAPACITY)
+    append(journal, 0, b"x")
+    assert list(replay(journal.path, Position(bytes(16), 0, DATA_START))) == []
+    assert list(replay(tmp_path / "gone", journal.start)) == []
+    assert replayed(journal) == [(0, b"x")]  # positive control

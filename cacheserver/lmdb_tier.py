@@ -39,6 +39,12 @@ NO_MODEL_TAG = ModelTag(bytes(16))  # blocks written without a model tag
 # own tiny write reuses freed pages and still succeeds: so the probe also asks for this
 # much free space, about what a burst of new blocks needs before eviction catches up.
 MIN_FREE_BYTES = 8 << 20
+# Disk space for commits is reserved this far ahead of LMDB's last page (_ensure_space).
+SPACE_STEP_BYTES = 64 << 20
+# New pages a transaction may need besides overflow pages for payloads: copies of the
+# B-tree paths it touches in each database, free-list and meta updates.
+SMALL_TXN_PAGES = 64
+TXN_PAGES_PER_KEY = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +103,11 @@ class LmdbTier:
                 sync=sync_writes,
                 metasync=sync_writes,
                 readahead=False,
+                # Commits write straight into the shared file mapping: measured here,
+                # 3 GiB of 2 MiB puts took 1.1-1.2 CPU-s instead of 5-10 (the write()
+                # path's copy into the page cache dominated), at 2.3 GB/s instead of
+                # 0.3-0.6. The file is sparse up to the map size; see _ensure_space.
+                writemap=True,
                 max_readers=256,
                 lock=True,
             )
@@ -116,10 +127,42 @@ class LmdbTier:
         self.integrity_failures = 0
         self._lock = threading.Lock()  # guards integrity_failures
         self._on_integrity_failure = on_integrity_failure
+        self._page_bytes = int(self._env.stat()["psize"])
+        self._data_fd = os.open(path / "data.mdb", os.O_RDWR | os.O_CLOEXEC)
+        self._space_lock = threading.Lock()
+        self._allocated_to = 0  # the data file's blocks are reserved up to here
+
+    def used_file_bytes(self) -> int:
+        """How far into the data file LMDB's pages reach (the file itself is sparse up
+        to the map size)."""
+        return (int(self._env.info()["last_pgno"]) + 1) * self._page_bytes
+
+    def _ensure_space(self, new_pages: int) -> None:
+        """Reserve disk blocks for `new_pages` past LMDB's last page, before a write
+        transaction. With writemap, a commit writes through the mapping into a sparse
+        file; a page the file system cannot back when touched would kill the process
+        with SIGBUS instead of failing the commit. So space is reserved (fallocate)
+        first, ahead in steps, and a full disk fails the commit as a DiskError."""
+        end = (int(self._env.info()["last_pgno"]) + 1 + new_pages) * self._page_bytes
+        end = min(end, self.map_bytes)
+        with self._space_lock:
+            if end <= self._allocated_to:
+                return
+            ahead = min(self.map_bytes, end + SPACE_STEP_BYTES)
+            for target in (ahead, end):
+                try:
+                    os.posix_fallocate(self._data_fd, 0, target)
+                except OSError as error:
+                    failure = error
+                    continue
+                self._allocated_to = target
+                return
+        raise lmdb.DiskError(f"cannot reserve space for a commit: {failure.strerror}")
 
     def probe(self) -> str | None:
         """Why the tier cannot take writes now (a short reason), or None when it can."""
         try:
+            self._ensure_space(SMALL_TXN_PAGES)
             with self._env.begin(write=True, db=self._health) as txn:
                 txn.put(_PROBE_KEY, struct.pack(">d", time.time()))
         except lmdb.Error as error:
@@ -140,6 +183,7 @@ class LmdbTier:
     def close(self) -> None:
         self._env.sync(True)
         self._env.close()
+        os.close(self._data_fd)
 
     def scan(self) -> Iterator[StoredMeta]:
         with self._env.begin(db=self._meta, buffers=True) as txn:
@@ -198,7 +242,11 @@ class LmdbTier:
 
         Returns, per write, whether it was stored (False: the key already existed).
         """
+        new_pages = SMALL_TXN_PAGES + TXN_PAGES_PER_KEY * len(deletes)
+        for w in writes:
+            new_pages += len(w.payload) // self._page_bytes + 1 + TXN_PAGES_PER_KEY
         try:
+            self._ensure_space(new_pages)
             with self._env.begin(write=True) as txn:
                 if drained is not None:
                     position, path = drained
@@ -225,6 +273,7 @@ class LmdbTier:
             ) from None
 
     def delete(self, keys: Sequence[StorageKey]) -> int:
+        self._ensure_space(SMALL_TXN_PAGES + TXN_PAGES_PER_KEY * len(keys))
         with self._env.begin(write=True) as txn:
             deleted = 0
             for key in keys:

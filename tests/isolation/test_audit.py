@@ -16,7 +16,7 @@ from kvshare.errors import PermissionDenied, Unauthenticated
 from kvshare.v1 import kvshare_pb2 as pb
 from policy.audit import AuditLog, read_records
 from replica_agent.client import BlockClient
-from tests.conftest import REPO
+from tests.conftest import REPO, flip_stored_byte
 from tests.isolation.conftest import MODEL, Served, isolation_config, serve
 from tests.isolation.rpc import METHODS, bearer, invoke
 
@@ -77,10 +77,7 @@ def test_integrity_failures_are_audited(tmp_path: Path) -> None:
     with running.client("a") as a:
         a.put("alpha", MODEL, digests, payloads)
     running.stop()
-    data_file = tmp_path / "data" / "lmdb" / "data.mdb"
-    raw = bytearray(data_file.read_bytes())
-    raw[raw.find(payloads[1][:4096]) + 100] ^= 0x01
-    data_file.write_bytes(bytes(raw))
+    flip_stored_byte(tmp_path / "data" / "lmdb" / "data.mdb", payloads[1][:4096], 100)
     running = serve(tenancy)
     try:
         with running.client("a") as a:

@@ -20,6 +20,7 @@ from policy.sealing import BlockSealer, Keyring, TenantKeys
 from replica_agent import codec
 from replica_agent.client import BlockClient
 from replica_agent.spec import ModelSpec
+from tests.conftest import read_allocated
 from tests.isolation.conftest import isolation_config, serve
 
 SPEC = ModelSpec(
@@ -35,7 +36,7 @@ MODEL = SPEC.wire_model()
 
 
 def everything_written(data_dir: Path) -> bytes:
-    return b"".join(p.read_bytes() for p in sorted(data_dir.rglob("*")) if p.is_file())
+    return b"".join(read_allocated(p) for p in sorted(data_dir.rglob("*")) if p.is_file())
 
 
 def forms(secret: bytes) -> list[bytes]:

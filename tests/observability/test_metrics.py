@@ -17,7 +17,7 @@ from cacheserver.embedded import EmbeddedServer
 from cacheserver.telemetry import ServerTelemetry
 from kvshare.errors import ResourceExhausted
 from replica_agent.client import BlockClient
-from tests.conftest import Running, ServerProcess, write_config
+from tests.conftest import Running, ServerProcess, flip_stored_byte, write_config
 from tests.observability.scrape import Samples, parse, scrape_text, value
 
 MODEL = "obs/model@r1;fp32;L2;H2;D8;B4;tp0/1"
@@ -167,12 +167,7 @@ def test_evictions_rejections_and_integrity_failures_are_counted(tmp_path: Path)
     assert got[("kvshare.tenant.quota.bytes", (("tenant", "beta"),))] == 8 * kib
     assert got[("kvshare.tenant.bytes", (("tenant", "alpha"),))] == 64 * kib
 
-    data_file = config.data_dir / "lmdb" / "data.mdb"
-    raw = bytearray(data_file.read_bytes())
-    where = raw.find(payloads[-1][:4096])
-    assert where >= 0
-    raw[where + 100] ^= 0x01
-    data_file.write_bytes(bytes(raw))
+    flip_stored_byte(config.data_dir / "lmdb" / "data.mdb", payloads[-1][:4096], 100)
     reader = InMemoryMetricReader()
     telemetry = ServerTelemetry(config.telemetry, metric_readers=[reader])
     with EmbeddedServer(config, telemetry=telemetry) as server:

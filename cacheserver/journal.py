@@ -215,9 +215,10 @@ class Journal:
         self.on_full: Callable[[], None] = lambda: None  # asks the drainer to hurry
         self._seq = after_seq
         self._head = DATA_START
-        self._used = 0  # bytes from the oldest unreleased record to the head
-        self._slots: OrderedDict[int, _Slot] = OrderedDict()  # unreleased, by seq
-        self._released = Position(self.journal_id, after_seq, DATA_START)
+        self._used = 0  # bytes from the oldest unreclaimed record to the head
+        self._undrained = 0  # of which records not yet drained (or given up)
+        self._slots: OrderedDict[int, _Slot] = OrderedDict()  # unreclaimed, by seq
+        self._drained = Position(self.journal_id, after_seq, DATA_START)
         self._wrapped = False  # space is being written a second time
         self._generation = 0  # bumped each time space is released
         self._readers: dict[int, int] = {}  # generation entered -> readers still sending
@@ -230,7 +231,7 @@ class Journal:
     @property
     def start(self) -> Position:
         """Where recovery begins for this journal before anything is drained."""
-        return Position(self.journal_id, self._released.seq, DATA_START)
+        return Position(self.journal_id, self._drained.seq, DATA_START)
 
     @property
     def last_seq(self) -> int:
@@ -238,9 +239,10 @@ class Journal:
             return self._seq
 
     @property
-    def released_seq(self) -> int:
+    def drained_seq(self) -> int:
+        """Every record up to this one is in LMDB (or was given up), as LMDB records."""
         with self._lock:
-            return self._released.seq
+            return self._drained.seq
 
     # -- writing ------------------------------------------------------------------
 
@@ -298,6 +300,7 @@ class Journal:
                     self.prefault_wanted.set()
             self._head = _next_start(end, self.capacity)
             self._used += waste + need
+            self._undrained += waste + need
             self._slots[seq] = _Slot(waste + need, end)
             view = self._view[offset + ALIGN : offset + ALIGN + size]
         return Reservation(seq, offset, end, view, key, tenant, epoch, model_tag)
@@ -371,34 +374,56 @@ class Journal:
                 point = Position(self.journal_id, seq, slot.end)
             return point
 
-    def finish(self, seqs: set[int], through: Position | None) -> list[int]:
-        """Records `seqs` are drained (or abandoned); LMDB records the chain going on
-        after `through`, so space up to it may be reused. Returns the released seqs."""
-        released: list[int] = []
+    def finish(self, seqs: set[int], through: Position | None) -> None:
+        """Records `seqs` are drained (or given up), and LMDB records the chain going on
+        after `through`. Their space stays in use (the memory tier may still hold
+        views of them) until `reclaim`."""
         with self._lock:
             for seq in seqs:
                 slot = self._slots.get(seq)
-                if slot is not None:
+                if slot is not None and not slot.done:
                     slot.done = True
-            while through is not None and self._slots:
+                    self._undrained -= slot.taken
+            if through is not None and through.seq > self._drained.seq:
+                self._drained = through
+
+    def reclaimable(self, keep_bytes: int) -> int | None:
+        """The last seq of the oldest drained records whose space, reclaimed, brings
+        the ring down to `keep_bytes` in use (None: nothing to reclaim)."""
+        with self._lock:
+            used, last = self._used, None
+            for seq, slot in self._slots.items():
+                if used <= keep_bytes or not slot.done or seq > self._drained.seq:
+                    break
+                used -= slot.taken
+                last = seq
+            return last
+
+    def reclaim(self, through_seq: int) -> None:
+        """Reuse the space of drained records up to `through_seq`. The caller has made
+        sure no new reader can find views of them (the store dropped them first)."""
+        with self._lock:
+            freed = False
+            while self._slots:
                 seq, slot = next(iter(self._slots.items()))
-                if seq > through.seq or not slot.done:
+                if seq > through_seq or not slot.done or seq > self._drained.seq:
                     break
                 self._slots.popitem(last=False)
                 self._used -= slot.taken
-                released.append(seq)
-            if released:
-                assert through is not None
-                self._released = through
+                freed = True
+            if freed:
                 self._generation += 1
                 self._changed.notify_all()
-        return released
+
+    def waiting_for_room(self) -> bool:
+        with self._lock:
+            return self._waiting > 0
 
     def under_pressure(self) -> bool:
-        """Whether the drainer should not wait for a quiet moment: the ring is half
-        full, or a put waits for room."""
+        """Whether the drainer should not wait for a quiet moment: half the ring is not
+        drained yet, or a put waits for room."""
         with self._lock:
-            return self._waiting > 0 or 2 * self._used >= self.capacity - DATA_START
+            return self._waiting > 0 or 2 * self._undrained >= self.capacity - DATA_START
 
     # -- readers ------------------------------------------------------------------
 

@@ -91,6 +91,11 @@ class _PutJob:
 
 
 @dataclass
+class _Reclaim:
+    """Asks the writer to reuse drained journal space now (a put waits for room)."""
+
+
+@dataclass
 class _Barrier:
     """Completes once every journal record reserved before it is drained or given up."""
 
@@ -158,7 +163,8 @@ class BlockStore:
         self._epochs = dict(epochs)
         self._lock = threading.Lock()
         self.counters: dict[TenantId, TenantCounters] = {}
-        self._queue: queue.Queue[_PutJob | _Barrier | None] = queue.Queue()
+        self._queue: queue.Queue[_PutJob | _Barrier | _Reclaim | None] = queue.Queue()
+        self._reclaim_asked = threading.Event()
         self._pending_bytes = 0  # payload bytes queued for, or inside, the writer
         self._pending_lock = threading.Lock()
         self._pending_room = threading.Condition(self._pending_lock)
@@ -294,7 +300,7 @@ class BlockStore:
         if recorded is not None and recorded[1] != path:
             recorded[1].unlink(missing_ok=True)  # replayed above; the journal moved
         journal = Journal(path, storage.journal_bytes, recorded[0].seq if recorded else 0)
-        journal.on_full = self._drain_now.set
+        journal.on_full = self._journal_full
         # From here on a replay follows the new journal's chain, which starts empty.
         self._disk.write([], [], drained=(journal.start, path))
         self._journal, self._journal_path = journal, path
@@ -592,8 +598,9 @@ class BlockStore:
             elif jobs:
                 self._commit(jobs)
             waiting += [b for b in batch if isinstance(b, _Barrier)]
-            released = self._journal.released_seq if self._journal is not None else 0
-            for barrier in [b for b in waiting if b.through_seq <= released]:
+            self._reclaim()
+            drained = self._journal.drained_seq if self._journal is not None else 0
+            for barrier in [b for b in waiting if b.through_seq <= drained]:
                 waiting.remove(barrier)
                 barrier.future.set_result(None)
 
@@ -627,13 +634,35 @@ class BlockStore:
                 if self._pending.get(job.key) is job:
                     del self._pending[job.key]
                 self.events.stored(job.tenant, "lmdb", len(job.payload))
-            if point is not None:  # readers entering from now on cannot see released views
-                for seq in [q for q in self._views_in_memory if q <= point.seq]:
-                    key, view = self._views_in_memory.pop(seq)
-                    if self._memory.get(key) is view:
-                        self._memory.drop(key)
         journal.finish(seqs, point)
         self._release_pending(sum(len(j.payload) for j in jobs))
+
+    def _journal_full(self) -> None:
+        """A put waits for journal room: wake the writer (drain, then reclaim)."""
+        self._drain_now.set()
+        if not self._reclaim_asked.is_set():
+            self._reclaim_asked.set()
+            self._queue.put(_Reclaim())
+
+    def _reclaim(self) -> None:
+        """Reuse journal space of drained blocks, oldest first, down to half the ring
+        (all of it while a put waits for room). Until then the memory tier serves those
+        blocks from their records, without a copy."""
+        journal = self._journal
+        if journal is None:
+            return
+        self._reclaim_asked.clear()
+        ring = journal.capacity
+        keep = 0 if journal.waiting_for_room() else ring // 2
+        through = journal.reclaimable(keep)
+        if through is None:
+            return
+        with self._lock:  # readers entering from now on cannot find these views
+            for seq in [q for q in self._views_in_memory if q <= through]:
+                key, view = self._views_in_memory.pop(seq)
+                if self._memory.get(key) is view:
+                    self._memory.drop(key)
+        journal.reclaim(through)
 
     def _wait_for_quiet(self) -> None:
         """Hold journaled puts back until puts pause, unless something needs them now."""

@@ -56,13 +56,13 @@ class StorageConfig:
     # crash replays what LMDB lacks. A host reboot clears tmpfs and so may lose what
     # was not yet in LMDB (at most journal_bytes; only cache entries, which replicas
     # recompute). journal_bytes = 0 acknowledges a put after its LMDB commit instead.
-    journal_bytes: int = 1 * GiB
+    journal_bytes: int = 2 * GiB
     # Where the journal lives: empty means /dev/shm when it is a writable tmpfs, else
     # no journal. A directory on a disk-backed file system works but gains nothing.
     journal_dir: str = ""
-    # Journaled puts move into LMDB once puts pause this long (or at once when the
-    # journal is half full, a delete waits, or the server stops), so the disk work of a
-    # burst does not compete with the burst for the CPU.
+    # Journaled puts move into LMDB once requests pause this long (or at once when half
+    # the journal is undrained, a delete waits, or the server stops), so the disk work
+    # does not compete with serving for the CPU.
     drain_idle_ms: int = 100
     # With sync_writes, no journal: each LMDB commit is fsynced before the ack
     # (survives power loss; group commit shares the fsync). Without, a background

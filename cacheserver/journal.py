@@ -218,6 +218,7 @@ class Journal:
         self._used = 0  # bytes from the oldest unreclaimed record to the head
         self._undrained = 0  # of which records not yet drained (or given up)
         self._slots: OrderedDict[int, _Slot] = OrderedDict()  # unreclaimed, by seq
+        self._undone: OrderedDict[int, _Slot] = OrderedDict()  # of which not drained
         self._drained = Position(self.journal_id, after_seq, DATA_START)
         self._wrapped = False  # space is being written a second time
         self._generation = 0  # bumped each time space is released
@@ -301,7 +302,7 @@ class Journal:
             self._head = _next_start(end, self.capacity)
             self._used += waste + need
             self._undrained += waste + need
-            self._slots[seq] = _Slot(waste + need, end)
+            self._slots[seq] = self._undone[seq] = _Slot(waste + need, end)
             view = self._view[offset + ALIGN : offset + ALIGN + size]
         return Reservation(seq, offset, end, view, key, tenant, epoch, model_tag)
 
@@ -368,8 +369,8 @@ class Journal:
         the unbroken run of finished records from the oldest unreleased one."""
         with self._lock:
             point = None
-            for seq, slot in self._slots.items():
-                if not (slot.done or seq in seqs):
+            for seq, slot in self._undone.items():  # drained ones are not walked again
+                if seq not in seqs:
                     break
                 point = Position(self.journal_id, seq, slot.end)
             return point
@@ -380,8 +381,8 @@ class Journal:
         views of them) until `reclaim`."""
         with self._lock:
             for seq in seqs:
-                slot = self._slots.get(seq)
-                if slot is not None and not slot.done:
+                slot = self._undone.pop(seq, None)
+                if slot is not None:
                     slot.done = True
                     self._undrained -= slot.taken
             if through is not None and through.seq > self._drained.seq:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import heapq
 import logging
 import os
 import queue
@@ -173,7 +174,10 @@ class BlockStore:
         # Journaled blocks held by the memory tier as views of their records, by seq:
         # dropped from memory before the record's space is released.
         self._views_in_memory: dict[int, tuple[StorageKey, memoryview]] = {}
-        self._last_put = 0.0  # time.monotonic() of the last journaled put
+        self._view_seqs: list[int] = []  # a heap of the seqs in _views_in_memory
+        # time.monotonic() of the last request the store served (lookup, get, put): the
+        # writer drains the journal when requests pause (see _wait_for_quiet)
+        self._last_activity = 0.0
         self._drain_now = threading.Event()  # wakes a writer waiting for a quiet moment
         # Journaled puts move into LMDB once puts pause this long ([storage] drain_idle_ms)
         self._drain_idle_s = storage.drain_idle_ms / 1000
@@ -324,6 +328,7 @@ class BlockStore:
 
     def lookup(self, tenant: TenantId, keys: Sequence[StorageKey]) -> int:
         with self._lock:
+            self._last_activity = time.monotonic()
             present = 0
             for key in keys:
                 if not self._index.touch(key):
@@ -355,6 +360,7 @@ class BlockStore:
         """Leading payloads held in memory (fast; safe to call on the event loop)."""
         out: list[Payload] = []
         with self._lock:
+            self._last_activity = time.monotonic()
             for key in keys:
                 payload = self._memory.get(key)
                 if payload is None or not self._index.touch(key):
@@ -508,9 +514,10 @@ class BlockStore:
                 self._note_stored(job)
                 if self._memory.get(job.key) is job.payload:
                     self._views_in_memory[record.seq] = (job.key, record.view)
+                    heapq.heappush(self._view_seqs, record.seq)
             else:
                 job.void = True
-            self._last_put = time.monotonic()
+            self._last_activity = time.monotonic()
         self._queue.put(job)
         failure = job.future.exception() if job.future.done() else None
         if failure is not None:
@@ -658,17 +665,20 @@ class BlockStore:
         if through is None:
             return
         with self._lock:  # readers entering from now on cannot find these views
-            for seq in [q for q in self._views_in_memory if q <= through]:
-                key, view = self._views_in_memory.pop(seq)
+            while self._view_seqs and self._view_seqs[0] <= through:
+                key, view = self._views_in_memory.pop(heapq.heappop(self._view_seqs))
                 if self._memory.get(key) is view:
                     self._memory.drop(key)
         journal.reclaim(through)
 
     def _wait_for_quiet(self) -> None:
-        """Hold journaled puts back until puts pause, unless something needs them now."""
+        """Hold journaled puts back until requests pause, unless something needs them
+        now. Draining copies every byte again and faults in page-cache pages; on a small
+        host (two vCPUs here, likely one core's hyperthreads) it slowed concurrent gets
+        by a quarter or more even at nice 19, so it waits for the store to be idle."""
         journal = self._journal
         while journal is not None and not self._closing.is_set() and not self._barriers:
-            quiet_for = time.monotonic() - self._last_put
+            quiet_for = time.monotonic() - self._last_activity
             if quiet_for >= self._drain_idle_s or journal.under_pressure():
                 return
             self._drain_now.wait(self._drain_idle_s - quiet_for)

@@ -57,6 +57,9 @@ from policy.types import ModelTag, StorageKey, TenantId
 
 log = logging.getLogger(__name__)
 MAX_BATCH_BYTES = 256 << 20  # bound one commit's size so a burst cannot stall reads long
+# Journaled blocks drain in smaller commits: journal space is reclaimed after each, and
+# a put waiting for room should not wait for a quarter of a gigabyte to reach the disk.
+MAX_DRAIN_BYTES = 32 << 20
 MAX_BATCH_BLOCKS = 4096
 RETRY_DRAIN_S = 1.0  # a failed drain of journaled puts is retried after this long
 JOURNAL_WAIT_S = 5.0  # a put waits this long for journal room before it is refused
@@ -588,7 +591,8 @@ class BlockStore:
                 self._wait_for_quiet()
             batch = [job]
             size = len(job.payload) if isinstance(job, _PutJob) else 0
-            while size < MAX_BATCH_BYTES and len(batch) < MAX_BATCH_BLOCKS:
+            limit = MAX_DRAIN_BYTES if self._journal is not None else MAX_BATCH_BYTES
+            while size < limit and len(batch) < MAX_BATCH_BLOCKS:
                 try:
                     nxt = self._queue.get_nowait()
                 except queue.Empty:

@@ -101,7 +101,16 @@ class BulkChannel:
         message = w.recv_bytes(sock, length).decode("utf-8", "replace")
         raise self._raise(w.STATUS_NAMES.get(status, "INTERNAL"), message)
 
-    def _request(self, conn: _Connection, op: int, model: str, digests: Sequence[bytes]) -> None:
+    def _request(
+        self,
+        conn: _Connection,
+        op: int,
+        model: str,
+        digests: Sequence[bytes],
+        then: Sequence[bytes | bytearray | memoryview] = (),
+    ) -> None:
+        """Send a request header, and `then` (a put's sizes and payloads) in the same
+        `sendmsg`: the server wakes once, with the header and the first bytes at hand."""
         # A malformed request would desynchronise the stream; such calls take the gRPC
         # path instead, where the server answers INVALID_ARGUMENT with its own message.
         encoded = model.encode("utf-8")
@@ -110,7 +119,7 @@ class BulkChannel:
             op |= w.TRACED
         header = w.REQUEST.pack(op, len(encoded), len(digests))
         parts = [header, trace, encoded] if trace is not None else [header, encoded]
-        w.send_parts(conn.sock, [*parts, b"".join(digests)])  # one buffer, not one each
+        w.send_parts(conn.sock, [*parts, b"".join(digests), *then])  # digests: one buffer
 
     def get_views(self, tenant: str, model: str, digests: Sequence[bytes]) -> list[memoryview]:
         """Leading present payloads as views into this thread's reused buffer."""
@@ -185,11 +194,8 @@ class BulkChannel:
             raise UseGrpc("empty payload")
         conn = self._connection(tenant)
         try:
-            self._request(conn, w.OP_PUT, model, digests)
             sizes = b"".join(w.SIZE.pack(memoryview(p).nbytes) for p in payloads)
-            conn.sock.sendall(sizes)
-            for payload in payloads:
-                conn.sock.sendall(payload)
+            self._request(conn, w.OP_PUT, model, digests, [sizes, *payloads])
             self._expect_ok(conn.sock)
             outcomes = w.recv_bytes(conn.sock, len(digests))
         except Exception:

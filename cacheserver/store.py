@@ -110,10 +110,9 @@ class _Barrier:
 def _lower_this_threads_priority() -> None:
     """Give the calling thread the lowest CPU priority (nice 19, Linux: per thread).
 
-    Used by the writer when puts are journaled: they are acknowledged already, so
-    moving them into LMDB, which costs a core-second per ~0.5 GB here (most of it the
-    kernel copying into the page cache), should take only CPU time that serving
-    connections leaves. When the journal fills, puts wait, and the CPU is the writer's."""
+    Used by the writer when puts are journaled (they are acknowledged already, so moving
+    them into LMDB should take only CPU time that serving connections leaves; when the
+    journal fills, puts wait, and the CPU is the writer's) and by the periodic fsync."""
     with contextlib.suppress(OSError, AttributeError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
@@ -220,7 +219,9 @@ class BlockStore:
         return self._disk.probe() or failure
 
     def _sync_loop(self, interval_s: float) -> None:
-        """Bound what a power loss can take when commits are not fsynced one by one."""
+        """Bound what a power loss can take when commits are not fsynced one by one.
+        Background work like draining: the lowest CPU priority."""
+        _lower_this_threads_priority()
         while not self._closing.wait(interval_s):
             try:
                 self._disk.sync()

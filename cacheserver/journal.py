@@ -224,6 +224,10 @@ class Journal:
         self._generation = 0  # bumped each time space is released
         self._readers: dict[int, int] = {}  # generation entered -> readers still sending
         self._prefaulted = DATA_START
+        # The file's blocks are reserved (fallocate) up to here: touching a page of the
+        # mapping past what tmpfs can back would kill the server with SIGBUS, so no
+        # record is handed out beyond it (`_allocate`).
+        self._allocated = DATA_START
         self._furthest = DATA_START  # the end of the furthest record reserved yet
         self.prefault_wanted = threading.Event()
         self.prefault_wanted.set()
@@ -288,13 +292,15 @@ class Journal:
                     self._changed.wait(remaining)
                 finally:
                     self._waiting -= 1
+            end = offset + need
+            if end > self._allocated:
+                self._allocate(end)
             seq = self._seq + 1
             if waste >= ALIGN:  # an explicit wrap marker at the old head
                 self._write_header(self._head, FLAG_WRAP, seq, b"", "", 0, bytes(16), 0)
             self._write_header(offset, 0, seq, key, tenant, epoch, model_tag, size)
             self._seq = seq
             self._wrapped = wrapping
-            end = offset + need
             if end > self._furthest:
                 self._furthest = end
                 if self._prefaulted < min(self.capacity, end + PREFAULT_AHEAD_BYTES):
@@ -451,6 +457,22 @@ class Journal:
 
     # -- upkeep -------------------------------------------------------------------
 
+    def _allocate(self, end: int) -> None:
+        """Reserve the file's blocks up to `end` (under `_lock`), or refuse the put."""
+        target = min(self.capacity, max(end, self._allocated + PREFAULT_CHUNK_BYTES))
+        for upto in (target, end):
+            try:
+                os.posix_fallocate(self._fd, self._allocated, upto - self._allocated)
+            except OSError as error:
+                failure = error
+                continue
+            self._allocated = upto
+            return
+        raise JournalFull(
+            f"no space for the put journal in {self.path.parent} ({failure.strerror}): "
+            "free space there, lower [storage] journal_bytes, or set journal_dir"
+        )
+
     def prefault(self, chunk_bytes: int = PREFAULT_CHUNK_BYTES) -> bool:
         """Allocate and map the next chunk of the ring, while it is less than
         `PREFAULT_AHEAD_BYTES` ahead of the furthest record yet (a first touch of a page
@@ -462,16 +484,18 @@ class Journal:
                 return False
             start = self._prefaulted
             length = min(chunk_bytes, limit - start)
+            if start + length > self._allocated:
+                try:
+                    self._allocate(start + length)
+                except JournalFull:
+                    return False  # tmpfs is full: reserve() refuses what does not fit
             self._prefaulted = start + length
         # madvise through ctypes, which lets go of the GIL: mmap.madvise holds it for
         # the whole call (~4 ms per 32 MiB), stalling every connection thread.
-        if _LIBC is None or _LIBC.madvise(
-            ctypes.c_void_p(self._base + start), ctypes.c_size_t(length), MADV_POPULATE_WRITE
-        ):
-            try:  # an older kernel: allocate at least, map on first touch
-                os.posix_fallocate(self._fd, start, length)
-            except OSError:
-                return False
+        if _LIBC is not None:  # an older kernel refuses it: pages then map on first touch
+            _LIBC.madvise(
+                ctypes.c_void_p(self._base + start), ctypes.c_size_t(length), MADV_POPULATE_WRITE
+            )
         return True
 
     def close(self, *, remove: bool) -> None:

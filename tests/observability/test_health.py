@@ -119,3 +119,31 @@ def test_health_is_not_serving_while_the_lmdb_tier_is_full_then_recovers(
                 assert client.get("alpha", MODEL, [digest]) == [payload]
         with running.client("a", bulk=False) as client:
             assert client.put("alpha", MODEL, [os.urandom(32)], [os.urandom(1 << 20)]) == [True]
+
+
+def test_a_full_journal_file_system_refuses_puts_instead_of_crashing(
+    tmp_path: Path, small_disk: Path
+) -> None:
+    """The journal is mapped into the server: a page tmpfs cannot back would SIGBUS the
+    whole process (this test's, the server being embedded) instead of failing a put."""
+    tenancy = write_config(tmp_path)
+    config = dataclasses.replace(
+        load_config(tenancy.path),
+        storage=StorageConfig(
+            journal_bytes=64 << 20,  # four times the 16 MiB file system under it
+            journal_dir=str(small_disk),
+            drain_idle_ms=600_000,  # nothing is drained, so nothing is reused
+        ),
+    )
+    stored: list[tuple[bytes, bytes]] = []
+    with EmbeddedServer(config) as server:
+        running = Running(server.address, config.data_dir, tenancy.tokens)
+        with running.client("a") as client:
+            with pytest.raises(KvshareError, match="no space for the put journal"):
+                for _ in range(32):
+                    digest, payload = os.urandom(32), os.urandom(1 << 20)
+                    assert client.put("alpha", MODEL, [digest], [payload]) == [True]
+                    stored.append((digest, payload))
+            assert 8 <= len(stored) < 16  # positive control: the journal took what fit
+            digests = [d for d, _ in stored]
+            assert client.get("alpha", MODEL, digests) == [p for _, p in stored]

@@ -223,7 +223,6 @@ class Journal:
         self._wrapped = False  # space is being written a second time
         self._generation = 0  # bumped each time space is released
         self._readers: dict[int, int] = {}  # generation entered -> readers still sending
-        self._prefaulted = DATA_START
         # The file's blocks are reserved (fallocate) up to here: touching a page of the
         # mapping past what tmpfs can back would kill the server with SIGBUS, so no
         # record is handed out beyond it (`_allocate`).
@@ -303,7 +302,7 @@ class Journal:
             self._wrapped = wrapping
             if end > self._furthest:
                 self._furthest = end
-                if self._prefaulted < min(self.capacity, end + PREFAULT_AHEAD_BYTES):
+                if self._allocated < min(self.capacity, end + PREFAULT_AHEAD_BYTES):
                     self.prefault_wanted.set()
             self._head = _next_start(end, self.capacity)
             self._used += waste + need
@@ -458,44 +457,41 @@ class Journal:
     # -- upkeep -------------------------------------------------------------------
 
     def _allocate(self, end: int) -> None:
-        """Reserve the file's blocks up to `end` (under `_lock`), or refuse the put."""
-        target = min(self.capacity, max(end, self._allocated + PREFAULT_CHUNK_BYTES))
-        for upto in (target, end):
-            try:
-                os.posix_fallocate(self._fd, self._allocated, upto - self._allocated)
-            except OSError as error:
-                failure = error
-                continue
-            self._allocated = upto
-            return
-        raise JournalFull(
-            f"no space for the put journal in {self.path.parent} ({failure.strerror}): "
-            "free space there, lower [storage] journal_bytes, or set journal_dir"
-        )
+        """Reserve the file's blocks up to `end` (under `_lock`), or refuse the put.
+        Usually the prefaulter got there first; this covers what it has not."""
+        try:
+            os.posix_fallocate(self._fd, self._allocated, end - self._allocated)
+        except OSError as error:
+            raise JournalFull(
+                f"no space for the put journal in {self.path.parent} ({error.strerror}): "
+                "free space there, lower [storage] journal_bytes, or set journal_dir"
+            ) from None
+        self._allocated = end
 
     def prefault(self, chunk_bytes: int = PREFAULT_CHUNK_BYTES) -> bool:
-        """Allocate and map the next chunk of the ring, while it is less than
+        """Reserve and map the next chunk of the ring, while it is less than
         `PREFAULT_AHEAD_BYTES` ahead of the furthest record yet (a first touch of a page
-        costs ~4x the copy into it). Never changes bytes. Returns whether it did work;
-        `prefault_wanted` is set when more is wanted."""
+        costs ~4x the copy into it), without holding the lock meanwhile. Never changes
+        bytes. Returns whether it did work; `prefault_wanted` is set when more is wanted."""
         with self._lock:
             limit = min(self.capacity, self._furthest + PREFAULT_AHEAD_BYTES)
-            if self._closed or self._prefaulted >= limit:
+            if self._closed or self._allocated >= limit:
                 return False
-            start = self._prefaulted
-            length = min(chunk_bytes, limit - start)
-            if start + length > self._allocated:
-                try:
-                    self._allocate(start + length)
-                except JournalFull:
-                    return False  # tmpfs is full: reserve() refuses what does not fit
-            self._prefaulted = start + length
+            start = self._allocated
+            end = min(limit, start + chunk_bytes)
+        try:
+            os.posix_fallocate(self._fd, start, end - start)
+        except OSError:
+            return False  # tmpfs is full: reserve() refuses what does not fit
+        with self._lock:
+            if self._closed:
+                return False
+            self._allocated = max(self._allocated, end)
         # madvise through ctypes, which lets go of the GIL: mmap.madvise holds it for
         # the whole call (~4 ms per 32 MiB), stalling every connection thread.
         if _LIBC is not None:  # an older kernel refuses it: pages then map on first touch
-            _LIBC.madvise(
-                ctypes.c_void_p(self._base + start), ctypes.c_size_t(length), MADV_POPULATE_WRITE
-            )
+            address, length = ctypes.c_void_p(self._base + start), ctypes.c_size_t(end - start)
+            _LIBC.madvise(address, length, MADV_POPULATE_WRITE)
         return True
 
     def close(self, *, remove: bool) -> None:

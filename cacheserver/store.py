@@ -398,9 +398,14 @@ class BlockStore:
         with self._lock:
             for key, payload in zip(wanted, payloads, strict=True):
                 if payload is None:
-                    self._remove_everywhere([key])  # corrupt or gone: a miss from now on
+                    if key not in self._pending:  # not put again meanwhile
+                        self._remove_everywhere([key])  # corrupt or gone: a miss from now on
                     break
-                if self._index.touch(key) and self._memory.admit(key, tenant, payload):
+                # A view of a journal record is not promoted: the record may have been
+                # drained and its space reclaimed since it was taken above, and the
+                # memory tier must never keep such a view past the reclaim.
+                touched = self._index.touch(key)
+                if touched and key not in journaled and self._memory.admit(key, tenant, payload):
                     self.events.stored(tenant, "memory", len(payload))
                 out.append(payload)
         return out

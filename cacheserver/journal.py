@@ -80,6 +80,7 @@ ID_BYTES = 16
 MAC_KEY_BYTES = 32
 MAC_BYTES = 16
 MIN_CAPACITY = 16 << 20
+MAX_OWNER_BYTES = 2048  # the data dir's path, after the superblock's fixed fields
 PREFAULT_CHUNK_BYTES = 32 << 20
 PREFAULT_AHEAD_BYTES = 128 << 20  # how far ahead of use the ring's pages are made
 MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels refuse it (EINVAL)
@@ -187,8 +188,12 @@ def _open_private(path: Path, create: bool) -> int:
 class Journal:
     """The ring, open for writing. Thread-safe."""
 
-    def __init__(self, path: Path, capacity: int, after_seq: int = 0) -> None:
-        """A fresh journal at `path` whose sequence numbers continue after `after_seq`."""
+    def __init__(
+        self, path: Path, capacity: int, after_seq: int = 0, owner: Path | None = None
+    ) -> None:
+        """A fresh journal at `path` whose sequence numbers continue after `after_seq`;
+        `owner` (the data dir) is recorded so that a journal left by a server that never
+        came back can be recognised once its data dir is gone (`remove_orphans`)."""
         if capacity < MIN_CAPACITY:
             raise ConfigError(
                 f"journal_bytes {capacity} is below the minimum {MIN_CAPACITY}; raise it, "
@@ -202,7 +207,9 @@ class Journal:
         try:
             os.ftruncate(self._fd, capacity)
             superblock = _SUPER.pack(SUPER_MAGIC, VERSION, capacity, self.journal_id, self._mac_key)
-            os.pwrite(self._fd, superblock, 0)
+            owner_raw = str(owner.resolve()).encode("utf-8")[:MAX_OWNER_BYTES] if owner else b""
+            owner_field = struct.pack(">H", len(owner_raw)) + owner_raw
+            os.pwrite(self._fd, superblock + owner_field, 0)
             self._map = mmap.mmap(self._fd, capacity, flags=mmap.MAP_SHARED)
         except OSError as error:
             os.close(self._fd)
@@ -559,6 +566,34 @@ def replay(path: Path, after: Position) -> Iterator[Record]:
             offset = _next_start(end, capacity)
     finally:
         os.close(fd)
+
+
+def remove_orphans(directory: Path, keep: Path) -> list[Path]:
+    """Remove journals in `directory` whose data dir no longer exists: left by servers
+    killed and never started again on their data dir, each holding up to its capacity
+    of tmpfs (memory). Only this user's private files of this format are considered;
+    a journal whose data dir exists is kept, as its server may come back to replay it.
+    Returns what was removed."""
+    removed = []
+    for candidate in directory.glob(f"kvshare-{os.getuid()}-*.journal"):
+        if candidate == keep:
+            continue
+        try:
+            fd = _open_private(candidate, create=False)
+        except (OSError, ConfigError):
+            continue
+        try:
+            raw = os.pread(fd, _SUPER.size + 2 + MAX_OWNER_BYTES, 0)
+        finally:
+            os.close(fd)
+        if len(raw) < _SUPER.size + 2 or raw[:8] != SUPER_MAGIC:
+            continue
+        (length,) = struct.unpack_from(">H", raw, _SUPER.size)
+        owner = raw[_SUPER.size + 2 : _SUPER.size + 2 + length].decode("utf-8", "replace")
+        if owner and not Path(owner).exists():
+            candidate.unlink(missing_ok=True)
+            removed.append(candidate)
+    return removed
 
 
 def default_journal_path(data_dir: Path, journal_dir: str) -> Path | None:

@@ -48,6 +48,7 @@ from cacheserver.journal import (
     Position,
     Reservation,
     default_journal_path,
+    remove_orphans,
     replay,
 )
 from cacheserver.lmdb_tier import LmdbTier, PendingWrite
@@ -307,7 +308,11 @@ class BlockStore:
         recorded = self._disk.journal_position()
         if recorded is not None and recorded[1] != path:
             recorded[1].unlink(missing_ok=True)  # replayed above; the journal moved
-        journal = Journal(path, storage.journal_bytes, recorded[0].seq if recorded else 0)
+        journal = Journal(
+            path, storage.journal_bytes, recorded[0].seq if recorded else 0, owner=data_dir
+        )
+        for orphan in remove_orphans(path.parent, keep=path):
+            log.info("removed %s: the put journal of a data dir that no longer exists", orphan)
         journal.on_full = self._journal_full
         # From here on a replay follows the new journal's chain, which starts empty.
         self._disk.write([], [], drained=(journal.start, path))

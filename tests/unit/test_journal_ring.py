@@ -16,6 +16,7 @@ from cacheserver.journal import (
     JournalFull,
     Position,
     record_bytes,
+    remove_orphans,
     replay,
 )
 from kvshare.errors import ConfigError
@@ -159,3 +160,25 @@ def test_a_journal_of_another_id_or_a_missing_one_replays_nothing(tmp_path: Path
     assert list(replay(journal.path, Position(bytes(16), 0, DATA_START))) == []
     assert list(replay(tmp_path / "gone", journal.start)) == []
     assert replayed(journal) == [(0, b"x")]  # positive control
+
+
+def test_journals_of_data_dirs_that_are_gone_are_removed(tmp_path: Path) -> None:
+    """A server killed and never started again leaves its journal on tmpfs (memory);
+    the next server to start in that directory removes it once its data dir is gone."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    alive, gone = tmp_path / "alive", tmp_path / "gone"
+    alive.mkdir()
+    gone.mkdir()
+    uid = os.getuid()
+    own = Journal(shm / f"kvshare-{uid}-own.journal", MIN_CAPACITY, owner=alive)
+    other_alive = Journal(shm / f"kvshare-{uid}-a.journal", MIN_CAPACITY, owner=alive)
+    orphan = Journal(shm / f"kvshare-{uid}-b.journal", MIN_CAPACITY, owner=gone)
+    unrelated = shm / f"kvshare-{uid}-c.journal"
+    unrelated.write_bytes(b"not a journal" * 100)
+    unrelated.chmod(0o600)
+    gone.rmdir()
+    assert remove_orphans(shm, keep=own.path) == [orphan.path]
+    assert sorted(p.name for p in shm.iterdir()) == sorted(
+        [own.path.name, other_alive.path.name, unrelated.name]
+    )

@@ -187,11 +187,12 @@ class BlockStore:
         self._barriers = 0  # deletes waiting for the writer
         self._closing = threading.Event()
         self._rebuild_index()
-        self.replayed_at_start = self._replay_journal()
+        recorded = self._disk.journal_position()
+        self.replayed_at_start = self._replay_journal(recorded)
         self._journal: Journal | None = None
         self._journal_path: Path | None = None
         if storage.journal_bytes and not storage.sync_writes:
-            self._open_journal(data_dir, storage)
+            self._open_journal(data_dir, storage, recorded)
         self._writer = threading.Thread(target=self._write_loop, name="kvshare-writer", daemon=True)
         self._writer.start()
         self._syncer: threading.Thread | None = None
@@ -257,20 +258,23 @@ class BlockStore:
             self._remove_everywhere(victims)
             self._disk.delete(victims)
 
-    def _replay_journal(self) -> int:
+    def _replay_journal(self, recorded: tuple[Position, Path] | None) -> int:
         """Commit to LMDB the journaled puts a crash left out of it; returns how many.
 
         Runs after the index is rebuilt, so replayed blocks are admitted (quotas,
         budget, first writer wins) like new puts. Blocks of retired epochs or removed
         tenants are skipped, as start-up reclamation would drop them anyway."""
-        recorded = self._disk.journal_position()
         if recorded is None:
             return 0
         position, path = recorded
         batch: list[_PutJob] = []
-        size = 0
-        replayed = 0
+        size = replayed = 0
         last = position
+
+        def commit() -> int:
+            self._commit(batch, drained=(last, path))
+            return sum(1 for job in batch if _stored(job))
+
         for record in replay(path, position):
             last = Position(position.journal_id, record.seq, record.end)
             if self._epochs.get(record.tenant) != record.epoch:
@@ -280,17 +284,18 @@ class BlockStore:
             )
             size += len(record.payload)
             if size >= MAX_BATCH_BYTES:
-                self._commit(batch, drained=(last, path))
-                replayed += sum(1 for job in batch if _stored(job))
+                replayed += commit()
                 batch, size = [], 0
         if batch or last != position:
-            self._commit(batch, drained=(last, path))
-            replayed += sum(1 for job in batch if _stored(job))
+            replayed += commit()
         if last != position:
             log.info("replayed %d journaled puts into LMDB after an unclean stop", replayed)
         return replayed
 
-    def _open_journal(self, data_dir: Path, storage: StorageConfig) -> None:
+    def _open_journal(
+        self, data_dir: Path, storage: StorageConfig, recorded: tuple[Position, Path] | None
+    ) -> None:
+        """Start a fresh journal; `recorded` is the one replayed at start-up, if any."""
         path = default_journal_path(data_dir, storage.journal_dir)
         if path is None:
             log.info(
@@ -305,7 +310,6 @@ class BlockStore:
                 raise ConfigError(
                     f"cannot create journal_dir {path.parent}: {error.strerror}"
                 ) from None
-        recorded = self._disk.journal_position()
         if recorded is not None and recorded[1] != path:
             recorded[1].unlink(missing_ok=True)  # replayed above; the journal moved
         journal = Journal(
@@ -801,9 +805,12 @@ class BlockStore:
     # -- deletes, stats, shutdown -----------------------------------------------------
 
     def _remove_everywhere(self, keys: Sequence[StorageKey]) -> None:
+        """Forget `keys` in the index and memory, and any journaled block of them not yet
+        in LMDB (the writer then passes over its record)."""
         for key in keys:
             self._index.remove(key)
             self._memory.drop(key)
+            self._pending.pop(key, None)
 
     def _remove_from_index(self, keys: Sequence[StorageKey]) -> None:
         """Forget `keys`, journaled ones included, then wait until the writer has passed
@@ -811,8 +818,6 @@ class BlockStore:
         crash can bring them back. Blocking."""
         with self._lock:
             self._remove_everywhere(keys)
-            for key in keys:
-                self._pending.pop(key, None)
         self._barrier()
 
     def delete(self, keys: Sequence[StorageKey]) -> int:

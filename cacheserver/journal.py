@@ -466,6 +466,7 @@ class Journal:
     def _allocate(self, end: int) -> None:
         """Reserve the file's blocks up to `end` (under `_lock`), or refuse the put.
         Usually the prefaulter got there first; this covers what it has not."""
+        end = min(self.capacity, end + -end % mmap.PAGESIZE)  # whole pages: see prefault
         try:
             os.posix_fallocate(self._fd, self._allocated, end - self._allocated)
         except OSError as error:
@@ -484,8 +485,10 @@ class Journal:
             limit = min(self.capacity, self._furthest + PREFAULT_AHEAD_BYTES)
             if self._closed or self._allocated >= limit:
                 return False
+            # Whole chunks from a page boundary (`_allocated` always is one): madvise
+            # refuses a start inside a page, and would leave every page to fault.
             start = self._allocated
-            end = min(limit, start + chunk_bytes)
+            end = min(self.capacity, start + chunk_bytes)
         try:
             os.posix_fallocate(self._fd, start, end - start)
         except OSError:

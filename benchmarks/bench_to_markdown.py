@@ -125,14 +125,28 @@ def main() -> None:
     print(throughput_tables(results))
     print("\nBatched GET (one call for many 64 KiB blocks):\n\n" + batch_table(results))
     print("\nTargets:\n\n" + checks_table(doc["checks"]))
+    over_tcp = [v for v in variants if v.startswith(("kvshare-tls", "kvshare-grpc"))]
     print(
-        "\nCost of security and of the gRPC-only path: ratio to plain `kvshare` in the "
-        "same round:\n\n" + ratio_table(results, variants, "kvshare")
+        "\nSame-host variants (sealing; TCP instead of the arena): ratio to plain `kvshare` "
+        "in the same round:\n\n"
+        + ratio_table(results, [v for v in variants if v not in over_tcp], "kvshare")
+    )
+    if over_tcp:
+        print(
+            "\nCost of TLS (and of the gRPC-only path) over TCP: ratio to `kvshare-tcp` in "
+            "the same round:\n\n" + ratio_table(results, over_tcp, "kvshare-tcp")
+        )
+    print(
+        "\nEach transport against its Redis peer: `kvshare` (same-host arena) / `redis-unix`, "
+        "`kvshare-tcp` / `redis` (loopback TCP):\n\n"
+        + ratio_table(results, ["kvshare"], "redis-unix")
+        + "\n\n"
+        + ratio_table(results, ["kvshare-tcp"], "redis")
     )
     if any(r.get("ratio_to_lmcache") is not None for r in results):
         print(
             "\nkvshare against LMCache's server: ratio in the same round:\n\n"
-            + ratio_table(results, ["kvshare", "kvshare-tls-sealed"], "lmcache")
+            + ratio_table(results, ["kvshare", "kvshare-tcp", "kvshare-tls-sealed"], "lmcache")
         )
     print(f"\nSettings: {json.dumps(doc['settings'])}; skipped: {doc['skipped'] or 'none'}")
 

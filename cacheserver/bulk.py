@@ -11,6 +11,16 @@ that principal and tenant, and every request is admitted by `AccessPolicy.admit`
 named by `AccessPolicy.storage_key`, exactly as the gRPC handlers do. With TLS on the
 gRPC port, this listener uses the same certificate (and client-certificate CA).
 
+Same host: a second listener, on an abstract Unix socket with a random name (so no
+one can claim it before the server, and only a caller told it by OpenBulk finds it),
+takes the same tickets. After the handshake it hands the connection a shared-memory
+arena of its own (a memfd, sealed so that the client can neither shrink nor grow it:
+no access of the server's can fault), and payloads move through the arena: one copy
+each way instead of two, and no TCP stack. The server copies a put's bytes out of the
+arena before it checks or hashes them, so a client rewriting the arena meanwhile can
+only change its own block, as if it had sent other bytes. Policy is the same code as
+on TCP: each request is admitted and named by `AccessPolicy` exactly as below.
+
 Each request is observed like an RPC (ServerTelemetry.rpc, methods `kvshare.bulk/Get`,
 `kvshare.bulk/Put`, `kvshare.bulk/Hello`); a request flagged TRACED carries its
 caller's trace context, so its span joins the caller's trace as a gRPC call's does.
@@ -20,18 +30,23 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import fcntl
 import logging
+import mmap
+import os
+import secrets
 import socket
 import ssl
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
-from cacheserver.config import LimitsConfig
+from cacheserver.config import BulkConfig, LimitsConfig
 from cacheserver.events import Tier
 from cacheserver.store import BlockStore
 from cacheserver.telemetry import ServerTelemetry
 from kvshare import bulkwire as w
-from kvshare.errors import InvalidArgument, KvshareError
+from kvshare.errors import InvalidArgument, KvshareError, ResourceExhausted
 from kvshare.tracing import context_from_binary
 from policy import AccessPolicy, Action
 from policy.tickets import Grant, TicketBook
@@ -46,6 +61,51 @@ HANDSHAKE_TIMEOUT_S = 5.0
 DISK_BATCH_BYTES = 64 << 20
 DISCARD_CHUNK_BYTES = 1 << 20
 BULK_SYSTEM = "kvshare_bulk"  # the `rpc.system` of this listener's spans
+ARENA_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+class Arena:
+    """A same-host connection's shared memory: a sealed memfd, mapped here and sent to
+    the client. The seals keep its size fixed, so the server's mapping never faults."""
+
+    def __init__(self, size: int) -> None:
+        self.fd = os.memfd_create("kvshare-bulk-arena", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(self.fd, size)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, ARENA_SEALS)
+            self._map = mmap.mmap(self.fd, size)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.size = size
+        self.view = memoryview(self._map)
+
+    def placed(self, sizes: Sequence[int]) -> list[int]:
+        """The offsets of a request's blocks, or InvalidArgument if they do not fit."""
+        offsets, end = w.arena_offsets(sizes)
+        if end > self.size:
+            raise InvalidArgument(
+                f"the request's {len(sizes)} payloads take {end} bytes, over this "
+                f"connection's shared-memory arena of {self.size}; split the request"
+            )
+        return offsets
+
+    def close_fd(self) -> None:
+        """Close this side's descriptor (once: its number may be reused at once)."""
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def close(self) -> None:
+        self.close_fd()
+        self.view.release()
+        self._map.close()
+
+
+# How a put's payload reaches its buffer: fill(target, index) writes block `index` into
+# `target`; skip(index, size) passes over a block that is not wanted.
+Fill = Callable[[memoryview, int], None]
+Skip = Callable[[int, int], None]
 
 
 class BulkServer:
@@ -59,8 +119,10 @@ class BulkServer:
         tls: ssl.SSLContext | None = None,
         *,
         telemetry: ServerTelemetry | None = None,
+        bulk: BulkConfig | None = None,
     ) -> None:
         self._telemetry = telemetry or ServerTelemetry()
+        self._bulk = bulk or BulkConfig()
         self._store = store
         self._policy = policy
         self._tickets = tickets
@@ -74,30 +136,55 @@ class BulkServer:
         _bound_host, port = self._listener.getsockname()[:2]
         self.address = f"{host}:{port}"
         self._connections: set[socket.socket] = set()
+        self._arenas = 0
         self._lock = threading.Lock()
         self._stopping = False
         self.handshake_timeout_s = HANDSHAKE_TIMEOUT_S
-        self._acceptor = threading.Thread(
-            target=self._accept_loop, name="kvshare-bulk-accept", daemon=True
-        )
+        self._acceptors = [
+            threading.Thread(
+                target=self._accept_loop,
+                args=(self._listener, self._serve),
+                name="kvshare-bulk-accept",
+                daemon=True,
+            )
+        ]
+        self.local_address = ""  # the abstract socket's name, without its leading NUL
+        self._local_listener: socket.socket | None = None
+        if self._bulk.same_host:
+            self._local_listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.local_address = f"kvshare-bulk-{secrets.token_hex(16)}"
+            self._local_listener.bind("\0" + self.local_address)
+            self._local_listener.listen(128)
+            self._acceptors.append(
+                threading.Thread(
+                    target=self._accept_loop,
+                    args=(self._local_listener, self._serve_local),
+                    name="kvshare-bulk-accept-local",
+                    daemon=True,
+                )
+            )
 
     def start(self) -> str:
-        self._acceptor.start()
+        for acceptor in self._acceptors:
+            acceptor.start()
         return self.address
 
     def stop(self) -> None:
         self._stopping = True
         # shutdown() wakes threads blocked in accept()/recv(); close() alone does not.
         _close_quietly(self._listener)
+        if self._local_listener is not None:
+            _close_quietly(self._local_listener)
         with self._lock:
             for conn in list(self._connections):
                 _close_quietly(conn)
-        self._acceptor.join(timeout=5)
+        for acceptor in self._acceptors:
+            acceptor.join(timeout=5)
 
-    def _accept_loop(self) -> None:
+    def _accept_loop(self, listener: socket.socket, serve: Callable[[socket.socket], None]) -> None:
         while not self._stopping:
             try:
-                conn, _ = self._listener.accept()
+                conn, _ = listener.accept()
             except OSError:
                 return  # listener closed
             with self._lock:
@@ -105,9 +192,7 @@ class BulkServer:
                     _close_quietly(conn)
                     continue
                 self._connections.add(conn)
-            threading.Thread(
-                target=self._serve, args=(conn,), name="kvshare-bulk", daemon=True
-            ).start()
+            threading.Thread(target=serve, args=(conn,), name="kvshare-bulk", daemon=True).start()
 
     def _serve(self, raw: socket.socket) -> None:
         conn = raw
@@ -118,37 +203,95 @@ class BulkServer:
                 conn = self._tls.wrap_socket(raw, server_side=True)
             grant = self._handshake(conn)
             if grant is not None:
+                conn.sendall(bytes([w.OK]))
                 if conn is raw:  # plain TCP: kernel timeouts, so receives can wait for all
                     w.kernel_timeouts(raw, IDLE_TIMEOUT_S)
                 else:
                     conn.settimeout(IDLE_TIMEOUT_S)
-                while self._serve_one(conn, grant):
+                while self._serve_one(conn, grant, None):
                     pass
         except (OSError, w.ConnectionClosed, ssl.SSLError):
             pass  # the client went away; nothing acknowledged is affected
         except Exception:
             log.exception("bulk connection failed")
         finally:
-            with self._lock:
-                self._connections.discard(raw)
+            self._forget(raw)
             _close_quietly(conn)
 
+    def _serve_local(self, conn: socket.socket) -> None:
+        """A same-host connection: the same handshake and requests as `_serve`, with
+        payloads in the connection's arena."""
+        arena: Arena | None = None
+        try:
+            conn.settimeout(self.handshake_timeout_s)
+            grant = self._handshake(conn)
+            if grant is None:
+                return
+            arena = self._open_arena(conn)
+            if arena is None:
+                return
+            try:
+                socket.send_fds(conn, [w.ARENA_REPLY.pack(w.OK, arena.size)], [arena.fd])
+            finally:
+                arena.close_fd()  # the client holds its own descriptor now
+            w.kernel_timeouts(conn, IDLE_TIMEOUT_S)
+            while self._serve_one(conn, grant, arena):
+                pass
+        except (OSError, w.ConnectionClosed):
+            pass  # the client went away; nothing acknowledged is affected
+        except Exception:
+            log.exception("bulk connection failed")
+        finally:
+            self._forget(conn)
+            _close_quietly(conn)
+            if arena is not None:
+                arena.close()
+                with self._lock:
+                    self._arenas -= 1
+
+    def _open_arena(self, conn: socket.socket) -> Arena | None:
+        """This connection's arena, or None (and an error frame) when no more may open."""
+        with self._lock:
+            room = self._arenas < self._bulk.max_arenas
+            if room:
+                self._arenas += 1
+        try:
+            if not room:
+                raise ResourceExhausted(
+                    f"all {self._bulk.max_arenas} same-host arenas are in use "
+                    "([bulk] max_arenas); use the TCP listener"
+                )
+            return Arena(self._bulk.arena_bytes)
+        except (KvshareError, OSError) as error:
+            if room:
+                with self._lock:
+                    self._arenas -= 1
+            if isinstance(error, OSError):
+                log.error("cannot create a same-host arena: %s", error.strerror)
+                error = ResourceExhausted("the server could not create a shared-memory arena")
+            status = error.status if isinstance(error, KvshareError) else "RESOURCE_EXHAUSTED"
+            conn.sendall(w.error_frame(status, str(error)))
+            return None
+
+    def _forget(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._connections.discard(conn)
+
     def _handshake(self, conn: socket.socket) -> Grant | None:
+        """Redeem the client's ticket; None (and an error frame sent) if it fails."""
         hello = w.recv_bytes(conn, w.HELLO.size)
         magic, ticket = w.HELLO.unpack(hello)
         with self._telemetry.rpc("kvshare.bulk/Hello", None, system=BULK_SYSTEM) as call:
             try:
                 if magic != w.MAGIC:
                     raise InvalidArgument("not a kvshare bulk client (bad magic)")
-                grant = self._tickets.redeem(ticket)
+                return self._tickets.redeem(ticket)
             except KvshareError as error:
                 call.status = error.status
                 conn.sendall(w.error_frame(error.status, str(error)))
                 return None
-        conn.sendall(bytes([w.OK]))
-        return grant
 
-    def _serve_one(self, conn: socket.socket, grant: Grant) -> bool:
+    def _serve_one(self, conn: socket.socket, grant: Grant, arena: Arena | None) -> bool:
         """One request; False when the connection should close."""
         try:
             header = w.recv_bytes(conn, w.REQUEST.size)
@@ -164,9 +307,13 @@ class BulkServer:
             try:
                 keys, model = self._request_keys(conn, grant, op, model_len, count)
                 if op == w.OP_GET:
-                    self._get(conn, grant.tenant, keys)
+                    if arena is None:
+                        self._get(conn, grant.tenant, keys)
+                    else:
+                        self._get_local(conn, grant.tenant, keys, arena)
                     return True
-                self._put(conn, grant.tenant, keys, self._policy.model_tag(grant.tenant, model))
+                tag = self._policy.model_tag(grant.tenant, model)
+                self._put(conn, grant.tenant, keys, tag, arena)
                 return True
             except KvshareError as error:
                 call.status = error.status
@@ -200,13 +347,9 @@ class BulkServer:
         conn.sendall(bytes([w.OK]))
         served = 0
         while served < len(keys):
-            tier: Tier = "memory"
-            payloads = self._store.read_from_memory(keys[served:])
+            tier, payloads = self._next_payloads(tenant, keys[served:])
             if not payloads:
-                tier = "lmdb"
-                payloads = self._store.read_from_disk(tenant, keys[served:], DISK_BATCH_BYTES)
-                if not payloads:
-                    break
+                break
             for payload in payloads:
                 w.send_parts(conn, [w.SIZE.pack(len(payload)), payload])
             served += len(payloads)
@@ -214,38 +357,98 @@ class BulkServer:
         self._store.note_get(tenant, len(keys), served)  # counted before the caller hears
         conn.sendall(w.END)
 
+    def _next_payloads(
+        self, tenant: TenantId, keys: Sequence[StorageKey]
+    ) -> tuple[Tier, Sequence[Any]]:
+        """The leading present blocks of `keys`: from memory, else a batch from LMDB."""
+        payloads = self._store.read_from_memory(keys)
+        if payloads:
+            return "memory", payloads
+        return "lmdb", self._store.read_from_disk(tenant, keys, DISK_BATCH_BYTES)
+
+    def _get_local(
+        self, conn: socket.socket, tenant: TenantId, keys: Sequence[StorageKey], arena: Arena
+    ) -> None:
+        """Copy the leading present blocks into the arena, as many as fit, then say
+        their sizes (and whether the arena filled up before the next present block)."""
+        sizes: list[int] = []
+        offset, truncated = 0, False
+        with self._store.reading():  # payloads may be views of journal records
+            while len(sizes) < len(keys) and not truncated:
+                tier, payloads = self._next_payloads(tenant, keys[len(sizes) :])
+                if not payloads:
+                    break
+                placed = 0
+                for payload in payloads:
+                    size = len(payload)
+                    if offset + size > arena.size:
+                        truncated = True
+                        break
+                    w.copy_into(arena.view[offset:], payload)
+                    sizes.append(size)
+                    placed += 1
+                    offset += size + (-size % w.ARENA_ALIGN)
+                self._store.note_served(tenant, tier, payloads[:placed])
+        self._store.note_get(tenant, len(keys), len(sizes))  # counted before the caller hears
+        reply = [bytes([w.OK]), w.LOCAL_GET.pack(len(sizes), truncated)]
+        conn.sendall(b"".join(reply + [w.SIZE.pack(size) for size in sizes]))
+
     def _put(
-        self, conn: socket.socket, tenant: TenantId, keys: Sequence[StorageKey], tag: ModelTag
+        self,
+        conn: socket.socket,
+        tenant: TenantId,
+        keys: Sequence[StorageKey],
+        tag: ModelTag,
+        arena: Arena | None,
     ) -> None:
         sizes_raw = w.recv_bytes(conn, w.SIZE.size * len(keys))
         sizes = [w.SIZE.unpack_from(sizes_raw, i * w.SIZE.size)[0] for i in range(len(keys))]
         for index, size in enumerate(sizes):
             self._limits.check_block_bytes(index, size)
+        fill, skip = self._payload_source(conn, sizes, arena)
         if self._store.receives_in_place:
-            outcomes = self._put_in_place(conn, tenant, keys, sizes, tag)
+            outcomes = self._put_in_place(tenant, keys, sizes, tag, fill, skip)
         else:
-            outcomes = self._put_buffered(conn, tenant, keys, sizes, tag)
+            outcomes = self._put_buffered(tenant, keys, sizes, tag, fill)
         conn.sendall(bytes([w.OK]) + outcomes)
+
+    @staticmethod
+    def _payload_source(
+        conn: socket.socket, sizes: Sequence[int], arena: Arena | None
+    ) -> tuple[Fill, Skip]:
+        """Where a put's payloads come from: the socket, in order, or the arena."""
+        if arena is None:
+            return (lambda target, _index: w.recv_exact(conn, target)), (
+                lambda _index, size: _discard(conn, size)
+            )
+        offsets = arena.placed(sizes)
+
+        def fill(target: memoryview, index: int) -> None:
+            start = offsets[index]
+            w.copy_into(target, arena.view[start : start + target.nbytes])
+
+        return fill, (lambda _index, _size: None)
 
     def _put_in_place(
         self,
-        conn: socket.socket,
         tenant: TenantId,
         keys: Sequence[StorageKey],
         sizes: Sequence[int],
         tag: ModelTag,
+        fill: Fill,
+        skip: Skip,
     ) -> bytes:
-        """Receive each block straight into its journal record: one copy, into memory
+        """Move each block straight into its journal record: one copy, into memory
         whose pages exist already; acknowledged once the record is committed."""
         outcomes = bytearray()
         for index, (key, size) in enumerate(zip(keys, sizes, strict=True)):
             job = self._store.begin_put(tenant, key, size, tag)
-            if job is None:  # already stored: the bytes still arrive, into scratch space
-                self._discard(conn, size)
+            if job is None:  # already stored: the bytes are passed over
+                skip(index, size)
                 outcomes.append(w.OUTCOME_ALREADY_PRESENT)
                 continue
             try:
-                w.recv_exact(conn, memoryview(job.payload))
+                fill(memoryview(job.payload), index)
                 self._policy.check_payload(tenant, job.payload, index)
             except BaseException:
                 self._store.abandon_put(job)
@@ -254,26 +457,20 @@ class BulkServer:
             outcomes.append(w.OUTCOME_STORED if stored else w.OUTCOME_ALREADY_PRESENT)
         return bytes(outcomes)
 
-    def _discard(self, conn: socket.socket, size: int) -> None:
-        scratch = memoryview(bytearray(min(size, DISCARD_CHUNK_BYTES)))
-        while size:
-            step = min(size, len(scratch))
-            w.recv_exact(conn, scratch[:step])
-            size -= step
-
     def _put_buffered(
         self,
-        conn: socket.socket,
         tenant: TenantId,
         keys: Sequence[StorageKey],
         sizes: Sequence[int],
         tag: ModelTag,
+        fill: Fill,
     ) -> bytes:
-        """Without the journal: receive each block into its own buffer (kept by the
-        memory tier) and acknowledge after the LMDB commit."""
+        """Without the journal: each block into its own buffer (kept by the memory
+        tier), acknowledged after the LMDB commit."""
         futures = []
         for index, (key, size) in enumerate(zip(keys, sizes, strict=True)):
-            payload = w.recv_bytes(conn, size)  # stored as received: no copy
+            payload = bytearray(size)
+            fill(memoryview(payload), index)  # stored as filled: no further copy
             self._policy.check_payload(tenant, payload, index)
             futures.append(self._store.submit_put(tenant, key, payload, tag))
         concurrent.futures.wait(futures)
@@ -281,6 +478,15 @@ class BulkServer:
         if failed is not None:
             raise failed
         return bytes(w.OUTCOME_STORED if f.result() else w.OUTCOME_ALREADY_PRESENT for f in futures)
+
+
+def _discard(conn: socket.socket, size: int) -> None:
+    """Receive and drop `size` bytes (a block the store already holds)."""
+    scratch = memoryview(bytearray(min(size, DISCARD_CHUNK_BYTES)))
+    while size:
+        step = min(size, len(scratch))
+        w.recv_exact(conn, scratch[:step])
+        size -= step
 
 
 def _close_quietly(conn: socket.socket) -> None:

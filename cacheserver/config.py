@@ -1,7 +1,7 @@
 """Server configuration, parsed once at start-up into frozen dataclasses.
 
 The TOML keys `listen`, `data_dir`, `[[tenants]]` and `[[principals]]` are a contract
-(DESIGN §8); `[storage]`, `[limits]`, `[tls]`, `[telemetry]` and `audit_log` are optional
+(DESIGN §8); `[storage]`, `[limits]`, `[tls]`, `[telemetry]`, `[bulk]` and `audit_log` are optional
 with the defaults below.
 Command-line flags override the file. Unknown keys anywhere are errors naming the key
 and its line.
@@ -36,6 +36,7 @@ TOP_KEYS = frozenset(
         "limits",
         "tls",
         "telemetry",
+        "bulk",
         "audit_log",
         "secret_file",
     }
@@ -115,6 +116,23 @@ class LimitsConfig:
 
 
 @dataclass(frozen=True)
+class BulkConfig:
+    """The bulk channel's same-host transport (cacheserver/bulk.py)."""
+
+    # Offer clients on this host (and network namespace) a Unix socket on which
+    # payloads move through a shared-memory arena, not TCP: one copy each way instead
+    # of two, no TLS (the bytes never leave the host's kernel). Off: TCP/TLS only.
+    same_host: bool = True
+    # Each same-host connection's arena: the most payload bytes one request carries
+    # (bigger requests are split; a bigger block goes over TCP). Pages are taken as
+    # they are first used and kept while the connection lasts.
+    arena_bytes: int = 64 * MiB
+    # Same-host connections open at once (each holds up to arena_bytes of memory);
+    # past it, clients use TCP.
+    max_arenas: int = 32
+
+
+@dataclass(frozen=True)
 class TlsFiles:
     cert_chain: Path
     private_key: Path
@@ -152,6 +170,7 @@ class ServerConfig:
     # compute the storage name of a guessed prefix and test whether it was cached.
     secret_file: Path | None = None  # None: <data_dir>/server.secret
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    bulk: BulkConfig = field(default_factory=BulkConfig)
 
     @property
     def audit_log_path(self) -> Path:
@@ -299,4 +318,15 @@ def load_config(path: Path) -> ServerConfig:
         audit_log=Path(audit_log) if audit_log else None,
         secret_file=Path(secret_file) if secret_file else None,
         telemetry=_parse_telemetry(_table(raw, "telemetry", source, text), source, text),
+        bulk=_parse_bulk(_table(raw, "bulk", source, text), source, text),
     )
+
+
+def _parse_bulk(raw: Mapping[str, Any], source: str, text: str) -> BulkConfig:
+    bulk: BulkConfig = _positive_ints(raw, BulkConfig, "bulk", source, text)
+    if bulk.arena_bytes < 1 * MiB:
+        raise ConfigError(
+            f"{source}:{line_of(text, 'arena_bytes')}: bulk.arena_bytes: "
+            "must be at least 1048576 (1 MiB)"
+        )
+    return bulk

@@ -199,13 +199,14 @@ class Server:
             self.config.limits,
             _bulk_tls(self._tls),
             telemetry=self.telemetry,
+            bulk=self.config.bulk,
         )
         kvshare_pb2_grpc.add_BlockStoreServicer_to_server(
             BlockStoreService(
                 self.store,
                 self.policy,
                 self.config.limits,
-                BulkEndpoint(self.tickets, self.bulk.start()),
+                BulkEndpoint(self.tickets, self.bulk.start(), self.bulk.local_address),
             ),
             server,
         )

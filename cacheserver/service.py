@@ -38,6 +38,7 @@ class BulkEndpoint:
 
     tickets: TicketBook
     address: str
+    local_address: str = ""  # the same-host listener's abstract socket name; "": none
 
 
 class BlockStoreService(pb_grpc.BlockStoreServicer):
@@ -64,6 +65,7 @@ class BlockStoreService(pb_grpc.BlockStoreServicer):
         return pb.OpenBulkResponse(
             ticket=ticket,
             address=self._bulk.address,
+            local_address=self._bulk.local_address,
             ttl_ms=int(self._bulk.tickets.ttl_s * 1000),
             trace_context=True,
         )

@@ -17,13 +17,29 @@ After `OpenBulk` (gRPC) issues a ticket, the client opens a TCP (or TLS) connect
 
 Integers are big-endian. Payloads are raw bytes with no per-message framing, so both
 sides move them with one `sendmsg`/`recv_into` each, without copies.
+
+Same host: the server also listens on an abstract Unix socket (`local_address` of
+OpenBulk). There the handshake is the same HELLO, answered by ARENA_REPLY (status u8 |
+arena size u64) with a file descriptor attached (SCM_RIGHTS): a sealed memfd of that
+size, the connection's own shared-memory arena. Requests keep the framing above, but no
+payload bytes cross the socket: they lie in the arena, block i at `arena_offsets(...)[i]`
+(back to back from 0, each start aligned to ARENA_ALIGN).
+
+    PUT -> the client has written the payloads to the arena before the request; the
+           server copies each out before it looks at it, then answers as above
+    GET -> status u8, then LOCAL_GET (count u32 | truncated u8), then count x size u64;
+           the server has written those blocks to the arena. truncated: the arena was
+           full before the next present block; the client asks again for the rest.
 """
 
 from __future__ import annotations
 
+import ctypes
 import socket
 import ssl
 import struct
+from collections.abc import Sequence
+from typing import Any
 
 MAGIC = b"KVB1"
 HELLO = struct.Struct(">4s32s")
@@ -38,6 +54,9 @@ OK = 0
 END = SIZE.pack(0)
 OUTCOME_STORED = 1
 OUTCOME_ALREADY_PRESENT = 2
+ARENA_REPLY = struct.Struct(">BQ")
+LOCAL_GET = struct.Struct(">IB")
+ARENA_ALIGN = 4096  # page-aligned blocks: copies between odd offsets run far slower
 MAX_MESSAGE_CHARS = 1024
 MAX_IOV = 512  # below Linux's IOV_MAX (1024) per sendmsg
 
@@ -114,3 +133,37 @@ def recv_bytes(sock: socket.socket, size: int) -> bytearray:
 def error_frame(status_name: str, message: str) -> bytes:
     encoded = message.encode("utf-8")[:MAX_MESSAGE_CHARS]
     return ERROR.pack(STATUS_CODES.get(status_name, 13), len(encoded)) + encoded
+
+
+def arena_offsets(sizes: Sequence[int]) -> tuple[list[int], int]:
+    """Where blocks of `sizes` lie in an arena, and where the last one ends."""
+    offsets, start, end = [], 0, 0
+    for size in sizes:
+        offsets.append(start)
+        end = start + size
+        start = end + (-end % ARENA_ALIGN)
+    return offsets, end
+
+
+GIL_FREE_COPY_BYTES = 64 << 10
+
+
+def copy_into(target: memoryview, source: Any) -> None:
+    """Copy all of `source` (a buffer) to the start of `target`, a writable buffer.
+
+    Large copies go through `ctypes.memmove`, which releases the GIL, whenever the
+    source's address can be had (a writable buffer, or a whole `bytes`): on a thread
+    per connection, copies of several clients then run on all cores at once."""
+    src = memoryview(source).cast("B")
+    size = src.nbytes
+    dst = target.cast("B") if target.format != "B" else target
+    if size >= GIL_FREE_COPY_BYTES:
+        address: Any = None
+        if not src.readonly:
+            address = (ctypes.c_char * size).from_buffer(src)
+        elif type(source) is bytes:
+            address = source  # ctypes passes a bytes object's own storage
+        if address is not None:
+            ctypes.memmove((ctypes.c_char * size).from_buffer(dst), address, size)
+            return
+    dst[:size] = src

@@ -6,30 +6,53 @@ largest reply seen, so steady-state transfers touch no fresh memory (a fresh buf
 per call caps near 1 GB/s on these machines: PERF-BASELINES). `get_views` hands out
 memoryviews into that buffer — valid until the same thread's next bulk call — for
 callers that decode at once; `get` returns copies.
+
+On the server's host (OpenBulk names a same-host listener and it answers), a
+connection instead gets a shared-memory arena from the server: a put's payloads are
+copied into the arena and the request names their sizes; a get's blocks arrive in the
+arena and are handed out as views of it, with the same lifetime. Bigger requests are
+split to fit the arena; a block bigger than the whole arena goes over TCP.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import mmap
+import os
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 
 from kvshare import bulkwire as w
 from kvshare.tracing import binary_context
 
-# tenant -> (ticket, "host:port", whether the listener takes trace contexts)
-OpenTicket = Callable[[str], tuple[bytes, str, bool]]
+log = logging.getLogger(__name__)
+
+
+class Ticket:
+    """What OpenBulk answered: a one-time ticket and where to present it."""
+
+    def __init__(self, ticket: bytes, address: str, traced: bool, local_address: str) -> None:
+        self.ticket = ticket
+        self.address = address  # "host:port" of the TCP (or TLS) listener
+        self.traced = traced  # the listener reads requests that carry a trace context
+        self.local_address = local_address  # the same-host listener's name; "": none
+
+
+OpenTicket = Callable[[str], Ticket]  # tenant -> a fresh ticket
 RaiseStatus = Callable[[str, str], Exception]  # (status name, message) -> exception
 PAGE = mmap.PAGESIZE
+LOCAL_RETRY_S = 30.0  # after the same-host listener refused or failed, use TCP this long
 
 
 class _Connection:
-    def __init__(self, sock: socket.socket, traced: bool) -> None:
+    def __init__(self, sock: socket.socket, traced: bool, arena: mmap.mmap | None) -> None:
         self.sock = sock
         self.traced = traced  # the server reads TRACED requests
+        self.arena = arena  # same host: the server's shared-memory arena for payloads
         self.buffer = mmap.mmap(-1, 1 << 20)  # anonymous, page-aligned, grown on demand
 
     def ensure(self, size: int) -> memoryview:
@@ -44,8 +67,10 @@ class _Connection:
         try:
             self.sock.close()
         finally:
-            with contextlib.suppress(BufferError):  # views still held: freed with them
-                self.buffer.close()
+            for mapping in (self.buffer, self.arena):
+                with contextlib.suppress(BufferError):  # views still held: freed with them
+                    if mapping is not None:
+                        mapping.close()
 
 
 class BulkChannel:
@@ -56,8 +81,12 @@ class BulkChannel:
         tls: ssl.SSLContext | None = None,
         server_name: str | None = None,
         timeout_s: float | None = 30.0,
+        *,
+        same_host: bool = True,
     ) -> None:
         self._open_ticket = open_ticket
+        self._same_host = same_host
+        self._local_retry_at = 0.0
         self._raise = raise_status
         self._tls = tls
         self._server_name = server_name
@@ -66,28 +95,90 @@ class BulkChannel:
         self._all: list[_Connection] = []
         self._lock = threading.Lock()
 
-    def _connection(self, tenant: str) -> _Connection:
-        conns: dict[str, _Connection] = self._local.__dict__.setdefault("conns", {})
-        conn = conns.get(tenant)
+    def _connection(self, tenant: str, *, tcp: bool = False) -> _Connection:
+        """This thread's connection for `tenant`: same-host when it can be had, unless
+        `tcp` asks for the TCP listener (a block too big for the arena)."""
+        conns: dict[tuple[str, bool], _Connection] = self._local.__dict__.setdefault("conns", {})
+        conn = conns.get((tenant, tcp))
         if conn is None:
-            conn = conns[tenant] = self._connect(tenant)
+            conn = conns[(tenant, tcp)] = self._connect(tenant, tcp)
             with self._lock:
                 self._all.append(conn)
         return conn
 
-    def _connect(self, tenant: str) -> _Connection:
-        ticket, address, traced = self._open_ticket(tenant)
-        host, _, port = address.rpartition(":")
+    def _connect(self, tenant: str, tcp: bool) -> _Connection:
+        ticket = self._open_ticket(tenant)
+        if (
+            not tcp
+            and self._same_host
+            and ticket.local_address
+            and time.monotonic() >= self._local_retry_at
+        ):
+            conn, ticket_spent = self._connect_local(ticket)
+            if conn is not None:
+                return conn
+            self._local_retry_at = time.monotonic() + LOCAL_RETRY_S
+            if ticket_spent:
+                ticket = self._open_ticket(tenant)
+        host, _, port = ticket.address.rpartition(":")
         sock = socket.create_connection((host.strip("[]"), int(port)), timeout=self._timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self._tls is not None:
             sock = self._tls.wrap_socket(sock, server_hostname=self._server_name or host)
-        sock.sendall(w.HELLO.pack(w.MAGIC, ticket))
+        sock.sendall(w.HELLO.pack(w.MAGIC, ticket.ticket))
         self._expect_ok(sock)
-        return _Connection(sock, traced)
+        return _Connection(sock, ticket.traced, None)
 
-    def _drop(self, tenant: str) -> None:
-        conn = self._local.__dict__.get("conns", {}).pop(tenant, None)
+    def _connect_local(self, ticket: Ticket) -> tuple[_Connection | None, bool]:
+        """The same-host connection and its arena; (None, whether the ticket was
+        presented) when there is none to be had: another host or network namespace,
+        or the server's arenas are all taken. Errors of policy are raised."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(self._timeout_s)
+            try:
+                sock.connect("\0" + ticket.local_address)
+            except OSError:
+                sock.close()
+                return None, False  # not this server's host: TCP, same ticket
+            sock.sendall(w.HELLO.pack(w.MAGIC, ticket.ticket))
+            data, fds, _flags, _addr = socket.recv_fds(sock, w.ARENA_REPLY.size, 1)
+            arena = None
+            try:
+                if len(data) == w.ARENA_REPLY.size and data[0] == w.OK and len(fds) == 1:
+                    arena = mmap.mmap(fds[0], w.ARENA_REPLY.unpack(data)[1])
+            finally:
+                for fd in fds:
+                    os.close(fd)  # the mapping keeps the memory
+            if arena is None:
+                error = self._error_after(sock, bytes(data))
+                if getattr(error, "status", "") != "RESOURCE_EXHAUSTED":
+                    raise error
+                log.warning("same-host bulk channel refused (%s); using TCP", error)
+                sock.close()
+                return None, True
+        except BaseException:
+            sock.close()
+            raise
+        return _Connection(sock, ticket.traced, arena), True
+
+    def _error_after(self, sock: socket.socket, start: bytes) -> Exception:
+        """The error of an error frame whose first bytes are `start`."""
+        if not start:
+            raise w.ConnectionClosed("the same-host listener closed the connection")
+        head = start[: w.ERROR.size]
+        if len(head) < w.ERROR.size:
+            head += w.recv_bytes(sock, w.ERROR.size - len(head))
+        status, length = w.ERROR.unpack(head)
+        message = start[w.ERROR.size :]
+        if len(message) < length:
+            message += w.recv_bytes(sock, length - len(message))
+        return self._raise(
+            w.STATUS_NAMES.get(status, "INTERNAL"), message.decode("utf-8", "replace")
+        )
+
+    def _drop(self, tenant: str, *, tcp: bool = False) -> None:
+        conn = self._local.__dict__.get("conns", {}).pop((tenant, tcp), None)
         if conn is not None:
             with self._lock:
                 self._all.remove(conn)  # reconnects must not accumulate dead connections
@@ -119,12 +210,56 @@ class BulkChannel:
             op |= w.TRACED
         header = w.REQUEST.pack(op, len(encoded), len(digests))
         parts = [header, trace, encoded] if trace is not None else [header, encoded]
-        w.send_parts(conn.sock, [*parts, b"".join(digests), *then])  # digests: one buffer
+        try:
+            w.send_parts(conn.sock, [*parts, b"".join(digests), *then])  # digests: one buffer
+        except (BrokenPipeError, ConnectionResetError):
+            # The server refused the request from its header and closed (a Unix socket
+            # then fails the send at once): its error frame may be waiting to be read.
+            self._expect_ok(conn.sock)
+            raise
 
     def get_views(self, tenant: str, model: str, digests: Sequence[bytes]) -> list[memoryview]:
-        """Leading present payloads as views into this thread's reused buffer."""
+        """Leading present payloads as views into this thread's reused buffer (or arena)."""
         _check_framable(model, digests)
         conn = self._connection(tenant)
+        if conn.arena is None:
+            return self._get_streamed(tenant, conn, model, digests, tcp=False)
+        found: list[memoryview] = []
+        while True:
+            views, truncated = self._get_arena(tenant, conn, model, digests[len(found) :])
+            if not truncated:
+                return found + views
+            if not views:  # the next block is bigger than the whole arena
+                tcp = self._connection(tenant, tcp=True)
+                rest = digests[len(found) :]
+                return found + self._get_streamed(tenant, tcp, model, rest, tcp=True)
+            found += [memoryview(bytes(v)) for v in views]  # the arena is reused next
+
+    def _get_arena(
+        self, tenant: str, conn: _Connection, model: str, digests: Sequence[bytes]
+    ) -> tuple[list[memoryview], bool]:
+        """One same-host GET: views of the blocks the server put in the arena, and
+        whether it filled up before the next present block."""
+        arena = conn.arena
+        assert arena is not None
+        try:
+            self._request(conn, w.OP_GET, model, digests)
+            self._expect_ok(conn.sock)
+            count, truncated = w.LOCAL_GET.unpack(w.recv_bytes(conn.sock, w.LOCAL_GET.size))
+            raw = w.recv_bytes(conn.sock, count * w.SIZE.size)
+            sizes = [size for (size,) in w.SIZE.iter_unpack(raw)]
+            offsets, end = w.arena_offsets(sizes)
+            if end > len(arena):
+                raise w.ConnectionClosed("the server described blocks outside the arena")
+        except Exception:
+            self._drop(tenant)
+            raise
+        view = memoryview(arena)
+        return [view[o : o + n] for o, n in zip(offsets, sizes, strict=True)], bool(truncated)
+
+    def _get_streamed(
+        self, tenant: str, conn: _Connection, model: str, digests: Sequence[bytes], *, tcp: bool
+    ) -> list[memoryview]:
         try:
             self._request(conn, w.OP_GET, model, digests)
             self._expect_ok(conn.sock)
@@ -141,7 +276,7 @@ class BulkChannel:
                 spans.append((offset, size))
                 offset += size
         except Exception:
-            self._drop(tenant)  # never reuse a connection left mid-frame
+            self._drop(tenant, tcp=tcp)  # never reuse a connection left mid-frame
             raise
         view = memoryview(conn.buffer)
         return [view[start : start + size] for start, size in spans]
@@ -161,6 +296,28 @@ class BulkChannel:
         the caller decodes block i while block i+1 is still arriving in the kernel."""
         _check_framable(model, digests)
         conn = self._connection(tenant)
+        if conn.arena is None:
+            return self._iter_streamed(tenant, conn, model, digests, tcp=False)
+        return self._iter_arena(tenant, conn, model, digests)
+
+    def _iter_arena(
+        self, tenant: str, conn: _Connection, model: str, digests: Sequence[bytes]
+    ) -> Iterator[memoryview]:
+        served = 0
+        while served < len(digests):
+            views, truncated = self._get_arena(tenant, conn, model, digests[served:])
+            if truncated and not views:  # the next block is bigger than the whole arena
+                tcp = self._connection(tenant, tcp=True)
+                yield from self._iter_streamed(tenant, tcp, model, digests[served:], tcp=True)
+                return
+            yield from views
+            served += len(views)
+            if not truncated:
+                return
+
+    def _iter_streamed(
+        self, tenant: str, conn: _Connection, model: str, digests: Sequence[bytes], *, tcp: bool
+    ) -> Iterator[memoryview]:
         finished = False
         try:
             self._request(conn, w.OP_GET, model, digests)
@@ -177,7 +334,7 @@ class BulkChannel:
                 yield view
         finally:
             if not finished:
-                self._drop(tenant)  # stopped mid-stream: the connection is out of step
+                self._drop(tenant, tcp=tcp)  # stopped mid-stream: out of step
 
     def get(self, tenant: str, model: str, digests: Sequence[bytes]) -> list[bytes]:
         return [bytes(v) for v in self.get_views(tenant, model, digests)]
@@ -192,14 +349,43 @@ class BulkChannel:
         _check_framable(model, digests)
         if any(memoryview(p).nbytes == 0 for p in payloads):
             raise UseGrpc("empty payload")
-        conn = self._connection(tenant)
+        sizes = [memoryview(p).nbytes for p in payloads]
+        conn, tcp = self._connection(tenant), False
+        if conn.arena is not None and max(sizes, default=0) > len(conn.arena):
+            conn, tcp = self._connection(tenant, tcp=True), True  # bigger than the arena
+        if conn.arena is None:
+            return self._put_request(tenant, conn, model, digests, sizes, payloads, tcp=tcp)
+        outcomes: list[bool] = []
+        for start, end in _arena_batches(sizes, len(conn.arena)):
+            offsets, _ = w.arena_offsets(sizes[start:end])
+            view = memoryview(conn.arena)
+            for offset, payload in zip(offsets, payloads[start:end], strict=True):
+                w.copy_into(view[offset:], payload)
+            view.release()
+            outcomes += self._put_request(
+                tenant, conn, model, digests[start:end], sizes[start:end], (), tcp=False
+            )
+        return outcomes
+
+    def _put_request(
+        self,
+        tenant: str,
+        conn: _Connection,
+        model: str,
+        digests: Sequence[bytes],
+        sizes: Sequence[int],
+        payloads: Sequence[bytes | bytearray | memoryview],
+        *,
+        tcp: bool,
+    ) -> list[bool]:
+        """One PUT: the payloads follow on the socket, or are in the arena already."""
         try:
-            sizes = b"".join(w.SIZE.pack(memoryview(p).nbytes) for p in payloads)
-            self._request(conn, w.OP_PUT, model, digests, [sizes, *payloads])
+            raw_sizes = b"".join(w.SIZE.pack(size) for size in sizes)
+            self._request(conn, w.OP_PUT, model, digests, [raw_sizes, *payloads])
             self._expect_ok(conn.sock)
             outcomes = w.recv_bytes(conn.sock, len(digests))
         except Exception:
-            self._drop(tenant)
+            self._drop(tenant, tcp=tcp)
             raise
         return [o == w.OUTCOME_STORED for o in outcomes]
 
@@ -208,6 +394,18 @@ class BulkChannel:
             for conn in self._all:
                 conn.close()
             self._all.clear()
+
+
+def _arena_batches(sizes: Sequence[int], capacity: int) -> Iterator[tuple[int, int]]:
+    """Index ranges of consecutive blocks that each fit an arena of `capacity` bytes."""
+    start, used = 0, 0  # used: where the next block would start
+    for index, size in enumerate(sizes):
+        if index > start and used + size > capacity:
+            yield start, index
+            start, used = index, 0
+        used += size + (-size % w.ARENA_ALIGN)
+    if start < len(sizes):
+        yield start, len(sizes)
 
 
 class UseGrpc(Exception):

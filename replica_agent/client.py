@@ -32,7 +32,7 @@ from kvshare import errors
 from kvshare.tracing import outgoing_metadata
 from kvshare.v1 import kvshare_pb2 as pb
 from kvshare.v1 import kvshare_pb2_grpc as pb_grpc
-from replica_agent.bulk import BulkChannel, UseGrpc
+from replica_agent.bulk import BulkChannel, Ticket, UseGrpc
 
 log = logging.getLogger(__name__)
 
@@ -122,10 +122,13 @@ class BlockClient:
         frame_bytes: int = DEFAULT_FRAME_BYTES,
         options: Sequence[tuple[str, Any]] = (),
         bulk: bool = True,
+        same_host: bool = True,
     ) -> None:
         """`bulk`: move payloads over the server's bulk channel (one-time tickets from
         OpenBulk, same credentials and policy); plain gRPC when the server has none or
-        the channel fails."""
+        the channel fails. `same_host`: on the server's own host, move them through a
+        shared-memory arena the server hands out over a Unix socket (no TCP, no TLS:
+        the bytes never leave the host's kernel); off, or elsewhere, over TCP/TLS."""
         channel_options = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -154,6 +157,7 @@ class BlockClient:
                 tls.ssl_context() if tls else None,
                 tls.server_name if tls else None,
                 timeout_s,
+                same_host=same_host,
             )
 
     def __enter__(self) -> BlockClient:
@@ -175,7 +179,7 @@ class BlockClient:
     def _call_metadata(self) -> tuple[tuple[str, str], ...]:
         return self._metadata + outgoing_metadata()
 
-    def _open_bulk(self, tenant: str) -> tuple[bytes, str, bool]:
+    def _open_bulk(self, tenant: str) -> Ticket:
         try:
             response = self._stub.OpenBulk(
                 pb.OpenBulkRequest(tenant=tenant),
@@ -186,7 +190,9 @@ class BlockClient:
             if error.code() == grpc.StatusCode.UNIMPLEMENTED:
                 raise _NoBulk("server predates the bulk channel") from None
             raise _raise(error) from None
-        return response.ticket, response.address, response.trace_context
+        return Ticket(
+            response.ticket, response.address, response.trace_context, response.local_address
+        )
 
     def _bulk_failed(self, error: Exception) -> None:
         """The bulk path broke below the policy layer (a reset connection, an old server):

@@ -15,8 +15,10 @@ QUICK_CLIENT_COUNTS = (1,)
 DEFAULT_SYSTEMS = (
     "tcp",
     "redis",
+    "redis-unix",
     "lmcache",
     "kvshare",
+    "kvshare-tcp",
     "kvshare-tls",
     "kvshare-sealed",
     "kvshare-tls-sealed",

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvshare.bench.checks import VARIANT_NOTES, Check
+from kvshare.bench.checks import VARIANTS, Check
 from kvshare.bench.config import BenchConfig, format_size
 from kvshare.bench.runner import RunOutcome
 from kvshare.bench.stats import BATCH_SUFFIX, REFERENCE_SYSTEMS, Row
@@ -188,11 +188,17 @@ def format_report(
     targets = [check for check in checks if check.threshold is not None]
     if targets:
         parts += ["", "Targets:", format_checks(targets)]
-    variants = [f"{name}{suffix}" for name in VARIANT_NOTES for suffix in ("", BATCH_SUFFIX)]
-    security = format_ratio_matrix(rows, variants, "kvshare")
-    if security:
-        title = "kvshare variants (cost of security): ratio to plain kvshare, same round"
-        parts += ["", title, security]
+    for reference in ("kvshare", "kvshare-tcp"):
+        variants = [
+            f"{name}{suffix}"
+            for name, (base, _) in VARIANTS.items()
+            if base == reference
+            for suffix in ("", BATCH_SUFFIX)
+        ]
+        matrix = format_ratio_matrix(rows, variants, reference)
+        if matrix:
+            title = f"kvshare variants (cost of transport and security): ratio to {reference}"
+            parts += ["", f"{title}, same round", matrix]
     against_lmcache = format_ratio_matrix(rows, ["kvshare", "kvshare-batch"], "lmcache")
     if against_lmcache:
         title = "kvshare against LMCache's server: ratio in the same round"

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 MB = 1_000_000  # MB/s are decimal megabytes per second
-REFERENCE_SYSTEMS = ("tcp", "redis", "lmcache", "kvshare")
+REFERENCE_SYSTEMS = ("tcp", "redis", "redis-unix", "lmcache", "kvshare", "kvshare-tcp")
 BATCH_SUFFIX = "-batch"
 
 

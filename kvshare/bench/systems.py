@@ -20,10 +20,14 @@ def build_system(name: str, lmcache_python: Path | None) -> System:
             return TcpSystem(tls=True)
         case "redis":
             return RedisSystem()
+        case "redis-unix":
+            return RedisSystem(unix=True)
         case "lmcache":
             return LmcacheSystem(lmcache_python)
         case "kvshare":
             return KvshareSystem()
+        case "kvshare-tcp":
+            return KvshareSystem(same_host=False)
         case "kvshare-tls":
             return KvshareSystem(tls=True)
         case "kvshare-sealed":

@@ -509,6 +509,7 @@ class OpenBulkResponse(_message.Message):
     ADDRESS_FIELD_NUMBER: _builtins.int
     TTL_MS_FIELD_NUMBER: _builtins.int
     TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
+    LOCAL_ADDRESS_FIELD_NUMBER: _builtins.int
     ticket: _builtins.bytes
     """32 random bytes, single use"""
     address: _builtins.str
@@ -517,6 +518,12 @@ class OpenBulkResponse(_message.Message):
     """the ticket must be presented within this time"""
     trace_context: _builtins.bool
     """The listener accepts requests that carry a trace context (kvshare/bulkwire.py)."""
+    local_address: _builtins.str
+    """Name of the server's same-host listener, an abstract Unix socket (the name
+    without its leading NUL), random per server start; empty when it has none. A
+    client on the same host (and network namespace) that reaches it moves payloads
+    through a shared-memory arena instead of TCP, with the same ticket and policy.
+    """
     def __init__(
         self,
         *,
@@ -524,10 +531,11 @@ class OpenBulkResponse(_message.Message):
         address: _builtins.str = ...,
         ttl_ms: _builtins.int = ...,
         trace_context: _builtins.bool = ...,
+        local_address: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "ticket", b"ticket", "trace_context", b"trace_context", "ttl_ms", b"ttl_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "local_address", b"local_address", "ticket", b"ticket", "trace_context", b"trace_context", "ttl_ms", b"ttl_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

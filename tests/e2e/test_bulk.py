@@ -20,6 +20,8 @@ from replica_agent.client import BlockClient, BlockStoreError
 from tests.conftest import Running
 
 MODEL = "m;fp32;L2"
+# The channel's two transports: a same-host arena, and TCP (the only one across hosts).
+TRANSPORTS = pytest.mark.parametrize("same_host", [True, False], ids=["same-host", "tcp"])
 
 
 def open_bulk(running: Running, who: str, tenant: str) -> pb.OpenBulkResponse:
@@ -63,10 +65,14 @@ def test_tickets_expire() -> None:
         book.redeem(stale)
 
 
-def test_bulk_and_grpc_paths_return_the_same_bytes(tenant_server: Running) -> None:
+@TRANSPORTS
+def test_bulk_and_grpc_paths_return_the_same_bytes(tenant_server: Running, same_host: bool) -> None:
     digests = [os.urandom(32) for _ in range(6)]
     payloads = [os.urandom(n) for n in (1, 1000, 65536, 1 << 20, 5 << 20, 77)]
-    with tenant_server.client("a") as bulk, tenant_server.client("a", bulk=False) as plain:
+    with (
+        tenant_server.client("a", same_host=same_host) as bulk,
+        tenant_server.client("a", bulk=False) as plain,
+    ):
         assert bulk.put("alpha", MODEL, digests[:3], payloads[:3]) == [True] * 3
         assert plain.put("alpha", MODEL, digests[3:], payloads[3:]) == [True] * 3
         assert bulk.put("alpha", MODEL, digests, payloads) == [False] * 6
@@ -76,8 +82,9 @@ def test_bulk_and_grpc_paths_return_the_same_bytes(tenant_server: Running) -> No
         assert bulk.get("alpha", MODEL, [digests[0], os.urandom(32), digests[2]]) == payloads[:1]
 
 
-def test_policy_still_applies_per_request(tenant_server: Running) -> None:
-    with tenant_server.client("a") as client:
+@TRANSPORTS
+def test_policy_still_applies_per_request(tenant_server: Running, same_host: bool) -> None:
+    with tenant_server.client("a", same_host=same_host) as client:
         client.put("alpha", MODEL, [b"x" * 32], [b"payload"])  # positive control
         with pytest.raises(PermissionDenied):
             client.get("beta", MODEL, [b"x" * 32])
@@ -87,7 +94,10 @@ def test_policy_still_applies_per_request(tenant_server: Running) -> None:
         assert client.get("alpha", MODEL, [b"x" * 32]) == [b"payload"]
 
 
-def test_a_read_only_principal_cannot_put_over_the_bulk_channel(tmp_path: object) -> None:
+@TRANSPORTS
+def test_a_read_only_principal_cannot_put_over_the_bulk_channel(
+    tmp_path: object, same_host: bool
+) -> None:
     from pathlib import Path
 
     from cacheserver.config import load_config
@@ -101,7 +111,10 @@ def test_a_read_only_principal_cannot_put_over_the_bulk_channel(tmp_path: object
     config = load_config(tenancy.path)
     with EmbeddedServer(config) as server:
         running = Running(server.address, config.data_dir, tenancy.tokens)
-        with running.client("writer") as writer, running.client("reader") as reader:
+        with (
+            running.client("writer", same_host=same_host) as writer,
+            running.client("reader", same_host=same_host) as reader,
+        ):
             assert writer.put("alpha", MODEL, [b"k" * 32], [b"v"]) == [True]
             assert reader.get("alpha", MODEL, [b"k" * 32]) == [b"v"]
             with pytest.raises(PermissionDenied):
@@ -110,7 +123,8 @@ def test_a_read_only_principal_cannot_put_over_the_bulk_channel(tmp_path: object
                 writer.get("alpha", MODEL, [b"k" * 32])
 
 
-def test_a_dead_bulk_listener_falls_back_to_grpc(tmp_path: object) -> None:
+@TRANSPORTS
+def test_a_dead_bulk_listener_falls_back_to_grpc(tmp_path: object, same_host: bool) -> None:
     from pathlib import Path
 
     from cacheserver.config import ServerConfig
@@ -119,14 +133,15 @@ def test_a_dead_bulk_listener_falls_back_to_grpc(tmp_path: object) -> None:
     data_dir = Path(str(tmp_path)) / "data"
     with EmbeddedServer(ServerConfig(listen="127.0.0.1:0", data_dir=data_dir)) as server:
         token = (data_dir / "dev.token").read_text().strip()
-        with BlockClient(server.address, token) as client:
+        with BlockClient(server.address, token, same_host=same_host) as client:
             assert client.put("dev", MODEL, [b"d" * 32], [b"bytes"]) == [True]
             assert server.server is not None and server.server.bulk is not None
             server.server.bulk.stop()  # the listener and its connections go away
             assert client.get("dev", MODEL, [b"d" * 32]) == [b"bytes"]  # over gRPC
 
 
-def test_the_rate_limit_counts_every_bulk_request(tmp_path: object) -> None:
+@TRANSPORTS
+def test_the_rate_limit_counts_every_bulk_request(tmp_path: object, same_host: bool) -> None:
     from pathlib import Path
 
     from cacheserver.config import load_config
@@ -140,7 +155,7 @@ def test_the_rate_limit_counts_every_bulk_request(tmp_path: object) -> None:
     config = load_config(tenancy.path)
     with EmbeddedServer(config) as server:
         running = Running(server.address, config.data_dir, tenancy.tokens)
-        with running.client("a") as client:
+        with running.client("a", same_host=same_host) as client:
             assert client.get("alpha", MODEL, [b"k" * 32]) == []  # positive control
             with pytest.raises(ResourceExhausted, match="over its rate"):
                 for _ in range(20):  # one OpenBulk, then requests on the bulk channel
@@ -158,8 +173,11 @@ def test_an_unauthenticated_peer_cannot_hold_a_connection(dev_server: Running) -
     assert hello(response.address, response.ticket) == w.OK  # positive control
 
 
-def test_a_dropped_connection_is_replaced_not_accumulated(dev_server: Running) -> None:
-    with dev_server.client() as client:
+@TRANSPORTS
+def test_a_dropped_connection_is_replaced_not_accumulated(
+    dev_server: Running, same_host: bool
+) -> None:
+    with dev_server.client(same_host=same_host) as client:
         assert client.put("dev", MODEL, [b"r" * 32], [b"v"]) == [True]
         bulk = client._bulk
         assert bulk is not None and len(bulk._all) == 1
@@ -171,10 +189,13 @@ def test_a_dropped_connection_is_replaced_not_accumulated(dev_server: Running) -
         assert len(bulk._all) <= 1
 
 
-def test_one_bulk_request_carries_thousands_of_digests(dev_server: Running) -> None:
+@TRANSPORTS
+def test_one_bulk_request_carries_thousands_of_digests(
+    dev_server: Running, same_host: bool
+) -> None:
     digests = [os.urandom(32) for _ in range(1500)]
     payloads = [os.urandom(64) for _ in digests]
-    with dev_server.client() as client:
+    with dev_server.client(same_host=same_host) as client:
         bulk = client._bulk
         assert bulk is not None
         assert bulk.put("dev", MODEL, digests, payloads) == [True] * 1500  # no gRPC fallback

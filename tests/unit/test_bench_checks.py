@@ -28,7 +28,8 @@ def test_targets_pass_fail_and_not_measured() -> None:
         _row("kvshare", "get", 2 * MIB, {"tcp": 0.6, "redis": 1.2, "lmcache": 0.9}),
         _row("kvshare", "put", 2 * MIB, {"tcp": 0.3, "redis": 0.8}),
         _row("kvshare-batch", "get", 64 * 1024, {}, blocks=64, blocks_per_s=6000.0),
-        _row("kvshare-tls", "get", 2 * MIB, {"kvshare": 0.7}),
+        _row("kvshare-tls", "get", 2 * MIB, {"kvshare-tcp": 0.7}),
+        _row("kvshare-tcp", "put", 2 * MIB, {"kvshare": 0.9, "redis": 1.1}),
     ]
     checks = {(c.name, c.clients): c for c in evaluate(rows, client_counts=(1, 4))}
     assert checks[("kvshare GET 2 MiB / Redis GET", 1)].passed is True
@@ -39,6 +40,8 @@ def test_targets_pass_fail_and_not_measured() -> None:
     # nothing measured at 4 clients: never a pass by default
     assert checks[("kvshare GET 2 MiB / Redis GET", 4)].passed is None
     assert checks[("kvshare GET 2 MiB / Redis GET", 4)].value is None
-    tls = checks[("kvshare-tls / kvshare GET 2 MiB", 1)]
+    tls = checks[("kvshare-tls / kvshare-tcp GET 2 MiB", 1)]  # TLS over TCP: its base
     assert tls.value == 0.7 and tls.passed is None and "TLS" in tls.note
+    assert checks[("kvshare-tcp / kvshare PUT 2 MiB", 1)].value == 0.9
+    assert checks[("kvshare-tcp / redis PUT 2 MiB", 1)].value == 1.1
     assert checks[("kvshare / lmcache GET 2 MiB", 1)].value == 0.9

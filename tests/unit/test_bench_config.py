@@ -58,7 +58,7 @@ def test_defaults_match_the_issue() -> None:
     config = cli.config_from_args(_args())
     assert config.sizes == DEFAULT_SIZES
     assert config.client_counts == (1, 4)
-    assert config.systems[:4] == ("tcp", "redis", "lmcache", "kvshare")
+    assert config.systems[:5] == ("tcp", "redis", "redis-unix", "lmcache", "kvshare")
     assert config.batch_blocks == 64
     assert not config.is_json
 

@@ -73,3 +73,15 @@ def test_storage_and_limits_tables(tmp_path: Path) -> None:
     assert config.limits.max_block_bytes == 7  # type: ignore[attr-defined]
     with pytest.raises(ConfigError, match=r"storage\.sync_writes: must be bool"):
         load(tmp_path, MINIMAL + "[storage]\nsync_writes = 1\n")
+
+
+def test_the_bulk_table(tmp_path: Path) -> None:
+    config = load(tmp_path, MINIMAL)
+    assert config.bulk.same_host is True  # type: ignore[attr-defined]
+    config = load(tmp_path, MINIMAL + "[bulk]\nsame_host = false\narena_bytes = 2097152\n")
+    assert config.bulk.same_host is False  # type: ignore[attr-defined]
+    assert config.bulk.arena_bytes == 2 << 20  # type: ignore[attr-defined]
+    with pytest.raises(ConfigError, match=r"c\.toml:\d+: bulk\.arena_bytes: must be at least"):
+        load(tmp_path, MINIMAL + "[bulk]\narena_bytes = 4096\n")
+    with pytest.raises(ConfigError, match=r"bulk\.arenas: unknown key; allowed: arena_bytes"):
+        load(tmp_path, MINIMAL + "[bulk]\narenas = 4\n")

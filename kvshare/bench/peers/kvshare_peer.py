@@ -1,20 +1,22 @@
 """kvshare itself: `kvshare serve` in dev mode as a subprocess, driven by `BlockClient`.
 
-Security variants are the same system with options, so their ratio to plain `kvshare`
-within a round is the cost of that security feature:
+Plain `kvshare` runs the server's and client's defaults, as a user on the server's
+host would: the put journal, no TLS on loopback, no sealing, and the bulk channel's
+same-host transport (payloads through a shared-memory arena). Variants are the same
+system with options, so their ratio to a base within a round is the cost of an option:
 
+- `kvshare-tcp`: the client's same-host transport off (`same_host=False`): the bulk
+  channel over TCP, as a replica on another host uses it;
 - `kvshare-tls`: the server gets a throw-away self-signed certificate (`--tls-cert`,
-  `--tls-key`) and the client trusts it (`ClientTls(root_ca=...)`);
+  `--tls-key`) and the client trusts it (`ClientTls(root_ca=...)`); over TCP, since
+  TLS protects bytes that cross a network (a same-host client skips it): its base is
+  `kvshare-tcp`;
 - `kvshare-sealed`: the client seals each block with the agent's `BlockSealer`
   (AES-256-GCM, `policy.sealing`) before PUT and opens it after GET, as the replica
-  agent does; figures count plaintext bytes;
-- `kvshare-nosync`: `--no-sync-writes` (PUT acknowledged before fsync), the setting
-  comparable to Redis without persistence. Opt-in.
+  agent does; figures count plaintext bytes; `kvshare-tls-sealed` does both;
+- `kvshare-nosync`: `--no-sync-writes` (PUT acknowledged before fsync). Opt-in.
 - `kvshare-grpc`: the client's bulk channel off, payloads over gRPC streams only (the
   fallback path). Opt-in.
-
-Plain `kvshare` runs the server's defaults, as a user would: synced writes, no TLS on
-loopback, no sealing.
 """
 
 from __future__ import annotations
@@ -44,12 +46,15 @@ class KvshareClientSpec:
     tenant: str = TENANT
     model: str = MODEL
     bulk: bool = True
+    same_host: bool = True
 
     def connect(self) -> KvshareClient:
         from replica_agent.client import BlockClient, ClientTls
 
         tls = None if self.tls_root_ca is None else ClientTls(root_ca=Path(self.tls_root_ca))
-        client = BlockClient(self.address, token=self.token, tls=tls, bulk=self.bulk)
+        client = BlockClient(
+            self.address, token=self.token, tls=tls, bulk=self.bulk, same_host=self.same_host
+        )
         sealer = None
         if self.data_key is not None:
             from policy.sealing import BlockSealer, Keyring, TenantKeys
@@ -102,8 +107,11 @@ class KvshareSystem:
         sealed: bool = False,
         sync_writes: bool = True,
         bulk: bool = True,
+        same_host: bool = True,
     ) -> None:
-        suffix = ("-tls" if tls else "") + ("-sealed" if sealed else "")
+        self._same_host = same_host and not tls and bulk
+        suffix = "-tcp" if bulk and not tls and not same_host else ""
+        suffix += ("-tls" if tls else "") + ("-sealed" if sealed else "")
         suffix += ("" if sync_writes else "-nosync") + ("" if bulk else "-grpc")
         self._bulk = bulk
         self.name = "kvshare" + suffix
@@ -151,7 +159,12 @@ class KvshareSystem:
             raise BenchError(f"kvshare serve did not start: {error}") from error
         data_key = secrets.token_bytes(DATA_KEY_BYTES) if self._sealed else None
         return KvshareClientSpec(
-            f"{match.group(1)}:{match.group(2)}", token, root_ca, data_key, bulk=self._bulk
+            f"{match.group(1)}:{match.group(2)}",
+            token,
+            root_ca,
+            data_key,
+            bulk=self._bulk,
+            same_host=self._same_host,
         )
 
     def reserve(self, value_bytes: int, count: int) -> None:

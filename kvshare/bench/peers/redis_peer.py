@@ -1,5 +1,8 @@
 """Redis as a peer: Debian's `redis-server` on a free loopback port, redis-py with hiredis.
 
+`redis-unix` is the same server reached over a Unix socket instead: Redis's fastest
+transport on one host, the fair peer of kvshare's same-host transport.
+
 It is what a team would reach for first. The server runs with persistence off (`--save
 ''`, `--appendonly no`), which is the fastest Redis can be and keeps no acknowledged
 write across a crash (kvshare's blocks do survive one). redis-py returns a fresh
@@ -28,21 +31,29 @@ REDIS_SERVER = "redis-server"
 class RedisClientSpec:
     host: str
     port: int
+    unix_socket: str | None = None  # set: connect over this Unix socket instead
 
     def connect(self) -> RedisClient:
         import redis
 
-        pool = redis.ConnectionPool(
-            host=self.host, port=self.port, connection_class=_zero_copy_connection_class()
-        )
+        if self.unix_socket is not None:
+            pool = redis.ConnectionPool(
+                path=self.unix_socket, connection_class=_zero_copy_connection_class(unix=True)
+            )
+        else:
+            pool = redis.ConnectionPool(
+                host=self.host, port=self.port, connection_class=_zero_copy_connection_class()
+            )
         return RedisClient(redis.Redis(connection_pool=pool))
 
 
-def _zero_copy_connection_class() -> type[Any]:
+def _zero_copy_connection_class(*, unix: bool = False) -> type[Any]:
     import redis
     from redis.connection import PythonRespSerializer
 
-    class ZeroCopyPackingConnection(redis.Connection):
+    base = redis.UnixDomainSocketConnection if unix else redis.Connection
+
+    class ZeroCopyPackingConnection(base):  # type: ignore[misc, valid-type]
         def _construct_command_packer(self, packer: Any) -> Any:
             return PythonRespSerializer(self._buffer_cutoff, self.encoder.encode)
 
@@ -76,11 +87,12 @@ class RedisClient:
 
 
 class RedisSystem:
-    name = "redis"
     is_put_acknowledged = True
     supports_batch_get = True  # MGET
 
-    def __init__(self) -> None:
+    def __init__(self, *, unix: bool = False) -> None:
+        self.name = "redis-unix" if unix else "redis"
+        self._unix = unix
         self._server: ServerProcess | None = None
         self._spec: RedisClientSpec | None = None
 
@@ -114,6 +126,9 @@ class RedisSystem:
                 "--maxmemory-policy",
                 "noeviction",
             ]
+            socket_path = workdir / "redis.sock"
+            if self._unix:
+                argv += ["--unixsocket", str(socket_path), "--unixsocketperm", "700"]
             server = ServerProcess.launch(argv, workdir / "redis-server.log")
             try:
                 wait_for_port("127.0.0.1", port, 30.0, server.process)
@@ -121,7 +136,9 @@ class RedisSystem:
                 server.stop()
                 continue
             self._server = server
-            self._spec = RedisClientSpec("127.0.0.1", port)
+            self._spec = RedisClientSpec(
+                "127.0.0.1", port, str(socket_path) if self._unix else None
+            )
             return self._spec
         raise BenchError("redis-server did not start on a free loopback port in 3 tries")
 

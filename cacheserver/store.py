@@ -324,7 +324,9 @@ class BlockStore:
         threading.Thread(target=self._prefault, name="kvshare-prefault", daemon=True).start()
 
     def _prefault(self) -> None:
-        """Keep the journal's pages made ahead of its use (Journal.prefault)."""
+        """Keep the journal's pages made ahead of its use (Journal.prefault), with the
+        CPU that serving leaves (a put that overtakes it makes its own pages)."""
+        _lower_this_threads_priority()
         journal = self._journal
         while journal is not None and not self._closing.is_set():
             if not journal.prefault():

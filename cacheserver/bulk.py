@@ -305,7 +305,7 @@ class BulkServer:
         name = {w.OP_GET: "Get", w.OP_PUT: "Put"}.get(op, "Invalid")
         with self._telemetry.rpc(f"kvshare.bulk/{name}", parent, system=BULK_SYSTEM) as call:
             try:
-                keys, model = self._request_keys(conn, grant, op, model_len, count)
+                keys, model, sizes = self._read_request(conn, grant, op, model_len, count)
                 if op == w.OP_GET:
                     if arena is None:
                         self._get(conn, grant.tenant, keys)
@@ -313,29 +313,36 @@ class BulkServer:
                         self._get_local(conn, grant.tenant, keys, arena)
                     return True
                 tag = self._policy.model_tag(grant.tenant, model)
-                self._put(conn, grant.tenant, keys, tag, arena)
+                self._put(conn, grant.tenant, keys, sizes, tag, arena)
                 return True
             except KvshareError as error:
                 call.status = error.status
                 conn.sendall(w.error_frame(error.status, str(error)))
                 return False  # the rest of the request may be in flight: resync by closing
 
-    def _request_keys(
+    def _read_request(
         self, conn: socket.socket, grant: Grant, op: int, model_len: int, count: int
-    ) -> tuple[list[StorageKey], ModelName]:
+    ) -> tuple[list[StorageKey], ModelName, list[int]]:
+        """Admit the request from its header, then read the rest of it (model, digests,
+        and a PUT's sizes) with one receive: the storage keys, the model, the sizes."""
         if op not in (w.OP_GET, w.OP_PUT):
             raise InvalidArgument(f"unknown bulk operation {op}")
         self._limits.check_digest_count(count)
         action = Action.READ if op == w.OP_GET else Action.WRITE
         self._policy.check_rate(grant.principal)
         tenant = self._policy.admit(grant.principal, grant.tenant, action)
-        model = parse_model(w.recv_bytes(conn, model_len).decode("utf-8", "replace"))
-        raw = w.recv_bytes(conn, 32 * count)
+        sizes_len = w.SIZE.size * count if op == w.OP_PUT else 0
+        body = memoryview(w.recv_bytes(conn, model_len + 32 * count + sizes_len))
+        model = parse_model(bytes(body[:model_len]).decode("utf-8", "replace"))
+        digests = body[model_len : model_len + 32 * count]
         keys = [
-            self._policy.storage_key(tenant, model, parse_digest(bytes(raw[i : i + 32]), n))
-            for n, i in enumerate(range(0, len(raw), 32))
+            self._policy.storage_key(tenant, model, parse_digest(bytes(digests[i : i + 32]), n))
+            for n, i in enumerate(range(0, len(digests), 32))
         ]
-        return keys, model
+        sizes = [size for (size,) in w.SIZE.iter_unpack(body[model_len + 32 * count :])]
+        for index, size in enumerate(sizes):
+            self._limits.check_block_bytes(index, size)
+        return keys, model, sizes
 
     def _get(self, conn: socket.socket, tenant: TenantId, keys: Sequence[StorageKey]) -> None:
         with self._store.reading():  # payloads may be views of journal records
@@ -344,18 +351,23 @@ class BulkServer:
     def _send_blocks(
         self, conn: socket.socket, tenant: TenantId, keys: Sequence[StorageKey]
     ) -> None:
-        conn.sendall(bytes([w.OK]))
+        """The reply in as few `sendmsg` calls as its tiers allow: one for blocks all in
+        memory (status, sizes, payloads and END together)."""
+        parts: list[bytes | bytearray | memoryview] = [bytes([w.OK])]
         served = 0
         while served < len(keys):
             tier, payloads = self._next_payloads(tenant, keys[served:])
             if not payloads:
                 break
             for payload in payloads:
-                w.send_parts(conn, [w.SIZE.pack(len(payload)), payload])
+                parts += [w.SIZE.pack(len(payload)), payload]
             served += len(payloads)
             self._store.note_served(tenant, tier, payloads)
+            if served < len(keys):  # more may come from LMDB: send these first
+                w.send_parts(conn, parts)
+                parts = []
         self._store.note_get(tenant, len(keys), served)  # counted before the caller hears
-        conn.sendall(w.END)
+        w.send_parts(conn, [*parts, w.END])
 
     def _next_payloads(
         self, tenant: TenantId, keys: Sequence[StorageKey]
@@ -398,13 +410,10 @@ class BulkServer:
         conn: socket.socket,
         tenant: TenantId,
         keys: Sequence[StorageKey],
+        sizes: Sequence[int],
         tag: ModelTag,
         arena: Arena | None,
     ) -> None:
-        sizes_raw = w.recv_bytes(conn, w.SIZE.size * len(keys))
-        sizes = [w.SIZE.unpack_from(sizes_raw, i * w.SIZE.size)[0] for i in range(len(keys))]
-        for index, size in enumerate(sizes):
-            self._limits.check_block_bytes(index, size)
         fill, skip = self._payload_source(conn, sizes, arena)
         if self._store.receives_in_place:
             outcomes = self._put_in_place(tenant, keys, sizes, tag, fill, skip)

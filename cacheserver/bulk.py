@@ -61,7 +61,11 @@ HANDSHAKE_TIMEOUT_S = 5.0
 DISK_BATCH_BYTES = 64 << 20
 DISCARD_CHUNK_BYTES = 1 << 20
 BULK_SYSTEM = "kvshare_bulk"  # the `rpc.system` of this listener's spans
-ARENA_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+# Linux only (memfd, seals, abstract sockets): elsewhere the same-host listener is off.
+SAME_HOST_SUPPORTED = hasattr(os, "memfd_create") and hasattr(fcntl, "F_ADD_SEALS")
+ARENA_SEALS = (
+    fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL if SAME_HOST_SUPPORTED else 0
+)
 
 
 class Arena:
@@ -149,12 +153,8 @@ class BulkServer:
             )
         ]
         self.local_address = ""  # the abstract socket's name, without its leading NUL
-        self._local_listener: socket.socket | None = None
-        if self._bulk.same_host:
-            self._local_listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            self.local_address = f"kvshare-bulk-{secrets.token_hex(16)}"
-            self._local_listener.bind("\0" + self.local_address)
-            self._local_listener.listen(128)
+        self._local_listener = self._listen_locally() if self._bulk.same_host else None
+        if self._local_listener is not None:
             self._acceptors.append(
                 threading.Thread(
                     target=self._accept_loop,
@@ -163,6 +163,24 @@ class BulkServer:
                     daemon=True,
                 )
             )
+
+    def _listen_locally(self) -> socket.socket | None:
+        """The same-host listener on an abstract Unix socket with a random name, or None
+        (logged) where the platform has none: clients then use TCP."""
+        if not SAME_HOST_SUPPORTED:
+            log.warning("no same-host bulk transport on this platform (needs Linux memfd)")
+            return None
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        name = f"kvshare-bulk-{secrets.token_hex(16)}"
+        try:
+            listener.bind("\0" + name)
+            listener.listen(128)
+        except OSError as error:
+            listener.close()
+            log.warning("no same-host bulk listener (%s); clients use TCP", error.strerror)
+            return None
+        self.local_address = name
+        return listener
 
     def start(self) -> str:
         for acceptor in self._acceptors:

@@ -145,7 +145,8 @@ class BulkChannel:
             data, fds, _flags, _addr = socket.recv_fds(sock, w.ARENA_REPLY.size, 1)
             arena = None
             try:
-                if len(data) == w.ARENA_REPLY.size and data[0] == w.OK and len(fds) == 1:
+                if data[:1] == bytes([w.OK]) and len(fds) == 1:
+                    data += w.recv_bytes(sock, w.ARENA_REPLY.size - len(data))  # if split
                     arena = mmap.mmap(fds[0], w.ARENA_REPLY.unpack(data)[1])
             finally:
                 for fd in fds:

@@ -18,8 +18,8 @@ import contextvars
 import datetime
 import json
 import logging
+import secrets
 import sys
-import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -37,7 +37,7 @@ _request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 
 def new_request_id() -> str:
     """A fresh id, bound to the current call (task or thread) from now on."""
-    request_id = uuid.uuid4().hex[:16]
+    request_id = secrets.token_hex(8)  # 16 hex digits, as uuid4().hex[:16] was, faster
     _request_id.set(request_id)
     return request_id
 

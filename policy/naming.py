@@ -64,12 +64,13 @@ class BlockNamer:
 
     def model_tag(self, tenant: TenantId, model: ModelName) -> ModelTag:
         """A 16-byte keyed tag of the model, stored beside each block for namespace deletes."""
-        mac = hmac.new(self._naming_key(tenant), enc(MODEL_TAG_LABEL, model), hashlib.sha256)
-        return ModelTag(mac.digest()[:MODEL_TAG_BYTES])
+        mac = hmac.digest(self._naming_key(tenant), enc(MODEL_TAG_LABEL, model), "sha256")
+        return ModelTag(mac[:MODEL_TAG_BYTES])
 
     def storage_key(self, tenant: TenantId, model: ModelName, digest: BlockDigest) -> StorageKey:
-        mac = hmac.new(self._naming_key(tenant), enc(model, digest), hashlib.sha256)
-        return StorageKey(mac.digest())
+        # hmac.digest: OpenSSL's one-shot HMAC, several times cheaper than an HMAC
+        # object per call on the request path (same HMAC-SHA256: tests/vectors).
+        return StorageKey(hmac.digest(self._naming_key(tenant), enc(model, digest), "sha256"))
 
 
 def derive_user_salt(salt_key: bytes, tenant: str, user_id: str) -> bytes:

@@ -21,7 +21,6 @@ caller learns nothing from which check failed, and the plaintext never exists.
 from __future__ import annotations
 
 import base64
-import hashlib
 import hmac
 import secrets
 import struct
@@ -160,7 +159,7 @@ def associated_data(tenant: str, model: str, digest: bytes, version: int) -> byt
 
 
 def _subkey(data_key: bytes, nonce: bytes) -> AESGCM:
-    return AESGCM(hmac.new(data_key, enc(SUBKEY_LABEL, nonce[:12]), hashlib.sha256).digest())
+    return AESGCM(hmac.digest(data_key, enc(SUBKEY_LABEL, nonce[:12]), "sha256"))
 
 
 class BlockSealer:
@@ -195,6 +194,7 @@ class BlockSealer:
             raise SealError("block cannot be opened")
         ad = associated_data(tenant, model, digest, version)
         try:
-            return _subkey(key, nonce).decrypt(nonce[12:], bytes(sealed[HEADER_BYTES:]), ad)
+            body = memoryview(sealed)[HEADER_BYTES:]  # decrypted in place: no copy first
+            return _subkey(key, nonce).decrypt(nonce[12:], body, ad)
         except InvalidTag:
             raise SealError("block cannot be opened") from None

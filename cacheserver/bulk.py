@@ -164,6 +164,12 @@ class BulkServer:
                 )
             )
 
+    @property
+    def arenas(self) -> int:
+        """Same-host connections holding an arena now."""
+        with self._lock:
+            return self._arenas
+
     def _listen_locally(self) -> socket.socket | None:
         """The same-host listener on an abstract Unix socket with a random name, or None
         (logged) where the platform has none: clients then use TCP."""

@@ -201,6 +201,8 @@ class Server:
             telemetry=self.telemetry,
             bulk=self.config.bulk,
         )
+        bulk = self.bulk
+        self.telemetry.watch_bulk(lambda: bulk.arenas)
         kvshare_pb2_grpc.add_BlockStoreServicer_to_server(
             BlockStoreService(
                 self.store,

@@ -190,6 +190,16 @@ class ServerTelemetry:
                 "quota per tenant (0: none)",
             )
 
+    def watch_bulk(self, arenas: Callable[[], int]) -> None:
+        """A gauge of the bulk channel's same-host arenas open (`arenas()`), read at
+        collection time: each may hold up to [bulk] arena_bytes of memory."""
+        self._meter.create_observable_gauge(
+            "kvshare.bulk.arenas",
+            [lambda _: [Observation(arenas())]],
+            "{arena}",
+            "same-host bulk connections holding a shared-memory arena",
+        )
+
     # -- exporters ------------------------------------------------------------------
 
     def _prometheus_reader(self) -> MetricReader:

@@ -113,6 +113,12 @@ def test_scraped_counters_equal_the_workload_over_grpc_and_bulk(tmp_path: Path) 
 
         with BlockClient(server.address, token) as client:  # the bulk channel
             workload(client)
+            arenas = {("kvshare_bulk_arenas", ()): 1.0}  # its same-host connection
+            assert_counts(settled(scrape, arenas), arenas)
+        deadline = time.monotonic() + 5  # given back when it closes (a thread notices)
+        while value(scrape(), "kvshare_bulk_arenas") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert value(scrape(), "kvshare_bulk_arenas") == 0
         expected = expected_store_counters(2) | rpcs(
             Put=2, Lookup=4, Get=2, OpenBulk=1, BulkHello=1, BulkPut=2, BulkGet=2
         )

@@ -101,8 +101,13 @@ class Arena:
             os.close(fd)
 
     def close(self) -> None:
+        """Free the arena's memory now: the client may keep its descriptor after the
+        connection ends, which would otherwise keep the pages alive (and unbounded by
+        [bulk] max_arenas). MADV_REMOVE gives them back; the client then sees zeros."""
         self.close_fd()
         self.view.release()
+        with contextlib.suppress(OSError, AttributeError):
+            self._map.madvise(mmap.MADV_REMOVE)
         self._map.close()
 
 
@@ -269,9 +274,11 @@ class BulkServer:
             self._forget(conn)
             _close_quietly(conn)
             if arena is not None:
-                arena.close()
-                with self._lock:
-                    self._arenas -= 1
+                try:
+                    arena.close()
+                finally:
+                    with self._lock:
+                        self._arenas -= 1
 
     def _open_arena(self, conn: socket.socket) -> Arena | None:
         """This connection's arena, or None (and an error frame) when no more may open."""
@@ -425,7 +432,9 @@ class BulkServer:
                     placed += 1
                     offset += size + (-size % w.ARENA_ALIGN)
                 self._store.note_served(tenant, tier, payloads[:placed])
-        self._store.note_get(tenant, len(keys), len(sizes))  # counted before the caller hears
+        # Counted before the caller hears; a truncated reply's rest is asked for again,
+        # so it counts as asked then, not as missed now.
+        self._store.note_get(tenant, len(sizes) if truncated else len(keys), len(sizes))
         reply = [bytes([w.OK]), w.LOCAL_GET.pack(len(sizes), truncated)]
         conn.sendall(b"".join(reply + [w.SIZE.pack(size) for size in sizes]))
 

@@ -31,6 +31,7 @@ from cacheserver.service import BlockStoreService, BulkEndpoint
 from cacheserver.store import BlockStore
 from cacheserver.telemetry import ServerTelemetry
 from cacheserver.wire import AuthInterceptor
+from kvshare import bulkwire as w
 from kvshare.errors import ConfigError
 from kvshare.v1 import kvshare_pb2, kvshare_pb2_grpc
 from policy import AccessPolicy
@@ -208,7 +209,12 @@ class Server:
                 self.store,
                 self.policy,
                 self.config.limits,
-                BulkEndpoint(self.tickets, self.bulk.start(), self.bulk.local_address),
+                BulkEndpoint(
+                    self.tickets,
+                    self.bulk.start(),
+                    self.bulk.local_address,
+                    w.host_namespace() if self.bulk.local_address else "",
+                ),
             ),
             server,
         )

@@ -39,6 +39,7 @@ class BulkEndpoint:
     tickets: TicketBook
     address: str
     local_address: str = ""  # the same-host listener's abstract socket name; "": none
+    local_namespace: str = ""  # where that name is the server's (bulkwire.host_namespace)
 
 
 class BlockStoreService(pb_grpc.BlockStoreServicer):
@@ -66,6 +67,7 @@ class BlockStoreService(pb_grpc.BlockStoreServicer):
             ticket=ticket,
             address=self._bulk.address,
             local_address=self._bulk.local_address,
+            local_namespace=self._bulk.local_namespace,
             ttl_ms=int(self._bulk.tickets.ttl_s * 1000),
             trace_context=True,
         )

@@ -39,6 +39,7 @@ import socket
 import ssl
 import struct
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 MAGIC = b"KVB1"
@@ -133,6 +134,18 @@ def recv_bytes(sock: socket.socket, size: int) -> bytearray:
 def error_frame(status_name: str, message: str) -> bytes:
     encoded = message.encode("utf-8")[:MAX_MESSAGE_CHARS]
     return ERROR.pack(STATUS_CODES.get(status_name, 13), len(encoded)) + encoded
+
+
+def host_namespace() -> str:
+    """This process's host and network namespace as `boot-id/dev:inode`, or "" where it
+    cannot be read. Equal strings mean the same kernel boot and the same network
+    namespace: the only place where an abstract socket name is the one bound there."""
+    try:
+        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text(encoding="ascii").strip()
+        netns = Path("/proc/self/ns/net").stat()
+    except OSError:
+        return ""
+    return f"{boot_id}/{netns.st_dev}:{netns.st_ino}" if boot_id else ""
 
 
 def arena_offsets(sizes: Sequence[int]) -> tuple[list[int], int]:

@@ -17,6 +17,7 @@ split to fit the arena; a block bigger than the whole arena goes over TCP.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import mmap
 import os
@@ -35,11 +36,19 @@ log = logging.getLogger(__name__)
 class Ticket:
     """What OpenBulk answered: a one-time ticket and where to present it."""
 
-    def __init__(self, ticket: bytes, address: str, traced: bool, local_address: str) -> None:
+    def __init__(
+        self,
+        ticket: bytes,
+        address: str,
+        traced: bool,
+        local_address: str = "",
+        local_namespace: str = "",
+    ) -> None:
         self.ticket = ticket
         self.address = address  # "host:port" of the TCP (or TLS) listener
         self.traced = traced  # the listener reads requests that carry a trace context
         self.local_address = local_address  # the same-host listener's name; "": none
+        self.local_namespace = local_namespace  # where that name is the server's
 
 
 OpenTicket = Callable[[str], Ticket]  # tenant -> a fresh ticket
@@ -112,6 +121,11 @@ class BulkChannel:
             not tcp
             and self._same_host
             and ticket.local_address
+            # Only in the server's own namespace is the name surely the server's: a
+            # listener of that name anywhere else is an impostor (it would get the
+            # ticket, and the payloads). An older server names no namespace: TCP.
+            and ticket.local_namespace
+            and ticket.local_namespace == w.host_namespace()
             and time.monotonic() >= self._local_retry_at
         ):
             conn, ticket_spent = self._connect_local(ticket)
@@ -145,9 +159,13 @@ class BulkChannel:
             data, fds, _flags, _addr = socket.recv_fds(sock, w.ARENA_REPLY.size, 1)
             arena = None
             try:
-                if data[:1] == bytes([w.OK]) and len(fds) == 1:
+                if data[:1] == bytes([w.OK]):
                     data += w.recv_bytes(sock, w.ARENA_REPLY.size - len(data))  # if split
-                    arena = mmap.mmap(fds[0], w.ARENA_REPLY.unpack(data)[1])
+                    arena = _map_arena(fds, w.ARENA_REPLY.unpack(data)[1])
+                    if arena is None:  # no usable descriptor came (at our fd limit?)
+                        log.warning("same-host bulk channel gave no usable arena; using TCP")
+                        sock.close()
+                        return None, True
             finally:
                 for fd in fds:
                     os.close(fd)  # the mapping keeps the memory
@@ -395,6 +413,21 @@ class BulkChannel:
             for conn in self._all:
                 conn.close()
             self._all.clear()
+
+
+def _map_arena(fds: Sequence[int], size: int) -> mmap.mmap | None:
+    """Map the arena the server sent, if it is one: a memfd of `size` bytes sealed
+    against shrinking and growing (else a later shrink would fault this process)."""
+    if len(fds) != 1:
+        return None
+    try:
+        needed = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+        sealed = fcntl.fcntl(fds[0], fcntl.F_GET_SEALS) & needed == needed
+        if not sealed or os.fstat(fds[0]).st_size != size or size <= 0:
+            return None
+        return mmap.mmap(fds[0], size)
+    except (OSError, ValueError, AttributeError):  # AttributeError: no seals here
+        return None
 
 
 def _arena_batches(sizes: Sequence[int], capacity: int) -> Iterator[tuple[int, int]]:

@@ -191,7 +191,11 @@ class BlockClient:
                 raise _NoBulk("server predates the bulk channel") from None
             raise _raise(error) from None
         return Ticket(
-            response.ticket, response.address, response.trace_context, response.local_address
+            response.ticket,
+            response.address,
+            response.trace_context,
+            response.local_address,
+            response.local_namespace,
         )
 
     def _bulk_failed(self, error: Exception) -> None:

@@ -510,6 +510,7 @@ class OpenBulkResponse(_message.Message):
     TTL_MS_FIELD_NUMBER: _builtins.int
     TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
     LOCAL_ADDRESS_FIELD_NUMBER: _builtins.int
+    LOCAL_NAMESPACE_FIELD_NUMBER: _builtins.int
     ticket: _builtins.bytes
     """32 random bytes, single use"""
     address: _builtins.str
@@ -524,6 +525,12 @@ class OpenBulkResponse(_message.Message):
     client on the same host (and network namespace) that reaches it moves payloads
     through a shared-memory arena instead of TCP, with the same ticket and policy.
     """
+    local_namespace: _builtins.str
+    """Which host and network namespace that listener is in (the kernel's boot id and the
+    namespace's inode). An abstract socket name is only the server's inside the
+    server's own namespace: a client elsewhere could reach an impostor bound to the
+    same name, so it uses the listener only when its own namespace is this one.
+    """
     def __init__(
         self,
         *,
@@ -532,10 +539,11 @@ class OpenBulkResponse(_message.Message):
         ttl_ms: _builtins.int = ...,
         trace_context: _builtins.bool = ...,
         local_address: _builtins.str = ...,
+        local_namespace: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "local_address", b"local_address", "ticket", b"ticket", "trace_context", b"trace_context", "ttl_ms", b"ttl_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "local_address", b"local_address", "local_namespace", b"local_namespace", "ticket", b"ticket", "trace_context", b"trace_context", "ttl_ms", b"ttl_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -9,20 +9,27 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
+import mmap
 import os
 import socket
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from cacheserver.config import load_config
 from cacheserver.embedded import EmbeddedServer
+from cacheserver.telemetry import ServerTelemetry
 from kvshare import bulkwire as w
+from kvshare.bulkwire import host_namespace
 from kvshare.v1 import kvshare_pb2 as pb
 from kvshare.v1 import kvshare_pb2_grpc as pb_grpc
-from replica_agent.bulk import BulkChannel, _Connection
+from replica_agent.bulk import BulkChannel, Ticket, _Connection
 from replica_agent.client import BlockClient
 from tests.conftest import Running, write_config
 
@@ -173,3 +180,142 @@ def test_an_operator_can_turn_the_same_host_transport_off(tmp_path: Path) -> Non
         with running.client("a") as client:
             assert client.put("alpha", MODEL, [b"k" * 32], [b"v"]) == [True]
             assert [c.arena is None for c in connections(client)] == [True]
+
+
+class Impostor:
+    """A listener on an abstract socket that answers the handshake as a server would,
+    and records what reached it: what a client in another network namespace could
+    meet under the name OpenBulk gave it."""
+
+    def __init__(self, *, sealed: bool) -> None:
+        self.name = f"kvshare-test-impostor-{os.getpid()}-{time.monotonic_ns()}"
+        self.sealed = sealed
+        self.hellos: list[bytes] = []
+        self.arena = -1
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind("\0" + self.name)
+        self._listener.listen(4)
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            conn, _ = self._listener.accept()
+            with conn:
+                self.hellos.append(w.recv_bytes(conn, w.HELLO.size))
+                flags = os.MFD_CLOEXEC | (os.MFD_ALLOW_SEALING if self.sealed else 0)
+                self.arena = os.memfd_create("impostor", flags)
+                os.ftruncate(self.arena, MiB)
+                if self.sealed:
+                    fcntl.fcntl(
+                        self.arena, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+                    )
+                socket.send_fds(conn, [w.ARENA_REPLY.pack(w.OK, MiB)], [self.arena])
+                conn.recv(1 << 16)  # whatever the client sends next, then hang up
+
+    def close(self) -> None:
+        self._listener.close()
+        if self.arena >= 0:
+            os.close(self.arena)
+
+
+def pointing_at(client: BlockClient, impostor: Impostor, namespace: str) -> None:
+    """Make `client`'s OpenBulk answers name the impostor's listener and `namespace`."""
+    bulk = client._bulk
+    assert isinstance(bulk, BulkChannel)
+    real = bulk._open_ticket
+
+    def open_ticket(tenant: str) -> Ticket:
+        ticket = real(tenant)
+        return Ticket(ticket.ticket, ticket.address, ticket.traced, impostor.name, namespace)
+
+    bulk._open_ticket = open_ticket
+
+
+def test_a_client_uses_the_named_listener_only_in_the_namespace_openbulk_names(
+    tenant_server: Running,
+) -> None:
+    """An abstract socket name is the server's only inside the server's network
+    namespace; elsewhere anyone may bind it. So a client outside it never presents its
+    ticket there, and moves its blocks over TCP instead."""
+    elsewhere = Impostor(sealed=True)
+    here = Impostor(sealed=True)
+    try:
+        with tenant_server.client("a") as client:
+            pointing_at(client, elsewhere, "another-host/0:0")
+            assert client.put("alpha", MODEL, [b"e" * 32], [b"payload"]) == [True]
+            assert [c.arena is None for c in connections(client)] == [True]
+            time.sleep(0.2)
+            assert elsewhere.hellos == []  # never reached: no ticket given away
+        with tenant_server.client("a") as client:  # positive control: same namespace
+            pointing_at(client, here, host_namespace())
+            with contextlib.suppress(Exception):
+                client.put("alpha", MODEL, [b"h" * 32], [b"payload"])
+            deadline = time.monotonic() + 5
+            while not here.hellos and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert len(here.hellos) == 1
+    finally:
+        elsewhere.close()
+        here.close()
+
+
+def test_a_client_refuses_an_arena_that_is_not_sealed(tenant_server: Running) -> None:
+    """An arena that could shrink under the client's mapping would kill it (SIGBUS): it
+    is not mapped, and the client moves its blocks over TCP instead."""
+    impostor = Impostor(sealed=False)
+    try:
+        with tenant_server.client("a") as client:
+            pointing_at(client, impostor, host_namespace())
+            assert client.put("alpha", MODEL, [b"u" * 32], [b"x" * 5000]) == [True]
+            assert client.get("alpha", MODEL, [b"u" * 32]) == [b"x" * 5000]
+            assert [c.arena is None for c in connections(client)] == [True]
+            assert len(impostor.hellos) == 1  # it was asked, and refused
+        assert os.pread(impostor.arena, 5000, 0) == bytes(5000)  # no payload went there
+    finally:
+        impostor.close()
+
+
+def test_an_arena_kept_after_its_connection_holds_no_memory(tenant_server: Running) -> None:
+    with tenant_server.client("a") as client:
+        client.put("alpha", MODEL, [b"m" * 32], [os.urandom(4 * MiB)])
+    response = open_bulk(tenant_server)
+    sock, _reply, fds = local_hello(response.local_address, response.ticket)
+    (fd,) = fds
+    try:
+        with sock:
+            model = MODEL.encode()
+            sock.sendall(w.REQUEST.pack(w.OP_GET, len(model), 1) + model + b"m" * 32)
+            assert w.recv_bytes(sock, 1)[0] == w.OK
+            count, _ = w.LOCAL_GET.unpack(w.recv_bytes(sock, w.LOCAL_GET.size))
+            w.recv_bytes(sock, count * w.SIZE.size)
+            assert count == 1 and os.fstat(fd).st_blocks * 512 >= 4 * MiB  # positive control
+        deadline = time.monotonic() + 5  # the server notices the close, then frees
+        while os.fstat(fd).st_blocks and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert os.fstat(fd).st_blocks == 0
+        with mmap.mmap(fd, MiB) as kept:
+            assert kept[:4096] == bytes(4096)
+    finally:
+        os.close(fd)
+
+
+def test_a_get_split_over_the_arena_counts_its_blocks_once(tmp_path: Path) -> None:
+    tenancy = write_config(tmp_path, extra="[bulk]\narena_bytes = 1048576\n")
+    config = load_config(tenancy.path)
+    reader = InMemoryMetricReader()
+    digests = [os.urandom(32) for _ in range(6)]
+    payloads = [os.urandom(300_000) for _ in digests]  # three arenas' worth
+    with EmbeddedServer(config, telemetry=ServerTelemetry(metric_readers=[reader])) as server:
+        running = Running(server.address, config.data_dir, tenancy.tokens)
+        with running.client("a") as client:
+            client.put("alpha", MODEL, digests, payloads)
+            assert client.get("alpha", MODEL, digests) == payloads
+        blocks = {}
+        for resource in reader.get_metrics_data().resource_metrics:  # type: ignore[union-attr]
+            for scope in resource.scope_metrics:
+                for metric in scope.metrics:
+                    if metric.name == "kvshare.get.blocks":
+                        for point in metric.data.data_points:
+                            blocks[point.attributes["result"]] = point.value
+    assert blocks == {"hit": 6, "miss": 0}

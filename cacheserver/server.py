@@ -214,6 +214,7 @@ class Server:
                     self.bulk.start(),
                     self.bulk.local_address,
                     w.host_namespace() if self.bulk.local_address else "",
+                    str(os.getuid()) if self.bulk.local_address else "",
                 ),
             ),
             server,

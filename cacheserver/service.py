@@ -40,6 +40,7 @@ class BulkEndpoint:
     address: str
     local_address: str = ""  # the same-host listener's abstract socket name; "": none
     local_namespace: str = ""  # where that name is the server's (bulkwire.host_namespace)
+    local_owner: str = ""  # the uid the server runs as, for the client's peer check
 
 
 class BlockStoreService(pb_grpc.BlockStoreServicer):
@@ -68,6 +69,7 @@ class BlockStoreService(pb_grpc.BlockStoreServicer):
             address=self._bulk.address,
             local_address=self._bulk.local_address,
             local_namespace=self._bulk.local_namespace,
+            local_owner=self._bulk.local_owner,
             ttl_ms=int(self._bulk.tickets.ttl_s * 1000),
             trace_context=True,
         )

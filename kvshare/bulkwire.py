@@ -56,6 +56,7 @@ END = SIZE.pack(0)
 OUTCOME_STORED = 1
 OUTCOME_ALREADY_PRESENT = 2
 ARENA_REPLY = struct.Struct(">BQ")
+PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid (native)
 LOCAL_GET = struct.Struct(">IB")
 ARENA_ALIGN = 4096  # page-aligned blocks: copies between odd offsets run far slower
 MAX_MESSAGE_CHARS = 1024
@@ -146,6 +147,16 @@ def host_namespace() -> str:
     except OSError:
         return ""
     return f"{boot_id}/{netns.st_dev}:{netns.st_ino}" if boot_id else ""
+
+
+def peer_uid(sock: socket.socket) -> int | None:
+    """The user id of the process at the other end of a Unix socket (SO_PEERCRED)."""
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEERCRED.size)
+    except (OSError, AttributeError):
+        return None
+    _pid, uid, _gid = PEERCRED.unpack(raw)
+    return int(uid)
 
 
 def arena_offsets(sizes: Sequence[int]) -> tuple[list[int], int]:

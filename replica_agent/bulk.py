@@ -43,12 +43,14 @@ class Ticket:
         traced: bool,
         local_address: str = "",
         local_namespace: str = "",
+        local_owner: str = "",
     ) -> None:
         self.ticket = ticket
         self.address = address  # "host:port" of the TCP (or TLS) listener
         self.traced = traced  # the listener reads requests that carry a trace context
         self.local_address = local_address  # the same-host listener's name; "": none
         self.local_namespace = local_namespace  # where that name is the server's
+        self.local_owner = local_owner  # the uid the server runs as ("": unknown)
 
 
 OpenTicket = Callable[[str], Ticket]  # tenant -> a fresh ticket
@@ -155,6 +157,12 @@ class BulkChannel:
             except OSError:
                 sock.close()
                 return None, False  # not this server's host: TCP, same ticket
+            if str(w.peer_uid(sock)) != ticket.local_owner:
+                # Not the server's user: a process that took the name after the server
+                # went away. It gets no ticket (and no payloads); TCP, same ticket.
+                log.warning("the same-host bulk listener is not the server's user; using TCP")
+                sock.close()
+                return None, False
             sock.sendall(w.HELLO.pack(w.MAGIC, ticket.ticket))
             data, fds, _flags, _addr = socket.recv_fds(sock, w.ARENA_REPLY.size, 1)
             arena = None

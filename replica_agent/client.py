@@ -196,6 +196,7 @@ class BlockClient:
             response.trace_context,
             response.local_address,
             response.local_namespace,
+            response.local_owner,
         )
 
     def _bulk_failed(self, error: Exception) -> None:

@@ -511,6 +511,7 @@ class OpenBulkResponse(_message.Message):
     TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
     LOCAL_ADDRESS_FIELD_NUMBER: _builtins.int
     LOCAL_NAMESPACE_FIELD_NUMBER: _builtins.int
+    LOCAL_OWNER_FIELD_NUMBER: _builtins.int
     ticket: _builtins.bytes
     """32 random bytes, single use"""
     address: _builtins.str
@@ -531,6 +532,11 @@ class OpenBulkResponse(_message.Message):
     server's own namespace: a client elsewhere could reach an impostor bound to the
     same name, so it uses the listener only when its own namespace is this one.
     """
+    local_owner: _builtins.str
+    """The user id the server runs as (decimal; "" unknown). The client checks it against
+    the listener's peer credentials before it presents a ticket there, so that a
+    process of another user that took the name (after the server died) gets nothing.
+    """
     def __init__(
         self,
         *,
@@ -540,10 +546,11 @@ class OpenBulkResponse(_message.Message):
         trace_context: _builtins.bool = ...,
         local_address: _builtins.str = ...,
         local_namespace: _builtins.str = ...,
+        local_owner: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "local_address", b"local_address", "local_namespace", b"local_namespace", "ticket", b"ticket", "trace_context", b"trace_context", "ttl_ms", b"ttl_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "local_address", b"local_address", "local_namespace", b"local_namespace", "local_owner", b"local_owner", "ticket", b"ticket", "trace_context", b"trace_context", "ttl_ms", b"ttl_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -219,15 +219,19 @@ class Impostor:
             os.close(self.arena)
 
 
-def pointing_at(client: BlockClient, impostor: Impostor, namespace: str) -> None:
-    """Make `client`'s OpenBulk answers name the impostor's listener and `namespace`."""
+def pointing_at(
+    client: BlockClient, impostor: Impostor, namespace: str, owner: str | None = None
+) -> None:
+    """Make `client`'s OpenBulk answers name the impostor's listener, `namespace` and
+    `owner` (by default the server's, which is also the impostor's user here)."""
     bulk = client._bulk
     assert isinstance(bulk, BulkChannel)
     real = bulk._open_ticket
 
     def open_ticket(tenant: str) -> Ticket:
         ticket = real(tenant)
-        return Ticket(ticket.ticket, ticket.address, ticket.traced, impostor.name, namespace)
+        uid = ticket.local_owner if owner is None else owner
+        return Ticket(ticket.ticket, ticket.address, ticket.traced, impostor.name, namespace, uid)
 
     bulk._open_ticket = open_ticket
 
@@ -258,6 +262,25 @@ def test_a_client_uses_the_named_listener_only_in_the_namespace_openbulk_names(
     finally:
         elsewhere.close()
         here.close()
+
+
+def test_a_client_presents_no_ticket_to_a_listener_of_another_user(
+    tenant_server: Running,
+) -> None:
+    """After a server dies its listener's name is free in its namespace; a process of
+    another user that takes it must get nothing. The client compares the listener's
+    peer credentials with the uid OpenBulk named (the previous test is the positive
+    control: the same listener of the right user gets the client's hello)."""
+    impostor = Impostor(sealed=True)
+    try:
+        with tenant_server.client("a") as client:
+            pointing_at(client, impostor, host_namespace(), owner=str(os.getuid() + 4242))
+            assert client.put("alpha", MODEL, [b"o" * 32], [b"payload"]) == [True]
+            assert [c.arena is None for c in connections(client)] == [True]
+            time.sleep(0.2)
+            assert impostor.hellos == []
+    finally:
+        impostor.close()
 
 
 def test_a_client_refuses_an_arena_that_is_not_sealed(tenant_server: Running) -> None:

@@ -38,7 +38,7 @@ import secrets
 import socket
 import ssl
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from cacheserver.config import BulkConfig, LimitsConfig
@@ -157,7 +157,9 @@ class BulkServer:
                 daemon=True,
             )
         ]
-        self.local_address = ""  # the abstract socket's name, without its leading NUL
+        # The same-host listener, as OpenBulk describes it: its abstract socket's name
+        # (without the leading NUL), its host and network namespace, the server's uid.
+        self.local_address = self.local_namespace = self.local_owner = ""
         self._local_listener = self._listen_locally() if self._bulk.same_host else None
         if self._local_listener is not None:
             self._acceptors.append(
@@ -191,6 +193,8 @@ class BulkServer:
             log.warning("no same-host bulk listener (%s); clients use TCP", error.strerror)
             return None
         self.local_address = name
+        self.local_namespace = w.host_namespace()
+        self.local_owner = str(os.getuid())
         return listener
 
     def start(self) -> str:
@@ -223,15 +227,31 @@ class BulkServer:
                 self._connections.add(conn)
             threading.Thread(target=serve, args=(conn,), name="kvshare-bulk", daemon=True).start()
 
+    @contextlib.contextmanager
+    def _connection_scope(self, raw: socket.socket) -> Iterator[None]:
+        """One accepted connection's lifetime, for both listeners: a client going away
+        ends it quietly (nothing acknowledged is affected), anything else is logged;
+        either way the connection slot is given back."""
+        try:
+            yield
+        except (OSError, w.ConnectionClosed, ssl.SSLError):
+            pass
+        except Exception:
+            log.exception("bulk connection failed")
+        finally:
+            self._forget(raw)
+
     def _serve(self, raw: socket.socket) -> None:
         conn = raw
-        try:
-            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            raw.settimeout(self.handshake_timeout_s)
-            if self._tls is not None:
-                conn = self._tls.wrap_socket(raw, server_side=True)
-            grant = self._handshake(conn)
-            if grant is not None:
+        with self._connection_scope(raw):
+            try:
+                raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                raw.settimeout(self.handshake_timeout_s)
+                if self._tls is not None:
+                    conn = self._tls.wrap_socket(raw, server_side=True)
+                grant = self._handshake(conn)
+                if grant is None:
+                    return
                 conn.sendall(bytes([w.OK]))
                 if conn is raw:  # plain TCP: kernel timeouts, so receives can wait for all
                     w.kernel_timeouts(raw, IDLE_TIMEOUT_S)
@@ -239,46 +259,35 @@ class BulkServer:
                     conn.settimeout(IDLE_TIMEOUT_S)
                 while self._serve_one(conn, grant, None):
                     pass
-        except (OSError, w.ConnectionClosed, ssl.SSLError):
-            pass  # the client went away; nothing acknowledged is affected
-        except Exception:
-            log.exception("bulk connection failed")
-        finally:
-            self._forget(raw)
-            _close_quietly(conn)
+            finally:
+                _close_quietly(conn)
 
     def _serve_local(self, conn: socket.socket) -> None:
         """A same-host connection: the same handshake and requests as `_serve`, with
         payloads in the connection's arena."""
         arena: Arena | None = None
-        try:
-            conn.settimeout(self.handshake_timeout_s)
-            grant = self._handshake(conn)
-            if grant is None:
-                return
-            arena = self._open_arena(conn)
-            if arena is None:
-                return
+        with self._connection_scope(conn):
             try:
-                socket.send_fds(conn, [w.ARENA_REPLY.pack(w.OK, arena.size)], [arena.fd])
-            finally:
-                arena.close_fd()  # the client holds its own descriptor now
-            w.kernel_timeouts(conn, IDLE_TIMEOUT_S)
-            while self._serve_one(conn, grant, arena):
-                pass
-        except (OSError, w.ConnectionClosed):
-            pass  # the client went away; nothing acknowledged is affected
-        except Exception:
-            log.exception("bulk connection failed")
-        finally:
-            self._forget(conn)
-            _close_quietly(conn)
-            if arena is not None:
+                conn.settimeout(self.handshake_timeout_s)
+                grant = self._handshake(conn)
+                arena = None if grant is None else self._open_arena(conn)
+                if grant is None or arena is None:
+                    return
                 try:
-                    arena.close()
+                    socket.send_fds(conn, [w.ARENA_REPLY.pack(w.OK, arena.size)], [arena.fd])
                 finally:
-                    with self._lock:
-                        self._arenas -= 1
+                    arena.close_fd()  # the client holds its own descriptor now
+                w.kernel_timeouts(conn, IDLE_TIMEOUT_S)
+                while self._serve_one(conn, grant, arena):
+                    pass
+            finally:
+                _close_quietly(conn)
+                if arena is not None:
+                    try:
+                        arena.close()
+                    finally:
+                        with self._lock:
+                            self._arenas -= 1
 
     def _open_arena(self, conn: socket.socket) -> Arena | None:
         """This connection's arena, or None (and an error frame) when no more may open."""

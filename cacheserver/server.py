@@ -31,7 +31,6 @@ from cacheserver.service import BlockStoreService, BulkEndpoint
 from cacheserver.store import BlockStore
 from cacheserver.telemetry import ServerTelemetry
 from cacheserver.wire import AuthInterceptor
-from kvshare import bulkwire as w
 from kvshare.errors import ConfigError
 from kvshare.v1 import kvshare_pb2, kvshare_pb2_grpc
 from policy import AccessPolicy
@@ -213,8 +212,8 @@ class Server:
                     self.tickets,
                     self.bulk.start(),
                     self.bulk.local_address,
-                    w.host_namespace() if self.bulk.local_address else "",
-                    str(os.getuid()) if self.bulk.local_address else "",
+                    self.bulk.local_namespace,
+                    self.bulk.local_owner,
                 ),
             ),
             server,

@@ -3,7 +3,7 @@
 Python gRPC costs about a millisecond per call and copies each payload several times;
 this listener moves payloads with one `sendmsg` straight from the memory tier (or one
 copy out of LMDB) and receives them with `recv_into`, on a thread per connection, so
-the GIL is released for the whole transfer. Framing: `kvshare.bulkwire`.
+the GIL is released for the whole transfer. Framing: `kvcommon.bulkwire`.
 
 Security: a connection is opened only with a ticket from `OpenBulk`, which gRPC issued
 after authenticating the caller (policy.TicketBook); the connection is then bound to
@@ -45,9 +45,9 @@ from cacheserver.config import BulkConfig, LimitsConfig
 from cacheserver.events import Tier
 from cacheserver.store import BlockStore
 from cacheserver.telemetry import ServerTelemetry
-from kvshare import bulkwire as w
-from kvshare.errors import InvalidArgument, KvshareError, ResourceExhausted
-from kvshare.tracing import context_from_binary
+from kvcommon import bulkwire as w
+from kvcommon.errors import InvalidArgument, KvshareError, ResourceExhausted
+from kvcommon.tracing import context_from_binary
 from policy import AccessPolicy, Action
 from policy.tickets import Grant, TicketBook
 from policy.types import ModelName, ModelTag, StorageKey, TenantId, parse_digest, parse_model

@@ -9,8 +9,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from cacheserver.config import ServerConfig, check_telemetry, load_config
-from kvshare.errors import ConfigError
-from kvshare.memtune import tune_allocator
+from kvcommon.errors import ConfigError
+from kvcommon.memtune import tune_allocator
 
 # A connection thread back from a receive waits for the GIL until its holder blocks or
 # this interval passes (5 ms by default): with several connections busy, that wait was
@@ -139,11 +139,12 @@ def run(args: argparse.Namespace) -> int:
     tune_allocator()
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     from cacheserver.server import TlsFiles, serve
-    from kvshare.logs import configure_logging
+    from kvcommon.logs import configure_logging
+    from kvcommon.tracing import current_trace_ids
 
     try:
         config = _config_from(args)
-        configure_logging(args.log_level, config.telemetry.log_format)
+        configure_logging(args.log_level, config.telemetry.log_format, current_trace_ids)
         if (args.tls_cert is None) != (args.tls_key is None):
             raise ConfigError("give both --tls-cert and --tls-key, or neither")
         if args.tls_client_ca and not args.tls_cert:

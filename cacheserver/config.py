@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from kvshare.errors import ConfigError, InvalidArgument
+from kvcommon.errors import ConfigError, InvalidArgument
 from policy.audit import AUDIT_FILE
 from policy.config import AccessConfig, line_of, parse_access
 from policy.naming import SECRET_FILE

@@ -64,7 +64,7 @@ from pathlib import Path
 
 import xxhash
 
-from kvshare.errors import ConfigError, ResourceExhausted
+from kvcommon.errors import ConfigError, ResourceExhausted
 from policy.types import ModelTag, StorageKey, TenantId
 
 SUPER_MAGIC = b"KVSJRNL1"

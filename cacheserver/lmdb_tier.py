@@ -24,7 +24,7 @@ import lmdb
 import xxhash
 
 from cacheserver.journal import Position
-from kvshare.errors import ConfigError, ResourceExhausted
+from kvcommon.errors import ConfigError, ResourceExhausted
 from policy.types import ModelTag, StorageKey, TenantId
 
 # checksum (16) | size (8) | epoch (4) | clock (8) | then the tenant id in UTF-8

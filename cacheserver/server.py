@@ -31,8 +31,8 @@ from cacheserver.service import BlockStoreService, BulkEndpoint
 from cacheserver.store import BlockStore
 from cacheserver.telemetry import ServerTelemetry
 from cacheserver.wire import AuthInterceptor
-from kvshare.errors import ConfigError
-from kvshare.v1 import kvshare_pb2, kvshare_pb2_grpc
+from kvcommon.errors import ConfigError
+from kvcommon.v1 import kvshare_pb2, kvshare_pb2_grpc
 from policy import AccessPolicy
 from policy.audit import AuditLog
 from policy.devmode import dev_access

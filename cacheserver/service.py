@@ -19,9 +19,9 @@ from cacheserver.events import Tier
 from cacheserver.memory_tier import Payload
 from cacheserver.store import BlockStore
 from cacheserver.wire import current_principal
-from kvshare.errors import InvalidArgument, PermissionDenied, ResourceExhausted, Unavailable
-from kvshare.v1 import kvshare_pb2 as pb
-from kvshare.v1 import kvshare_pb2_grpc as pb_grpc
+from kvcommon.errors import InvalidArgument, PermissionDenied, ResourceExhausted, Unavailable
+from kvcommon.v1 import kvshare_pb2 as pb
+from kvcommon.v1 import kvshare_pb2_grpc as pb_grpc
 from policy import AccessPolicy, Action
 from policy.tickets import TicketBook
 from policy.types import ModelName, ModelTag, StorageKey, TenantId, parse_digest, parse_model

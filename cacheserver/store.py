@@ -53,7 +53,7 @@ from cacheserver.journal import (
 )
 from cacheserver.lmdb_tier import LmdbTier, PendingWrite
 from cacheserver.memory_tier import MemoryTier, Payload
-from kvshare.errors import ConfigError, KvshareError, ResourceExhausted, Unavailable
+from kvcommon.errors import ConfigError, KvshareError, ResourceExhausted, Unavailable
 from policy.types import ModelTag, StorageKey, TenantId
 
 log = logging.getLogger(__name__)

@@ -38,8 +38,8 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from cacheserver.config import TelemetryConfig
 from cacheserver.events import PutOutcome, Tier
 from cacheserver.index import EvictReason
-from kvshare.errors import ConfigError, KvshareError
-from kvshare.logs import new_request_id
+from kvcommon.errors import ConfigError, KvshareError
+from kvcommon.logs import new_request_id
 from policy.types import TenantId
 
 if TYPE_CHECKING:

@@ -29,9 +29,9 @@ import grpc
 from opentelemetry.context import Context
 
 from cacheserver.telemetry import RpcCall, ServerTelemetry
-from kvshare.errors import KvshareError
-from kvshare.logs import current_request_id, new_request_id
-from kvshare.tracing import context_from_metadata
+from kvcommon.errors import KvshareError
+from kvcommon.logs import current_request_id, new_request_id
+from kvcommon.tracing import context_from_metadata
 from policy import AccessPolicy, Principal
 from policy.audit import bind_call
 

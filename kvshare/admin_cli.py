@@ -19,7 +19,7 @@ import os
 import sys
 from pathlib import Path
 
-from kvshare.errors import ConfigError
+from kvcommon.errors import ConfigError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

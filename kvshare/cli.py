@@ -25,7 +25,7 @@ class _Command(Protocol):
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("cacheserver.cli", "run the block store server"),
     "demo": (
-        "replica_agent.demo.cli",
+        "kvshare.demo.cli",
         "round robin with and without the shared store, on real replicas",
     ),
     "simulate": (
@@ -38,7 +38,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-OWN_PACKAGES = frozenset({"kvshare", "cacheserver", "replica_agent", "policy"})
+OWN_PACKAGES = frozenset({"kvshare", "kvcommon", "cacheserver", "replica_agent", "policy"})
 
 
 def _load(module_name: str) -> _Command:

@@ -60,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvshare.errors import KvshareError
+    from kvcommon.errors import KvshareError
     from replica_agent.client import BlockClient, ClientTls
 
     try:

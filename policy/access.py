@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from kvshare.errors import InvalidArgument, PermissionDenied, Unauthenticated
+from kvcommon.errors import InvalidArgument, PermissionDenied, Unauthenticated
 from policy.audit import AuditLog, Field
 from policy.config import AccessConfig, TenantConfig
 from policy.identity import (

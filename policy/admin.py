@@ -11,7 +11,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvshare.errors import ConfigError
+from kvcommon.errors import ConfigError
 from policy.identity import CERT_IDENTITY_RE, Action, hash_token, new_token
 from policy.types import is_valid_tenant_id
 

@@ -16,7 +16,7 @@ bytes, so a digest cannot slip in by accident.
 
 The file is the audit trail (its own sink: 0600, append-only, flushed per record,
 whatever the log level). Each record is also handed to the `kvshare.audit` logger,
-rendered by the same encoder (kvshare.logs.render), so an operator who ships the
+rendered by the same encoder (kvcommon.logs.render), so an operator who ships the
 structured log sees the security events in the same stream.
 """
 
@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from kvshare.errors import ConfigError
-from kvshare.logs import FIELDS_ATTR, current_request_id, render, utc_now
+from kvcommon.errors import ConfigError
+from kvcommon.logs import FIELDS_ATTR, current_request_id, render, utc_now
 
 AUDIT_FILE = "audit.log"
 _log = logging.getLogger("kvshare.audit")

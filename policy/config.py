@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvshare.errors import ConfigError
+from kvcommon.errors import ConfigError
 from policy.identity import (
     CERT_IDENTITY_RE,
     Action,

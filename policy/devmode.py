@@ -10,7 +10,7 @@ import os
 import secrets
 from pathlib import Path
 
-from kvshare.errors import ConfigError
+from kvcommon.errors import ConfigError
 from policy.config import AccessConfig, TenantConfig
 from policy.identity import Action, Principal, TokenCredential, hash_token
 from policy.types import TenantId

@@ -26,7 +26,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-from kvshare.errors import Unauthenticated
+from kvcommon.errors import Unauthenticated
 from policy.types import TenantId
 
 BEARER_PREFIX = "bearer "

@@ -20,8 +20,8 @@ from pathlib import Path
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from kvshare.encoding import enc
-from kvshare.errors import ConfigError
+from kvcommon.encoding import enc
+from kvcommon.errors import ConfigError
 from policy.types import BlockDigest, ModelName, ModelTag, StorageKey, TenantId
 
 SERVER_SECRET_BYTES = 32

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvshare.errors import ResourceExhausted
+from kvcommon.errors import ResourceExhausted
 from policy.identity import Principal
 
 DEFAULT_REQUESTS_PER_S = 5000

@@ -32,8 +32,8 @@ from pathlib import Path
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from kvshare.encoding import enc
-from kvshare.errors import ConfigError
+from kvcommon.encoding import enc
+from kvcommon.errors import ConfigError
 
 MAGIC = b"KVSL"
 FORMAT = 1

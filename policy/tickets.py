@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvshare.errors import Unauthenticated
+from kvcommon.errors import Unauthenticated
 from policy.identity import Principal
 from policy.types import TenantId
 

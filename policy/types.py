@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import NewType
 
-from kvshare.errors import InvalidArgument
+from kvcommon.errors import InvalidArgument
 
 TenantId = NewType("TenantId", str)
 ModelName = NewType("ModelName", str)

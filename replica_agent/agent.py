@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvshare.errors import KvshareError
-from kvshare.memtune import tune_allocator
+from kvcommon.errors import KvshareError
+from kvcommon.memtune import tune_allocator
 from policy.sealing import BlockSealer, SealError
 from replica_agent.breaker import CircuitBreaker
 from replica_agent.client import BlockClient, ClientTls

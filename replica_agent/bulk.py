@@ -1,4 +1,4 @@
-"""Client side of the bulk channel (framing in `kvshare.bulkwire`).
+"""Client side of the bulk channel (framing in `kvcommon.bulkwire`).
 
 One connection per thread and tenant, opened with a one-time ticket from `OpenBulk`
 and kept for reuse. GETs receive into a reused, page-aligned buffer that grows to the
@@ -27,8 +27,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 
-from kvshare import bulkwire as w
-from kvshare.tracing import binary_context
+from kvcommon import bulkwire as w
+from kvcommon.tracing import binary_context
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ subclass mirrors the server's exception (e.g. `isinstance(e, PermissionDenied)`)
 Thread-safe: one client (one HTTP/2 channel) may be shared by threads.
 
 Each call carries the caller's current trace context (W3C `traceparent`, and its
-binary form on the bulk channel: kvshare.tracing), so the server's span of the call
+binary form on the bulk channel: kvcommon.tracing), so the server's span of the call
 joins the caller's trace.
 """
 
@@ -28,10 +28,10 @@ from typing import Any
 
 import grpc
 
-from kvshare import errors
-from kvshare.tracing import outgoing_metadata
-from kvshare.v1 import kvshare_pb2 as pb
-from kvshare.v1 import kvshare_pb2_grpc as pb_grpc
+from kvcommon import errors
+from kvcommon.tracing import outgoing_metadata
+from kvcommon.v1 import kvshare_pb2 as pb
+from kvcommon.v1 import kvshare_pb2_grpc as pb_grpc
 from replica_agent.bulk import BulkChannel, Ticket, UseGrpc
 
 log = logging.getLogger(__name__)

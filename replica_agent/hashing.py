@@ -8,7 +8,7 @@ token of blocks 0..i and every extra key that applied to them, so equal digests 
 equal KV (prefix property: the digests of a prefix are a prefix of the digests).
 Only full blocks get a digest; a partial tail is never stored.
 
-Every field goes through `kvshare.encoding.enc`, never plain concatenation, and each
+Every field goes through `kvcommon.encoding.enc`, never plain concatenation, and each
 extra key carries its kind as a tag: a LoRA id and a multimodal hash with the same
 bytes hash differently (the collision vLLM once had between untagged fields).
 
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-from kvshare.encoding import enc
+from kvcommon.encoding import enc
 
 CHAIN_DOMAIN = "kvshare/chain/v1"
 DIGEST_BYTES = 32

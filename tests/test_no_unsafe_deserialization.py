@@ -30,8 +30,8 @@ UNSAFE_ATTRIBUTES = {("torch", "load"), ("jit", "load"), ("yaml", "load"), ("yam
 UNSAFE_ANY_OWNER = frozenset({"read_pickle"})
 MULTIPROCESSING_ALLOWED = {
     "kvshare/bench/worker.py": "bench workers: spawned children, anonymous Pipe",
-    "replica_agent/demo/runner.py": "demo replicas: spawned children, anonymous Pipe",
-    "replica_agent/demo/replica.py": "demo replica side of that Pipe",
+    "kvshare/demo/runner.py": "demo replicas: spawned children, anonymous Pipe",
+    "kvshare/demo/replica.py": "demo replica side of that Pipe",
 }
 
 

@@ -21,10 +21,10 @@ from multiprocessing.connection import Connection
 from types import TracebackType
 from typing import Any
 
+from kvcommon.memtune import tune_allocator
 from kvshare.bench.buffers import STAMP_BYTES, random_value, read_stamp, stamp
 from kvshare.bench.peers.base import BenchClient, BenchError, ClientSpec
 from kvshare.bench.stats import CellOutcome
-from kvshare.memtune import tune_allocator
 
 START_DELAY_S = 0.05  # lets every client reach the shared start instant
 REPLY_SLACK_S = 120.0  # beyond the plan's own time: a stuck client fails the cell

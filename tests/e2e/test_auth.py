@@ -9,7 +9,7 @@ import pytest
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message_factory
 
-from kvshare.v1 import kvshare_pb2
+from kvcommon.v1 import kvshare_pb2
 from tests.conftest import Running
 from tests.isolation.rpc import invoke
 

@@ -9,10 +9,10 @@ import time
 import grpc
 import pytest
 
-from kvshare import bulkwire as w
-from kvshare.errors import PermissionDenied
-from kvshare.v1 import kvshare_pb2 as pb
-from kvshare.v1 import kvshare_pb2_grpc as pb_grpc
+from kvcommon import bulkwire as w
+from kvcommon.errors import PermissionDenied
+from kvcommon.v1 import kvshare_pb2 as pb
+from kvcommon.v1 import kvshare_pb2_grpc as pb_grpc
 from policy.identity import Action, Principal
 from policy.tickets import TicketBook
 from policy.types import TenantId
@@ -146,7 +146,7 @@ def test_the_rate_limit_counts_every_bulk_request(tmp_path: object, same_host: b
 
     from cacheserver.config import load_config
     from cacheserver.embedded import EmbeddedServer
-    from kvshare.errors import ResourceExhausted
+    from kvcommon.errors import ResourceExhausted
     from tests.conftest import write_config
 
     tenancy = write_config(

@@ -25,10 +25,10 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from cacheserver.config import load_config
 from cacheserver.embedded import EmbeddedServer
 from cacheserver.telemetry import ServerTelemetry
-from kvshare import bulkwire as w
-from kvshare.bulkwire import host_namespace
-from kvshare.v1 import kvshare_pb2 as pb
-from kvshare.v1 import kvshare_pb2_grpc as pb_grpc
+from kvcommon import bulkwire as w
+from kvcommon.bulkwire import host_namespace
+from kvcommon.v1 import kvshare_pb2 as pb
+from kvcommon.v1 import kvshare_pb2_grpc as pb_grpc
 from replica_agent.bulk import BulkChannel, Ticket, _Connection
 from replica_agent.client import BlockClient
 from tests.conftest import Running, write_config

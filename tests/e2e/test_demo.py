@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from cacheserver.lmdb_tier import LmdbTier, PendingWrite
+from kvshare.demo.replica import Replica, ReplicaSettings, StoreSettings
+from kvshare.demo.runner import DemoOptions, StoreHandle, run_demo, write_keyring
+from kvshare.demo.workload import DemoRequest, WorkloadShape, build_workload
 from policy.sealing import BlockSealer, Keyring
 from policy.types import StorageKey, TenantId
-from replica_agent.demo.replica import Replica, ReplicaSettings, StoreSettings
-from replica_agent.demo.runner import DemoOptions, StoreHandle, run_demo, write_keyring
-from replica_agent.demo.workload import DemoRequest, WorkloadShape, build_workload
 from tests.conftest import REPO, ServerProcess
 
 pytestmark = pytest.mark.slow

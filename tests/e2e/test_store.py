@@ -12,7 +12,7 @@ import pytest
 from cacheserver.config import StorageConfig, load_config
 from cacheserver.embedded import EmbeddedServer
 from cacheserver.lmdb_tier import LmdbTier
-from kvshare.errors import InvalidArgument, PermissionDenied, ResourceExhausted
+from kvcommon.errors import InvalidArgument, PermissionDenied, ResourceExhausted
 from replica_agent.client import BlockStoreError
 from tests.conftest import Running, ServerProcess, flip_stored_byte, write_config
 

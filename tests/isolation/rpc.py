@@ -13,7 +13,7 @@ import grpc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message_factory
 
-from kvshare.v1 import kvshare_pb2
+from kvcommon.v1 import kvshare_pb2
 
 SERVICE = kvshare_pb2.DESCRIPTOR.services_by_name["BlockStore"]
 METHODS = list(SERVICE.methods)

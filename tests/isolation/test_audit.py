@@ -12,8 +12,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvshare.errors import PermissionDenied, Unauthenticated
-from kvshare.v1 import kvshare_pb2 as pb
+from kvcommon.errors import PermissionDenied, Unauthenticated
+from kvcommon.v1 import kvshare_pb2 as pb
 from policy.audit import AuditLog, read_records
 from replica_agent.client import BlockClient
 from tests.conftest import REPO, flip_stored_byte

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvshare.errors import PermissionDenied, Unauthenticated
+from kvcommon.errors import PermissionDenied, Unauthenticated
 from policy.sealing import BlockSealer, Keyring, TenantKeys
 from replica_agent import codec
 from replica_agent.client import BlockClient

@@ -17,7 +17,7 @@ import grpc
 import pytest
 from google.protobuf import descriptor as _descriptor
 
-from kvshare.v1 import kvshare_pb2 as pb
+from kvcommon.v1 import kvshare_pb2 as pb
 from replica_agent.client import BlockClient, ClientTls
 from tests.isolation.conftest import MODEL, Certs, Served, isolation_config, serve
 from tests.isolation.rpc import METHODS, bearer, invoke

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from cacheserver.config import StorageConfig
-from kvshare.errors import ResourceExhausted
+from kvcommon.errors import ResourceExhausted
 from policy.types import ModelName, TenantId
 from replica_agent.client import BlockClient
 from tests.isolation.conftest import MODEL, Served, isolation_config, serve

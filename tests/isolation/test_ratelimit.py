@@ -10,7 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvshare.errors import ResourceExhausted
+from kvcommon.errors import ResourceExhausted
 from policy.audit import read_records
 from policy.identity import Principal
 from policy.ratelimit import RateLimited, RequestRateLimiter

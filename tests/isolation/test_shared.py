@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvshare.errors import PermissionDenied
+from kvcommon.errors import PermissionDenied
 from tests.conftest import write_config
 from tests.isolation.conftest import MODEL, Served, serve
 
@@ -87,7 +87,7 @@ def test_a_tenant_that_did_not_opt_in_cannot_read_it(shared_server: Served) -> N
 def test_a_tenant_requiring_sealed_blocks_refuses_plaintext(tmp_path: Path, bulk: bool) -> None:
     from cacheserver.config import load_config
     from cacheserver.embedded import EmbeddedServer
-    from kvshare.errors import InvalidArgument
+    from kvcommon.errors import InvalidArgument
     from policy.sealing import BlockSealer, Keyring, new_key_entry
     from tests.conftest import Running
 

@@ -10,7 +10,7 @@ import pytest
 
 from cacheserver.config import load_config
 from cacheserver.server import Server
-from kvshare.errors import ConfigError
+from kvcommon.errors import ConfigError
 from replica_agent.client import BlockClient, BlockStoreError, ClientTls
 from tests.conftest import ServerProcess
 from tests.isolation.conftest import MODEL, Certs, isolation_config, serve

@@ -22,8 +22,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from cacheserver.config import TelemetryConfig, load_config
 from cacheserver.embedded import EmbeddedServer
 from cacheserver.telemetry import ServerTelemetry
-from kvshare.errors import KvshareError
-from kvshare.logs import JsonFormatter
+from kvcommon.errors import KvshareError
+from kvcommon.logs import JsonFormatter
+from kvcommon.tracing import current_trace_ids
 from policy.audit import read_records
 from replica_agent.agent import ReplicaAgent
 from replica_agent.client import BlockClient
@@ -47,7 +48,7 @@ def captured_logs() -> Iterator[io.StringIO]:
     """Every log record of the process, as the JSON log of `kvshare serve` renders it."""
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
-    handler.setFormatter(JsonFormatter())
+    handler.setFormatter(JsonFormatter(current_trace_ids))
     root = logging.getLogger()
     level = root.level
     root.addHandler(handler)

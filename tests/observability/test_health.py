@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from cacheserver.config import StorageConfig, TelemetryConfig, load_config
 from cacheserver.embedded import EmbeddedServer
 from cacheserver.server import SERVICE_NAME
-from kvshare.errors import KvshareError
+from kvcommon.errors import KvshareError
 from tests.conftest import Running, write_config
 
 MODEL = "obs/model@r1;fp32;L2;H2;D8;B4;tp0/1"

@@ -15,7 +15,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from cacheserver.config import ServerConfig, StorageConfig, TelemetryConfig, load_config
 from cacheserver.embedded import EmbeddedServer
 from cacheserver.telemetry import ServerTelemetry
-from kvshare.errors import ResourceExhausted
+from kvcommon.errors import ResourceExhausted
 from replica_agent.client import BlockClient
 from tests.conftest import Running, ServerProcess, flip_stored_byte, write_config
 from tests.observability.scrape import Samples, parse, scrape_text, value

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from cacheserver.config import load_config
-from kvshare.errors import ConfigError
+from kvcommon.errors import ConfigError
 from policy.identity import Action
 
 MINIMAL = f"""listen = "127.0.0.1:50051"

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvshare.encoding import enc
+from kvcommon.encoding import enc
 
 fields = st.lists(
     st.one_of(st.binary(max_size=8), st.text(max_size=4), st.integers(-(2**63), 2**63 - 1)),

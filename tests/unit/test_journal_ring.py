@@ -19,7 +19,7 @@ from cacheserver.journal import (
     remove_orphans,
     replay,
 )
-from kvshare.errors import ConfigError
+from kvcommon.errors import ConfigError
 from policy.types import ModelTag, StorageKey, TenantId
 
 TAG = ModelTag(bytes(range(16)))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvshare.errors import ConfigError
+from kvcommon.errors import ConfigError
 from policy.sealing import Keyring, new_key_entry
 
 

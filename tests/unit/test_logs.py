@@ -1,4 +1,4 @@
-"""Structured logs (kvshare.logs) and the audit log share request ids and one encoder."""
+"""Structured logs (kvcommon.logs) and the audit log share request ids and one encoder."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from pathlib import Path
 
 from opentelemetry.sdk.trace import TracerProvider
 
-from kvshare.logs import JsonFormatter, current_request_id, new_request_id
+from kvcommon.logs import JsonFormatter, current_request_id, new_request_id
+from kvcommon.tracing import current_trace_ids
 from policy.audit import AuditLog, bind_call, read_records
 
 
@@ -21,7 +22,7 @@ def test_json_log_line_has_request_and_trace_ids() -> None:
     def in_call() -> dict[str, object]:
         request_id = new_request_id()
         with TracerProvider().get_tracer("t").start_as_current_span("rpc") as span:
-            line = json.loads(JsonFormatter().format(record("store get failed")))
+            line = json.loads(JsonFormatter(current_trace_ids).format(record("store get failed")))
             assert line["trace_id"] == f"{span.get_span_context().trace_id:032x}"
         assert line["request_id"] == request_id
         return line  # type: ignore[no-any-return]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from cacheserver.config import load_config
-from kvshare.errors import ConfigError, PermissionDenied, Unauthenticated
+from kvcommon.errors import ConfigError, PermissionDenied, Unauthenticated
 from policy.access import AccessPolicy
 from policy.config import AccessConfig, TenantConfig
 from policy.identity import (

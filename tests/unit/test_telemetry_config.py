@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from cacheserver.config import TelemetryConfig, load_config
-from kvshare.errors import ConfigError
+from kvcommon.errors import ConfigError
 
 
 def config_with(tmp_path: Path, table: str) -> Path:

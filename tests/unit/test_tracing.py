@@ -1,12 +1,12 @@
-"""Trace context across the wire (kvshare.tracing): only traceparent, in two encodings."""
+"""Trace context across the wire (kvcommon.tracing): only traceparent, in two encodings."""
 
 from __future__ import annotations
 
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
-from kvshare import bulkwire
-from kvshare.tracing import (
+from kvcommon import bulkwire
+from kvcommon.tracing import (
     BINARY_CONTEXT,
     binary_context,
     context_from_binary,

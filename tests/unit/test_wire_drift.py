@@ -1,4 +1,4 @@
-"""The committed stubs in kvshare/v1 match proto/ (CI fails on drift)."""
+"""The committed stubs in kvcommon/v1 match proto/ (CI fails on drift)."""
 
 from __future__ import annotations
 

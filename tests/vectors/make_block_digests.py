@@ -14,7 +14,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from kvshare.encoding import enc
+from kvcommon.encoding import enc
 
 OUTPUT = Path(__file__).with_name("block_digests.json")
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from kvshare.encoding import enc
+from kvcommon.encoding import enc
 
 OUTPUT = Path(__file__).with_name("sealed_blocks.json")
 

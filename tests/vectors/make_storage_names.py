@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kvshare.encoding import enc
+from kvcommon.encoding import enc
 
 OUTPUT = Path(__file__).with_name("storage_names.json")
 

@@ -9,7 +9,7 @@ After `OpenBulk` (gRPC) issues a ticket, the client opens a TCP (or TLS) connect
             PUT adds count x size u64, then the payloads back to back
             op | TRACED (only when OpenBulk said `trace_context`): a 25-byte trace
             context follows the header (trace id 16 | span id 8 | flags u8, the fields
-            of a W3C traceparent: kvshare.tracing), so the server's span of this
+            of a W3C traceparent: kvcommon.tracing), so the server's span of this
             request joins the caller's trace
     server: GET  -> status u8, then per block size u64 | payload, then END (size 0)
             PUT  -> status u8, then count x outcome u8 (1 stored, 2 already present)

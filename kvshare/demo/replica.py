@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from kvshare.demo.workload import DemoRequest
 from policy.sealing import BlockSealer, Keyring
 from replica_agent.adapters.hf import (
     blocks_from_cache,
@@ -27,7 +28,6 @@ from replica_agent.adapters.hf import (
     tiny_llama,
 )
 from replica_agent.agent import ReplicaAgent
-from replica_agent.demo.workload import DemoRequest
 from replica_agent.hashing import BlockHasher
 
 MODEL_ID = "kvshare/tiny-llama-demo"

@@ -89,7 +89,7 @@ def format_table(report: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from replica_agent.demo.runner import DemoOptions, run_demo
+    from kvshare.demo.runner import DemoOptions, run_demo
 
     if args.replicas < 1 or args.requests < 1:
         print("kvshare demo: error: --replicas and --requests must be at least 1", file=sys.stderr)

@@ -10,6 +10,10 @@ digests, payloads or storage names: see policy/audit.py); this module only rende
 `render` is the one JSON encoder of both the log and the audit log, so the two read
 alike and an encoding choice (ASCII only: no terminal escapes from odd input) is
 made once.
+
+No OpenTelemetry here: `policy.audit` renders through this module, and policy stays
+free of exporters. A JSON log that should carry trace ids is given `trace_ids`
+(the server passes `kvcommon.tracing.current_trace_ids`).
 """
 
 from __future__ import annotations
@@ -20,10 +24,8 @@ import json
 import logging
 import secrets
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
-
-from kvshare.tracing import current_trace_ids
 
 LOG_FORMATS = ("text", "json")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s"
@@ -64,7 +66,14 @@ class _RequestIdFilter(logging.Filter):
         return True
 
 
+TraceIds = Callable[[], tuple[str, str] | None]  # (trace id, span id) of the current span
+
+
 class JsonFormatter(logging.Formatter):
+    def __init__(self, trace_ids: TraceIds | None = None) -> None:
+        super().__init__()
+        self._trace_ids = trace_ids
+
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, Any] = {
             "ts": datetime.datetime.fromtimestamp(record.created, datetime.UTC).isoformat(
@@ -77,7 +86,7 @@ class JsonFormatter(logging.Formatter):
         request_id = current_request_id()
         if request_id is not None:
             entry["request_id"] = request_id
-        ids = current_trace_ids()
+        ids = self._trace_ids() if self._trace_ids is not None else None
         if ids is not None:
             entry["trace_id"], entry["span_id"] = ids
         fields = getattr(record, FIELDS_ATTR, None)
@@ -89,14 +98,17 @@ class JsonFormatter(logging.Formatter):
         return render(entry, strict=False)
 
 
-def configure_logging(level: str = "info", log_format: str = "text") -> None:
-    """Route the root logger to stderr in `log_format` ("text" or "json")."""
+def configure_logging(
+    level: str = "info", log_format: str = "text", trace_ids: TraceIds | None = None
+) -> None:
+    """Route the root logger to stderr in `log_format` ("text" or "json"); JSON records
+    carry the current span's ids when `trace_ids` is given."""
     if log_format not in LOG_FORMATS:
         raise ValueError(f"log format {log_format!r}; use one of {', '.join(LOG_FORMATS)}")
     handler = logging.StreamHandler(sys.stderr)
     handler.addFilter(_RequestIdFilter())
     handler.setFormatter(
-        JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT)
+        JsonFormatter(trace_ids) if log_format == "json" else logging.Formatter(TEXT_FORMAT)
     )
     root = logging.getLogger()
     for old in list(root.handlers):

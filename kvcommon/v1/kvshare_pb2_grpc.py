@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from kvshare.v1 import kvshare_pb2 as kvshare_dot_v1_dot_kvshare__pb2
+from kvcommon.v1 import kvshare_pb2 as kvcommon_dot_v1_dot_kvshare__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in kvshare/v1/kvshare_pb2_grpc.py depends on'
+        + ' but the generated code in kvcommon/v1/kvshare_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,33 +36,33 @@ class BlockStoreStub:
         """
         self.Lookup = channel.unary_unary(
                 '/kvshare.v1.BlockStore/Lookup',
-                request_serializer=kvshare_dot_v1_dot_kvshare__pb2.LookupRequest.SerializeToString,
-                response_deserializer=kvshare_dot_v1_dot_kvshare__pb2.LookupResponse.FromString,
+                request_serializer=kvcommon_dot_v1_dot_kvshare__pb2.LookupRequest.SerializeToString,
+                response_deserializer=kvcommon_dot_v1_dot_kvshare__pb2.LookupResponse.FromString,
                 _registered_method=True)
         self.Get = channel.unary_stream(
                 '/kvshare.v1.BlockStore/Get',
-                request_serializer=kvshare_dot_v1_dot_kvshare__pb2.GetRequest.SerializeToString,
-                response_deserializer=kvshare_dot_v1_dot_kvshare__pb2.GetFrame.FromString,
+                request_serializer=kvcommon_dot_v1_dot_kvshare__pb2.GetRequest.SerializeToString,
+                response_deserializer=kvcommon_dot_v1_dot_kvshare__pb2.GetFrame.FromString,
                 _registered_method=True)
         self.Put = channel.stream_unary(
                 '/kvshare.v1.BlockStore/Put',
-                request_serializer=kvshare_dot_v1_dot_kvshare__pb2.PutFrame.SerializeToString,
-                response_deserializer=kvshare_dot_v1_dot_kvshare__pb2.PutResponse.FromString,
+                request_serializer=kvcommon_dot_v1_dot_kvshare__pb2.PutFrame.SerializeToString,
+                response_deserializer=kvcommon_dot_v1_dot_kvshare__pb2.PutResponse.FromString,
                 _registered_method=True)
         self.Delete = channel.unary_unary(
                 '/kvshare.v1.BlockStore/Delete',
-                request_serializer=kvshare_dot_v1_dot_kvshare__pb2.DeleteRequest.SerializeToString,
-                response_deserializer=kvshare_dot_v1_dot_kvshare__pb2.DeleteResponse.FromString,
+                request_serializer=kvcommon_dot_v1_dot_kvshare__pb2.DeleteRequest.SerializeToString,
+                response_deserializer=kvcommon_dot_v1_dot_kvshare__pb2.DeleteResponse.FromString,
                 _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/kvshare.v1.BlockStore/Stats',
-                request_serializer=kvshare_dot_v1_dot_kvshare__pb2.StatsRequest.SerializeToString,
-                response_deserializer=kvshare_dot_v1_dot_kvshare__pb2.StatsResponse.FromString,
+                request_serializer=kvcommon_dot_v1_dot_kvshare__pb2.StatsRequest.SerializeToString,
+                response_deserializer=kvcommon_dot_v1_dot_kvshare__pb2.StatsResponse.FromString,
                 _registered_method=True)
         self.OpenBulk = channel.unary_unary(
                 '/kvshare.v1.BlockStore/OpenBulk',
-                request_serializer=kvshare_dot_v1_dot_kvshare__pb2.OpenBulkRequest.SerializeToString,
-                response_deserializer=kvshare_dot_v1_dot_kvshare__pb2.OpenBulkResponse.FromString,
+                request_serializer=kvcommon_dot_v1_dot_kvshare__pb2.OpenBulkRequest.SerializeToString,
+                response_deserializer=kvcommon_dot_v1_dot_kvshare__pb2.OpenBulkResponse.FromString,
                 _registered_method=True)
 
 
@@ -118,33 +118,33 @@ def add_BlockStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Lookup': grpc.unary_unary_rpc_method_handler(
                     servicer.Lookup,
-                    request_deserializer=kvshare_dot_v1_dot_kvshare__pb2.LookupRequest.FromString,
-                    response_serializer=kvshare_dot_v1_dot_kvshare__pb2.LookupResponse.SerializeToString,
+                    request_deserializer=kvcommon_dot_v1_dot_kvshare__pb2.LookupRequest.FromString,
+                    response_serializer=kvcommon_dot_v1_dot_kvshare__pb2.LookupResponse.SerializeToString,
             ),
             'Get': grpc.unary_stream_rpc_method_handler(
                     servicer.Get,
-                    request_deserializer=kvshare_dot_v1_dot_kvshare__pb2.GetRequest.FromString,
-                    response_serializer=kvshare_dot_v1_dot_kvshare__pb2.GetFrame.SerializeToString,
+                    request_deserializer=kvcommon_dot_v1_dot_kvshare__pb2.GetRequest.FromString,
+                    response_serializer=kvcommon_dot_v1_dot_kvshare__pb2.GetFrame.SerializeToString,
             ),
             'Put': grpc.stream_unary_rpc_method_handler(
                     servicer.Put,
-                    request_deserializer=kvshare_dot_v1_dot_kvshare__pb2.PutFrame.FromString,
-                    response_serializer=kvshare_dot_v1_dot_kvshare__pb2.PutResponse.SerializeToString,
+                    request_deserializer=kvcommon_dot_v1_dot_kvshare__pb2.PutFrame.FromString,
+                    response_serializer=kvcommon_dot_v1_dot_kvshare__pb2.PutResponse.SerializeToString,
             ),
             'Delete': grpc.unary_unary_rpc_method_handler(
                     servicer.Delete,
-                    request_deserializer=kvshare_dot_v1_dot_kvshare__pb2.DeleteRequest.FromString,
-                    response_serializer=kvshare_dot_v1_dot_kvshare__pb2.DeleteResponse.SerializeToString,
+                    request_deserializer=kvcommon_dot_v1_dot_kvshare__pb2.DeleteRequest.FromString,
+                    response_serializer=kvcommon_dot_v1_dot_kvshare__pb2.DeleteResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
-                    request_deserializer=kvshare_dot_v1_dot_kvshare__pb2.StatsRequest.FromString,
-                    response_serializer=kvshare_dot_v1_dot_kvshare__pb2.StatsResponse.SerializeToString,
+                    request_deserializer=kvcommon_dot_v1_dot_kvshare__pb2.StatsRequest.FromString,
+                    response_serializer=kvcommon_dot_v1_dot_kvshare__pb2.StatsResponse.SerializeToString,
             ),
             'OpenBulk': grpc.unary_unary_rpc_method_handler(
                     servicer.OpenBulk,
-                    request_deserializer=kvshare_dot_v1_dot_kvshare__pb2.OpenBulkRequest.FromString,
-                    response_serializer=kvshare_dot_v1_dot_kvshare__pb2.OpenBulkResponse.SerializeToString,
+                    request_deserializer=kvcommon_dot_v1_dot_kvshare__pb2.OpenBulkRequest.FromString,
+                    response_serializer=kvcommon_dot_v1_dot_kvshare__pb2.OpenBulkResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -172,8 +172,8 @@ class BlockStore:
             request,
             target,
             '/kvshare.v1.BlockStore/Lookup',
-            kvshare_dot_v1_dot_kvshare__pb2.LookupRequest.SerializeToString,
-            kvshare_dot_v1_dot_kvshare__pb2.LookupResponse.FromString,
+            kvcommon_dot_v1_dot_kvshare__pb2.LookupRequest.SerializeToString,
+            kvcommon_dot_v1_dot_kvshare__pb2.LookupResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -199,8 +199,8 @@ class BlockStore:
             request,
             target,
             '/kvshare.v1.BlockStore/Get',
-            kvshare_dot_v1_dot_kvshare__pb2.GetRequest.SerializeToString,
-            kvshare_dot_v1_dot_kvshare__pb2.GetFrame.FromString,
+            kvcommon_dot_v1_dot_kvshare__pb2.GetRequest.SerializeToString,
+            kvcommon_dot_v1_dot_kvshare__pb2.GetFrame.FromString,
             options,
             channel_credentials,
             insecure,
@@ -226,8 +226,8 @@ class BlockStore:
             request_iterator,
             target,
             '/kvshare.v1.BlockStore/Put',
-            kvshare_dot_v1_dot_kvshare__pb2.PutFrame.SerializeToString,
-            kvshare_dot_v1_dot_kvshare__pb2.PutResponse.FromString,
+            kvcommon_dot_v1_dot_kvshare__pb2.PutFrame.SerializeToString,
+            kvcommon_dot_v1_dot_kvshare__pb2.PutResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -253,8 +253,8 @@ class BlockStore:
             request,
             target,
             '/kvshare.v1.BlockStore/Delete',
-            kvshare_dot_v1_dot_kvshare__pb2.DeleteRequest.SerializeToString,
-            kvshare_dot_v1_dot_kvshare__pb2.DeleteResponse.FromString,
+            kvcommon_dot_v1_dot_kvshare__pb2.DeleteRequest.SerializeToString,
+            kvcommon_dot_v1_dot_kvshare__pb2.DeleteResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -280,8 +280,8 @@ class BlockStore:
             request,
             target,
             '/kvshare.v1.BlockStore/Stats',
-            kvshare_dot_v1_dot_kvshare__pb2.StatsRequest.SerializeToString,
-            kvshare_dot_v1_dot_kvshare__pb2.StatsResponse.FromString,
+            kvcommon_dot_v1_dot_kvshare__pb2.StatsRequest.SerializeToString,
+            kvcommon_dot_v1_dot_kvshare__pb2.StatsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -307,8 +307,8 @@ class BlockStore:
             request,
             target,
             '/kvshare.v1.BlockStore/OpenBulk',
-            kvshare_dot_v1_dot_kvshare__pb2.OpenBulkRequest.SerializeToString,
-            kvshare_dot_v1_dot_kvshare__pb2.OpenBulkResponse.FromString,
+            kvcommon_dot_v1_dot_kvshare__pb2.OpenBulkRequest.SerializeToString,
+            kvcommon_dot_v1_dot_kvshare__pb2.OpenBulkResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -18,7 +18,7 @@ INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE, DATA_LOSS (see README).
 
 from collections import abc as _abc
 from grpc import aio as _aio
-from kvshare.v1 import kvshare_pb2 as _kvshare_pb2
+from kvcommon.v1 import kvshare_pb2 as _kvshare_pb2
 import abc as _abc_1
 import grpc as _grpc
 import sys

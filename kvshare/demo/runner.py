@@ -20,17 +20,17 @@ from typing import Any
 
 from cacheserver.config import ServerConfig, StorageConfig
 from cacheserver.embedded import EmbeddedServer
-from policy.config import AccessConfig, TenantConfig
-from policy.identity import Action, Principal, TokenCredential, hash_token
-from policy.sealing import new_key_entry
-from policy.types import TenantId
-from replica_agent.demo.replica import (
+from kvshare.demo.replica import (
     ReplicaSettings,
     RequestResult,
     StoreSettings,
     replica_main,
 )
-from replica_agent.demo.workload import DemoRequest, WorkloadShape, build_workload
+from kvshare.demo.workload import DemoRequest, WorkloadShape, build_workload
+from policy.config import AccessConfig, TenantConfig
+from policy.identity import Action, Principal, TokenCredential, hash_token
+from policy.sealing import new_key_entry
+from policy.types import TenantId
 
 Hook = Callable[[str, int], None]  # (run name, request index) before each request
 

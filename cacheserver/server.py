@@ -26,8 +26,10 @@ from grpc_reflection.v1alpha import reflection
 
 from cacheserver.bulk import BulkServer, server_tls_context
 from cacheserver.config import ServerConfig, TlsFiles
+from cacheserver.events import FanOut, TenantCounters
 from cacheserver.health import HealthMonitor
-from cacheserver.service import BlockStoreService, BulkEndpoint
+from cacheserver.requests import BulkEndpoint, RequestCore
+from cacheserver.service import BlockStoreService
 from cacheserver.store import BlockStore
 from cacheserver.telemetry import ServerTelemetry
 from cacheserver.wire import AuthInterceptor
@@ -149,13 +151,14 @@ class Server:
             accept_certificates=tls is not None and tls.client_ca is not None,
         )
         epochs = {t.id: t.epoch for t in access.tenants}
+        self.counters = TenantCounters()  # the Stats RPC's figures, from the same events
         self.store = BlockStore(
             config.data_dir,
             config.storage,
             self.policy.quotas_bytes,
             epochs,
             on_integrity_failure=self.policy.record_integrity_failure,
-            events=self.telemetry,
+            events=FanOut(self.telemetry, self.counters),
         )
         self.telemetry.watch(self.store.tier_usage, self._tenant_usage)
         if self.store.reclaimed_at_start:
@@ -191,33 +194,24 @@ class Server:
             ],
         )
         host = self.config.listen.rsplit(":", 1)[0]
-        self.bulk = BulkServer(
+        core = RequestCore(self.store, self.policy, self.config.limits, self.counters)
+        self.bulk = bulk = BulkServer(
             host,
-            self.store,
-            self.policy,
+            core,
             self.tickets,
-            self.config.limits,
             _bulk_tls(self._tls),
             telemetry=self.telemetry,
             bulk=self.config.bulk,
         )
-        bulk = self.bulk
         self.telemetry.watch_bulk(lambda: bulk.arenas)
-        kvshare_pb2_grpc.add_BlockStoreServicer_to_server(
-            BlockStoreService(
-                self.store,
-                self.policy,
-                self.config.limits,
-                BulkEndpoint(
-                    self.tickets,
-                    self.bulk.start(),
-                    self.bulk.local_address,
-                    self.bulk.local_namespace,
-                    self.bulk.local_owner,
-                ),
-            ),
-            server,
+        core.bulk = BulkEndpoint(
+            self.tickets,
+            bulk.start(),
+            bulk.local_address,
+            bulk.local_namespace,
+            bulk.local_owner,
         )
+        kvshare_pb2_grpc.add_BlockStoreServicer_to_server(BlockStoreService(core), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (

@@ -1,152 +1,105 @@
-"""The BlockStore service: request checks, policy admission, then the store.
+"""The gRPC face of the store: protobuf framing around the request core.
 
-Each handler reads as: principal (from the interceptor) -> `policy.admit` for the named
-tenant and action -> validate model and digests -> storage keys from `policy` -> store.
-Client digests are turned into keyed storage names before anything else sees them.
+Each handler reads its request, calls one `RequestCore` method with the caller's
+principal (set by the interceptor, `cacheserver.wire`), and frames the result. No
+policy, naming or tier decision lives here: those are the core's, shared with the bulk
+listener. Errors are `KvshareError`s, turned into statuses by the interceptor.
+
+Blocking work (LMDB reads, waiting for the disk writer) runs on the default executor,
+never on the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
 
-from cacheserver.config import LimitsConfig
-from cacheserver.events import Tier
 from cacheserver.memory_tier import Payload
-from cacheserver.store import BlockStore
+from cacheserver.requests import DISK_BATCH_BYTES, AdmittedPut, RequestCore
 from cacheserver.wire import current_principal
-from kvcommon.errors import InvalidArgument, PermissionDenied, ResourceExhausted, Unavailable
+from cacheserver.writing import BytesSource
+from kvcommon.errors import InvalidArgument, ResourceExhausted
 from kvcommon.v1 import kvshare_pb2 as pb
 from kvcommon.v1 import kvshare_pb2_grpc as pb_grpc
-from policy import AccessPolicy, Action
-from policy.tickets import TicketBook
-from policy.types import ModelName, ModelTag, StorageKey, TenantId, parse_digest, parse_model
+from policy import Action
+from policy.types import StorageKey
 
 _T = TypeVar("_T")
-
 Context = grpc.aio.ServicerContext[Any, Any]
-DISK_BATCH_BYTES = 64 << 20  # read at most this much from LMDB per executor hop
-
-
-@dataclass(frozen=True)
-class BulkEndpoint:
-    """Where OpenBulk sends callers, and the ticket book that admits them there."""
-
-    tickets: TicketBook
-    address: str
-    local_address: str = ""  # the same-host listener's abstract socket name; "": none
-    local_namespace: str = ""  # where that name is the server's (bulkwire.host_namespace)
-    local_owner: str = ""  # the uid the server runs as, for the client's peer check
+FRAME_SLACK_BYTES = 64 << 10  # protobuf framing around a frame's payload bytes
 
 
 class BlockStoreService(pb_grpc.BlockStoreServicer):
-    def __init__(
-        self,
-        store: BlockStore,
-        policy: AccessPolicy,
-        limits: LimitsConfig,
-        bulk: BulkEndpoint | None = None,
-    ) -> None:
-        self._store = store
-        self._policy = policy
-        self._limits = limits
-        self._bulk = bulk
+    def __init__(self, core: RequestCore) -> None:
+        self._core = core
 
     async def OpenBulk(self, request: pb.OpenBulkRequest, context: Context) -> pb.OpenBulkResponse:
-        principal = current_principal.get()
-        if self._bulk is None:
-            raise Unavailable("this server has no bulk listener; use Get and Put")
-        # Either action opens the connection; each request on it is admitted again.
-        action = Action.READ if Action.READ in principal.actions else Action.WRITE
-        tenant = self._policy.admit(principal, request.tenant, action)
-        ticket = self._bulk.tickets.issue(principal, tenant)
+        offer = self._core.open_bulk(current_principal.get(), request.tenant)
+        endpoint = offer.endpoint
         return pb.OpenBulkResponse(
-            ticket=ticket,
-            address=self._bulk.address,
-            local_address=self._bulk.local_address,
-            local_namespace=self._bulk.local_namespace,
-            local_owner=self._bulk.local_owner,
-            ttl_ms=int(self._bulk.tickets.ttl_s * 1000),
+            ticket=offer.ticket,
+            address=endpoint.address,
+            local_address=endpoint.local_address,
+            local_namespace=endpoint.local_namespace,
+            local_owner=endpoint.local_owner,
+            ttl_ms=int(endpoint.tickets.ttl_s * 1000),
             trace_context=True,
         )
 
-    def _keys(
-        self, tenant: str, model: str, digests: Sequence[bytes], action: Action
-    ) -> tuple[TenantId, list[StorageKey]]:
-        tenant_id = self._policy.admit(current_principal.get(), tenant, action)
-        model_name = parse_model(model)
-        self._limits.check_digest_count(len(digests))
-        keys = [
-            self._policy.storage_key(tenant_id, model_name, parse_digest(d, i))
-            for i, d in enumerate(digests)
-        ]
-        return tenant_id, keys
-
     async def Lookup(self, request: pb.LookupRequest, context: Context) -> pb.LookupResponse:
-        tenant, keys = self._keys(request.tenant, request.model, request.digests, Action.READ)
-        return pb.LookupResponse(present=self._store.lookup(tenant, keys))
+        admitted = self._core.admit(
+            current_principal.get(), Action.READ, request.tenant, request.model, request.digests
+        )
+        return pb.LookupResponse(present=self._core.lookup(admitted))
 
     async def Get(self, request: pb.GetRequest, context: Context) -> AsyncIterator[pb.GetFrame]:
-        tenant, keys = self._keys(request.tenant, request.model, request.digests, Action.READ)
-        frame_bytes = min(
-            request.max_frame_bytes or self._limits.get_frame_bytes,
-            self._limits.max_message_bytes - (64 << 10),
+        admitted = self._core.admit(
+            current_principal.get(), Action.READ, request.tenant, request.model, request.digests
         )
-        loop = asyncio.get_running_loop()
+        limits = self._core.limits
+        frame_bytes = min(
+            request.max_frame_bytes or limits.get_frame_bytes,
+            limits.max_message_bytes - FRAME_SLACK_BYTES,
+        )
         framer = _Framer(frame_bytes)
-        served = 0
-        while served < len(keys):
-            tier: Tier = "memory"
-            with self._store.reading():
-                payloads = self._store.read_from_memory(keys[served:])
-                if not payloads:
-                    tier = "lmdb"
-                    payloads = await loop.run_in_executor(
-                        None, self._store.read_from_disk, tenant, keys[served:], DISK_BATCH_BYTES
-                    )
-                # Frames are built lazily, while the stream waits on its client: copy
-                # views of journal records now rather than pin them that long.
-                payloads = [bytes(p) if isinstance(p, memoryview) else p for p in payloads]
-            if not payloads:
-                break  # the first miss ends the stream
-            for frame in framer.frames(served, payloads):
-                yield frame
-            served += len(payloads)
-            self._store.note_served(tenant, tier, payloads)
+        with self._core.read(admitted) as reading:
+            while True:
+                batch = await _blocking(reading.next_batch, DISK_BATCH_BYTES)
+                if batch is None:
+                    break
+                # Frames go out while the stream waits on its client: copy views of
+                # journal records now and let go of them, rather than pin them that long.
+                payloads = [bytes(p) if isinstance(p, memoryview) else p for p in batch.payloads]
+                reading.release()
+                for frame in framer.frames(reading.served - len(payloads), payloads):
+                    yield frame
         last = framer.flush()
         if last is not None:
             yield last
-        self._store.note_get(tenant, len(keys), served)
 
     async def Put(
         self, request_iterator: AsyncIterator[pb.PutFrame], context: Context
     ) -> pb.PutResponse:
-        assembler: _BlockAssembler | None = None
+        put: AdmittedPut | None = None
+        assembler = _BlockAssembler()
         futures = []
         async for frame in request_iterator:
-            if assembler is None:
+            if put is None:
                 if not frame.HasField("header"):
                     raise InvalidArgument("the first Put frame must carry `header` (tenant, model)")
-                tenant = self._policy.admit(
-                    current_principal.get(), frame.header.tenant, Action.WRITE
+                put = self._core.admit_put(
+                    current_principal.get(), frame.header.tenant, frame.header.model
                 )
-                model = parse_model(frame.header.model)
-                assembler = _BlockAssembler(
-                    tenant, model, self._policy.model_tag(tenant, model), self._limits
-                )
-            for index, digest, payload in assembler.add(frame.chunks):
-                self._policy.check_payload(assembler.tenant, payload, index)
-                key = self._policy.storage_key(assembler.tenant, assembler.model, digest)
+            elif frame.HasField("header"):
+                raise InvalidArgument("only the first Put frame may carry `header`")
+            for index, key, payload in assembler.add(frame.chunks, put, self._core):
                 # Off the event loop: a journaled put copies the block before it returns.
-                submitted = await asyncio.get_running_loop().run_in_executor(
-                    None, self._store.submit_put, assembler.tenant, key, payload, assembler.tag
-                )
+                submitted = await _blocking(self._core.put, put, index, key, BytesSource(payload))
                 futures.append((index, asyncio.wrap_future(submitted)))
-        if assembler is None:
+        if put is None:
             raise InvalidArgument("empty Put stream; send a first frame with `header`")
         assembler.finish()
         return await _put_results(futures)
@@ -156,31 +109,26 @@ class BlockStoreService(pb_grpc.BlockStoreServicer):
         if request.whole_tenant:
             if request.digests:
                 raise InvalidArgument("whole_tenant deletes take no digests; send one or the other")
-            tenant = self._policy.admit(principal, request.tenant, Action.ADMIN)
-            if request.model:  # one model's namespace of the tenant
-                tag = self._policy.model_tag(tenant, parse_model(request.model))
-                deleted = await _blocking(self._store.delete_tenant, tenant, tag)
-                action = "delete_model_namespace"
-            else:
-                deleted = await _blocking(self._store.delete_tenant, tenant, None)
-                action = "delete_tenant"
-            self._policy.record_admin(principal, action, tenant=tenant, blocks=deleted)
+            deleted = await _blocking(
+                self._core.delete_namespace, principal, request.tenant, request.model
+            )
             return pb.DeleteResponse(deleted=deleted)
-        _, keys = self._keys(request.tenant, request.model, request.digests, Action.WRITE)
-        return pb.DeleteResponse(deleted=await _blocking(self._store.delete, keys))
+        admitted = self._core.admit(
+            principal, Action.WRITE, request.tenant, request.model, request.digests
+        )
+        return pb.DeleteResponse(deleted=await _blocking(self._core.delete, admitted))
 
     async def Stats(self, request: pb.StatsRequest, context: Context) -> pb.StatsResponse:
-        principal = current_principal.get()
-        response = pb.StatsResponse()
-        for tenant in sorted(self._policy.visible_tenants(principal)):
-            blocks, nbytes = self._store.tenant_usage(tenant)
-            c = self._store.count(tenant)
+        stats = self._core.stats(current_principal.get())
+        response = pb.StatsResponse(integrity_failures=stats.integrity_failures)
+        for view in stats.tenants:
+            c = view.counts
             response.tenants.append(
                 pb.TenantStats(
-                    tenant=tenant,
-                    blocks=blocks,
-                    bytes=nbytes,
-                    quota_bytes=self._policy.quotas_bytes.get(tenant, 0),
+                    tenant=view.tenant,
+                    blocks=view.blocks,
+                    bytes=view.bytes,
+                    quota_bytes=view.quota_bytes,
                     lookups=c.lookups,
                     lookup_hits=c.lookup_hits,
                     lookup_digests=c.lookup_digests,
@@ -190,12 +138,10 @@ class BlockStoreService(pb_grpc.BlockStoreServicer):
                     bytes_stored=c.bytes_stored,
                 )
             )
-        if self._policy.is_admin(principal):
-            for name, (blocks, nbytes, budget) in self._store.tier_usage().items():
-                response.tiers.append(
-                    pb.TierStats(name=name, blocks=blocks, bytes=nbytes, budget_bytes=budget)
-                )
-            response.integrity_failures = self._store.integrity_failures
+        for name, (blocks, nbytes, budget) in stats.tiers.items():
+            response.tiers.append(
+                pb.TierStats(name=name, blocks=blocks, bytes=nbytes, budget_bytes=budget)
+            )
         return response
 
 
@@ -257,29 +203,34 @@ class _Framer:
 
 
 class _BlockAssembler:
-    """Reassembles Put chunks into whole blocks; a block is released only when complete."""
+    """Reassembles Put chunks into whole blocks; a block is released only when complete.
 
-    def __init__(
-        self, tenant: TenantId, model: ModelName, tag: ModelTag, limits: LimitsConfig
-    ) -> None:
-        self.tenant = tenant
-        self.model = model
-        self.tag = tag
-        self._limits = limits
+    A block's declared size is admitted (the core's name_block: digest, count, size)
+    from its first chunk, before any of its bytes are kept."""
+
+    def __init__(self) -> None:
         self._count = 0
-        self._digest: Any = None
-        self._expected = 0
+        self._key = StorageKey(b"")
+        self._expected = -1  # -1: between blocks
         self._parts: list[bytes] = []
         self._received = 0
 
-    def add(self, chunks: Sequence[pb.PutChunk]) -> Iterator[tuple[int, Any, bytes]]:
+    def add(
+        self, chunks: Sequence[pb.PutChunk], put: AdmittedPut, core: RequestCore
+    ) -> Iterator[tuple[int, StorageKey, bytes]]:
         for chunk in chunks:
-            if chunk.offset == 0 and self._digest is None:
-                self._start(chunk)
-            elif self._digest is None or chunk.offset != self._received:
+            if self._expected < 0 and chunk.offset == 0:
+                self._key = core.name_block(put, self._count, chunk.digest, chunk.block_bytes)
+                self._expected = chunk.block_bytes
+                self._parts, self._received = [], 0
+            elif self._expected < 0 or chunk.offset != self._received:
                 raise InvalidArgument(
                     f"block {self._count}: chunk at offset {chunk.offset}, expected "
                     f"{self._received}; send each block's chunks in order, starting at offset 0"
+                )
+            if not chunk.data and self._received < self._expected:
+                raise InvalidArgument(
+                    f"block {self._count}: an empty chunk; every chunk carries bytes"
                 )
             self._parts.append(chunk.data)
             self._received += len(chunk.data)
@@ -290,31 +241,21 @@ class _BlockAssembler:
             if self._received == self._expected:
                 yield self._complete()
 
-    def _start(self, chunk: pb.PutChunk) -> None:
-        self._limits.check_block_bytes(self._count, chunk.block_bytes)
-        self._digest = parse_digest(chunk.digest, self._count)
-        self._expected = chunk.block_bytes
-        self._parts = []
-        self._received = 0
-
-    def _complete(self) -> tuple[int, Any, bytes]:
+    def _complete(self) -> tuple[int, StorageKey, bytes]:
         payload = self._parts[0] if len(self._parts) == 1 else b"".join(self._parts)
-        result = (self._count, self._digest, payload)
+        result = (self._count, self._key, payload)
         self._count += 1
-        self._digest = None
+        self._expected = -1
         return result
 
     def finish(self) -> None:
-        if self._digest is not None:
+        if self._expected >= 0:
             raise InvalidArgument(
                 f"block {self._count} ended after {self._received} of "
                 f"{self._expected} bytes; nothing of it was stored"
             )
 
 
-__all__ = ["BlockStoreService", "PermissionDenied"]
-
-
 async def _blocking(function: Callable[..., _T], *args: Any) -> _T:
-    """Run a blocking store call (LMDB I/O, waiting for the writer) off the event loop."""
+    """Run a blocking call (LMDB I/O, waiting for the writer) off the event loop."""
     return await asyncio.get_running_loop().run_in_executor(None, function, *args)

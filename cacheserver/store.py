@@ -35,12 +35,12 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from cacheserver.config import StorageConfig
-from cacheserver.events import NoEvents, StoreEvents, Tier
+from cacheserver.events import NoEvents, StoreEvents
 from cacheserver.index import BlockIndex, Entry, EvictReason, NoRoom
 from cacheserver.journal import (
     Journal,
@@ -53,6 +53,8 @@ from cacheserver.journal import (
 )
 from cacheserver.lmdb_tier import LmdbTier, PendingWrite
 from cacheserver.memory_tier import MemoryTier, Payload
+from cacheserver.reading import Reading
+from cacheserver.writing import BlockSource
 from kvcommon.errors import ConfigError, KvshareError, ResourceExhausted, Unavailable
 from policy.types import ModelTag, StorageKey, TenantId
 
@@ -65,17 +67,6 @@ MAX_BATCH_BLOCKS = 4096
 RETRY_DRAIN_S = 1.0  # a failed drain of journaled puts is retried after this long
 JOURNAL_WAIT_S = 5.0  # a put waits this long for journal room before it is refused
 BARRIER_TIMEOUT_S = 60.0  # a delete waits at most this long for the writer
-
-
-@dataclass
-class TenantCounters:
-    lookups: int = 0
-    lookup_hits: int = 0
-    lookup_digests: int = 0  # digests asked: lookup_hits / lookup_digests is the hit rate
-    blocks_served: int = 0
-    bytes_served: int = 0
-    blocks_stored: int = 0
-    bytes_stored: int = 0
 
 
 @dataclass
@@ -116,6 +107,16 @@ def _lower_this_threads_priority() -> None:
     journal fills, puts wait, and the CPU is the writer's) and by the periodic fsync."""
     with contextlib.suppress(OSError, AttributeError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+
+
+def _nothing() -> None:
+    pass
+
+
+def _done(stored: bool) -> concurrent.futures.Future[bool]:
+    future: concurrent.futures.Future[bool] = concurrent.futures.Future()
+    future.set_result(stored)
+    return future
 
 
 def _stored(job: _PutJob) -> bool:
@@ -166,7 +167,6 @@ class BlockStore:
         self.reclaimed_at_start = 0  # blocks of retired epochs or removed tenants
         self._epochs = dict(epochs)
         self._lock = threading.Lock()
-        self.counters: dict[TenantId, TenantCounters] = {}
         self._queue: queue.Queue[_PutJob | _Barrier | _Reclaim | None] = queue.Queue()
         self._reclaim_asked = threading.Event()
         self._pending_bytes = 0  # payload bytes queued for, or inside, the writer
@@ -335,12 +335,6 @@ class BlockStore:
 
     # -- reads ------------------------------------------------------------------------
 
-    def count(self, tenant: TenantId) -> TenantCounters:
-        counters = self.counters.get(tenant)
-        if counters is None:
-            counters = self.counters[tenant] = TenantCounters()
-        return counters
-
     def lookup(self, tenant: TenantId, keys: Sequence[StorageKey]) -> int:
         with self._lock:
             self._last_activity = time.monotonic()
@@ -349,30 +343,26 @@ class BlockStore:
                 if not self._index.touch(key):
                     break
                 present += 1
-            counters = self.count(tenant)
-            counters.lookups += 1
-            counters.lookup_hits += present
-            counters.lookup_digests += len(keys)
-            self.events.looked_up(tenant, len(keys), present)
-            return present
+        self.events.looked_up(tenant, len(keys), present)
+        return present
 
-    @contextlib.contextmanager
-    def reading(self) -> Iterator[None]:
-        """Wrap reads whose payloads are used after they return (sent, copied): a
-        payload may be a view of a journal record, whose space is not written again
-        until every reader that entered before it was released has left."""
+    def read(self, tenant: TenantId, keys: Sequence[StorageKey]) -> Reading:
+        """The leading present blocks of `keys`, batch by batch (cacheserver.reading)."""
+        return Reading(self, tenant, keys)
+
+    def pin(self) -> Callable[[], None]:
+        """Keep views of journal records valid until the returned function is called:
+        a record's space is not written again while a reader that entered before it
+        was released is still using it."""
         journal = self._journal
         if journal is None:
-            yield
-            return
+            return _nothing
         token = journal.enter_read()
-        try:
-            yield
-        finally:
-            journal.exit_read(token)
+        return lambda: journal.exit_read(token)
 
-    def read_from_memory(self, keys: Sequence[StorageKey]) -> list[Payload]:
-        """Leading payloads held in memory (fast; safe to call on the event loop)."""
+    def read_from_memory(self, keys: Sequence[StorageKey]) -> tuple[list[Payload], bool]:
+        """Leading payloads held in memory, and whether the key after them is stored
+        (fast; safe to call on the event loop)."""
         out: list[Payload] = []
         with self._lock:
             self._last_activity = time.monotonic()
@@ -381,17 +371,15 @@ class BlockStore:
                 if payload is None or not self._index.touch(key):
                     break
                 out.append(payload)
-        return out
+            more = len(out) < len(keys) and keys[len(out)] in self._index
+        return out, more
 
-    def is_stored(self, key: StorageKey) -> bool:
-        with self._lock:
-            return key in self._index
-
-    def read_from_disk(
+    def read_through(
         self, tenant: TenantId, keys: Sequence[StorageKey], max_bytes: int
-    ) -> list[Payload]:
+    ) -> tuple[list[Payload], bool]:
         """Leading payloads (about `max_bytes` of them, at least one) read through from
-        LMDB and promoted to memory. Blocking: run it off the event loop."""
+        LMDB and promoted to memory, and whether the key after them is stored.
+        Blocking: run it off the event loop."""
         with self._lock:
             wanted: list[StorageKey] = []
             total = 0
@@ -411,7 +399,7 @@ class BlockStore:
                 if payload is None:
                     if key not in self._pending:  # not put again meanwhile
                         self._remove_everywhere([key])  # corrupt or gone: a miss from now on
-                    break
+                    return out, False
                 # A view of a journal record is not promoted: the record may have been
                 # drained and its space reclaimed since it was taken above, and the
                 # memory tier must never keep such a view past the reclaim.
@@ -419,47 +407,57 @@ class BlockStore:
                 if touched and key not in journaled and self._memory.admit(key, tenant, payload):
                     self.events.stored(tenant, "memory", len(payload))
                 out.append(payload)
-        return out
-
-    def note_served(self, tenant: TenantId, tier: Tier, payloads: Sequence[Payload]) -> None:
-        """`payloads` (read from `tier`) went to a client."""
-        nbytes = sum(len(p) for p in payloads)
-        with self._lock:
-            counters = self.count(tenant)
-            counters.blocks_served += len(payloads)
-            counters.bytes_served += nbytes
-        self.events.served(tenant, tier, len(payloads), nbytes)
-
-    def note_get(self, tenant: TenantId, asked: int, served: int) -> None:
-        """A get of `asked` blocks ended after `served` of them (the rest: misses)."""
-        self.events.got(tenant, asked, served)
+            more = len(out) < len(keys) and keys[len(out)] in self._index
+        return out, more
 
     # -- writes -----------------------------------------------------------------------
 
-    def submit_put(
+    def put(
+        self, tenant: TenantId, key: StorageKey, model_tag: ModelTag, source: BlockSource
+    ) -> concurrent.futures.Future[bool]:
+        """Store a block whose bytes `source` supplies; the future is True (stored) or
+        False (already present). Refusals (quota, journal or writer backlog full) raise
+        ResourceExhausted before any byte is taken.
+
+        With the journal, the bytes go straight into their record and the future is
+        done on return: the put is acknowledged. Without, they go into a buffer the
+        memory tier keeps, and the future completes once the writer has committed the
+        block to LMDB (callers wait for all of a request's futures together, so one
+        commit acknowledges them all)."""
+        if self._journal is not None:
+            job = self._begin_put(tenant, key, source.size, model_tag)
+            if job is None:
+                source.skip()
+                return _done(False)
+            try:
+                source.fill(memoryview(job.payload))
+            except BaseException:
+                self._abandon_put(job)
+                raise
+            return _done(self._finish_put(job))
+        with self._lock:
+            if key in self._index:
+                self._index.touch(key)
+                self.events.put_outcome(tenant, "already_present", source.size)
+                source.skip()
+                return _done(False)
+        payload = source.payload()
+        if payload is None:
+            buffer = bytearray(source.size)
+            source.fill(memoryview(buffer))  # kept as filled: no further copy
+            payload = buffer
+        return self._submit_put(tenant, key, payload, model_tag)
+
+    def _submit_put(
         self, tenant: TenantId, key: StorageKey, payload: Payload, model_tag: ModelTag
     ) -> concurrent.futures.Future[bool]:
-        """Store a block; the future is True (stored) or False (already present).
-
-        With the journal, the block is copied into it and the future is done on return
-        (blocking); without, the future completes once the writer has committed the
-        block to LMDB."""
-        if self._journal is not None:
-            done: concurrent.futures.Future[bool] = concurrent.futures.Future()
-            try:
-                job = self.begin_put(tenant, key, len(payload), model_tag)
-                if job is not None:
-                    job.payload[:] = memoryview(payload).cast("B")  # type: ignore[index]
-                done.set_result(job is not None and self.finish_put(job))
-            except KvshareError as error:
-                done.set_exception(error)
-            return done
+        """Write-through (no journal): queue the block for the writer's next commit."""
         job = _PutJob(key, tenant, self._epochs.get(tenant, 0), payload, model_tag)
         with self._lock:
             if key in self._index:
                 self._index.touch(key)
                 job.future.set_result(False)
-                self.events.put_outcome(tenant, "already_present")
+                self.events.put_outcome(tenant, "already_present", len(payload))
                 return job.future
         nbytes = len(payload)
         try:
@@ -471,17 +469,12 @@ class BlockStore:
         self._queue.put(job)
         return job.future
 
-    @property
-    def receives_in_place(self) -> bool:
-        """Whether puts are received straight into the journal (begin_put/finish_put)."""
-        return self._journal is not None
-
-    def begin_put(
+    def _begin_put(
         self, tenant: TenantId, key: StorageKey, size: int, model_tag: ModelTag
     ) -> _PutJob | None:
         """Journal only: reserve a record for a block of `size` bytes. Write the block
-        into the job's `payload` (a view of the record), then call `finish_put`, or
-        `abandon_put` if it cannot be had. None: the block is already stored.
+        into the job's `payload` (a view of the record), then call `_finish_put`, or
+        `_abandon_put` if it cannot be had. None: the block is already stored.
 
         Raises ResourceExhausted when the tenant's quota or the journal has no room."""
         journal = self._journal
@@ -490,7 +483,7 @@ class BlockStore:
         with self._lock:
             if key in self._index:
                 self._index.touch(key)
-                self.events.put_outcome(tenant, "already_present")
+                self.events.put_outcome(tenant, "already_present", size)
                 return None
             try:  # refuse before journaling what cannot be admitted
                 self._index.victims_with_reasons(tenant, size)
@@ -501,11 +494,11 @@ class BlockStore:
             job.record = journal.reserve(key, tenant, job.epoch, model_tag, size, JOURNAL_WAIT_S)
         except JournalFull:
             self._release_pending(size)
-            self.events.put_outcome(tenant, "rejected")
+            self.events.put_outcome(tenant, "rejected", size)
             raise
         except OSError as error:
             self._release_pending(size)
-            self.events.put_outcome(tenant, "failed")
+            self.events.put_outcome(tenant, "failed", size)
             log.error("put journal write failed: %s", error.strerror)
             raise Unavailable(
                 "the put journal could not be written; check free space on "
@@ -514,7 +507,7 @@ class BlockStore:
         job.payload = job.record.view
         return job
 
-    def finish_put(self, job: _PutJob) -> bool:
+    def _finish_put(self, job: _PutJob) -> bool:
         """The job's block is complete: commit its record and make it visible. Returns
         whether it was stored (False: another put of the same key came first).
 
@@ -544,8 +537,8 @@ class BlockStore:
             raise failure
         return bool(admitted)
 
-    def abandon_put(self, job: _PutJob) -> None:
-        """The block of a `begin_put` will not come (a dropped connection, a refused
+    def _abandon_put(self, job: _PutJob) -> None:
+        """The block of a `_begin_put` will not come (a dropped connection, a refused
         payload): its record is passed over."""
         job.void = True
         self._queue.put(job)
@@ -565,7 +558,7 @@ class BlockStore:
             if self._pending_bytes + nbytes > self._max_pending_bytes:
                 # Refuse rather than queue without bound: writers faster than the disk
                 # must not grow the server's memory (the client retries or drops).
-                self.events.put_outcome(tenant, "rejected")
+                self.events.put_outcome(tenant, "rejected", nbytes)
                 raise ResourceExhausted(
                     f"{self._pending_bytes} bytes already wait for the disk writer; "
                     f"max_pending_write_bytes is {self._max_pending_bytes}: retry later, "
@@ -575,16 +568,13 @@ class BlockStore:
 
     def _note_stored(self, job: _PutJob) -> None:
         """A new block is stored (under `_lock`): count it and keep it hot."""
-        self.events.put_outcome(job.tenant, "stored")
+        self.events.put_outcome(job.tenant, "stored", len(job.payload))
         if self._memory.admit(job.key, job.tenant, job.payload):
             self.events.stored(job.tenant, "memory", len(job.payload))
-        counters = self.count(job.tenant)
-        counters.blocks_stored += 1
-        counters.bytes_stored += len(job.payload)
 
     def _no_room(self, tenant: TenantId, size: int, error: NoRoom) -> ResourceExhausted:
         self.events.quota_rejected(tenant)
-        self.events.put_outcome(tenant, "rejected")
+        self.events.put_outcome(tenant, "rejected", size)
         return ResourceExhausted(
             f"no room for a {size}-byte block: {error.reason}; raise the "
             "tenant's quota_bytes or [storage] disk_budget_bytes"
@@ -733,7 +723,7 @@ class BlockStore:
         for job in batch:
             if job.key in self._index or any(a.key == job.key for a in admitted):
                 job.future.set_result(False)
-                self.events.put_outcome(job.tenant, "already_present")
+                self.events.put_outcome(job.tenant, "already_present", len(job.payload))
                 continue
             try:
                 victims = self._index.victims_with_reasons(job.tenant, len(job.payload))
@@ -775,7 +765,7 @@ class BlockStore:
                     self._index.add(key, entry.tenant, entry.size, clock=entry.clock, tag=entry.tag)
                 self._commit_failure = f"an LMDB commit failed ({type(error).__name__})"
                 for job in admitted:
-                    self.events.put_outcome(job.tenant, "failed")
+                    self.events.put_outcome(job.tenant, "failed", len(job.payload))
             failure = (
                 error
                 if isinstance(error, KvshareError)
@@ -794,7 +784,7 @@ class BlockStore:
                 self.events.evicted("lmdb", reason, entry.size)
             for job, fresh in zip(admitted, stored, strict=True):
                 if not fresh:
-                    self.events.put_outcome(job.tenant, "already_present")
+                    self.events.put_outcome(job.tenant, "already_present", len(job.payload))
                     continue
                 self._index.add(
                     job.key, job.tenant, len(job.payload), clock=job.clock, tag=job.model_tag

@@ -316,7 +316,7 @@ class ServerTelemetry:
         self._stored_blocks.add(1, self._tenant(tenant, tier=tier))
         self._stored_bytes.add(nbytes, self._tenant(tenant, tier=tier))
 
-    def put_outcome(self, tenant: TenantId, outcome: PutOutcome) -> None:
+    def put_outcome(self, tenant: TenantId, outcome: PutOutcome, nbytes: int) -> None:
         self._put_blocks.add(1, self._tenant(tenant, outcome=outcome))
 
     def evicted(self, tier: Tier, reason: EvictReason, nbytes: int) -> None:

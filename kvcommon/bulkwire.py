@@ -13,7 +13,8 @@ After `OpenBulk` (gRPC) issues a ticket, the client opens a TCP (or TLS) connect
             request joins the caller's trace
     server: GET  -> status u8, then per block size u64 | payload, then END (size 0)
             PUT  -> status u8, then count x outcome u8 (1 stored, 2 already present)
-    error frame: status u8 (a gRPC status code) | message_len u16 | message (UTF-8)
+    error frame: status u8 (a gRPC status code) | message_len u16 | message (UTF-8);
+            the status is the error class's `code` (kvcommon.errors), as over gRPC
 
 Integers are big-endian. Payloads are raw bytes with no per-message framing, so both
 sides move them with one `sendmsg`/`recv_into` each, without copies.
@@ -42,6 +43,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvcommon.errors import KvshareError
+
 MAGIC = b"KVB1"
 HELLO = struct.Struct(">4s32s")
 REQUEST = struct.Struct(">BHI")
@@ -61,18 +64,6 @@ LOCAL_GET = struct.Struct(">IB")
 ARENA_ALIGN = 4096  # page-aligned blocks: copies between odd offsets run far slower
 MAX_MESSAGE_CHARS = 1024
 MAX_IOV = 512  # below Linux's IOV_MAX (1024) per sendmsg
-
-# gRPC status codes by name, so errors read the same on both paths.
-STATUS_CODES = {
-    "INVALID_ARGUMENT": 3,
-    "PERMISSION_DENIED": 7,
-    "RESOURCE_EXHAUSTED": 8,
-    "INTERNAL": 13,
-    "UNAVAILABLE": 14,
-    "DATA_LOSS": 15,
-    "UNAUTHENTICATED": 16,
-}
-STATUS_NAMES = {code: name for name, code in STATUS_CODES.items()}
 
 
 class ConnectionClosed(ConnectionError):
@@ -132,9 +123,23 @@ def recv_bytes(sock: socket.socket, size: int) -> bytearray:
     return buffer
 
 
-def error_frame(status_name: str, message: str) -> bytes:
-    encoded = message.encode("utf-8")[:MAX_MESSAGE_CHARS]
-    return ERROR.pack(STATUS_CODES.get(status_name, 13), len(encoded)) + encoded
+def error_frame(error: KvshareError) -> bytes:
+    """The error frame of `error`: its status code (kvcommon.errors) and message."""
+    encoded = str(error).encode("utf-8")[:MAX_MESSAGE_CHARS]
+    return ERROR.pack(error.wire_code, len(encoded)) + encoded
+
+
+def recv_error(sock: socket.socket, start: bytes = b"") -> tuple[int, str]:
+    """The status code and message of an error frame whose first bytes, `start`, were
+    read already (the rest is received here). The one parser of the frame."""
+    head = start[: ERROR.size]
+    if len(head) < ERROR.size:
+        head += bytes(recv_bytes(sock, ERROR.size - len(head)))
+    code, length = ERROR.unpack(head)
+    message = start[ERROR.size :]
+    if len(message) < length:
+        message += bytes(recv_bytes(sock, length - len(message)))
+    return code, bytes(message[:length]).decode("utf-8", "replace")
 
 
 def host_namespace() -> str:

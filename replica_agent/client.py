@@ -7,19 +7,29 @@
     c.close()
 
 Misses are results: `lookup` counts, `get` returns the leading blocks that exist.
-Errors raise `BlockStoreError`, whose `.code()` is the `grpc.StatusCode` and whose
-subclass mirrors the server's exception (e.g. `isinstance(e, PermissionDenied)`).
+Errors raise `BlockStoreError` (replica_agent.errors), whose `.code()` is the
+`grpc.StatusCode` and whose class is also the server's exception class (e.g.
+`isinstance(e, PermissionDenied)`), whichever transport answered.
 Thread-safe: one client (one HTTP/2 channel) may be shared by threads.
 
-Each call carries the caller's current trace context (W3C `traceparent`, and its
-binary form on the bulk channel: kvcommon.tracing), so the server's span of the call
-joins the caller's trace.
+Transports. Payloads move over the server's bulk channel (grpc_calls.py for the rest)
+unless `bulk=False`; the choice and the fallback live here and only here:
+- a call the bulk channel cannot frame goes over gRPC (the server then answers with
+  its own message);
+- a connection that fails (refused, reset, closed mid-frame) sends this call over gRPC
+  and keeps the bulk channel off for a backoff that doubles up to a minute, counted in
+  `transport_stats.bulk_fallbacks` and logged once per backoff window; then it is tried again;
+- a server without a bulk channel turns it off for good.
+Policy errors (the server's statuses) are raised whatever the transport: gRPC would
+answer the same.
 """
 
 from __future__ import annotations
 
 import logging
 import ssl
+import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,16 +38,23 @@ from typing import Any
 
 import grpc
 
-from kvcommon import errors
-from kvcommon.tracing import outgoing_metadata
+from kvcommon import bulkwire as w
 from kvcommon.v1 import kvshare_pb2 as pb
-from kvcommon.v1 import kvshare_pb2_grpc as pb_grpc
-from replica_agent.bulk import BulkChannel, Ticket, UseGrpc
+from replica_agent.bulk import BulkChannel, UseGrpc
+from replica_agent.errors import BlockStoreError, store_error
+from replica_agent.grpc_calls import GrpcCalls, NoBulkListener
 
 log = logging.getLogger(__name__)
 
 DEFAULT_FRAME_BYTES = 4 << 20
 MAX_MESSAGE_BYTES = 64 << 20
+FIRST_BACKOFF_S = 1.0
+MAX_BACKOFF_S = 60.0
+LOCAL_RETRY_S = 30.0  # after the same-host listener refused or failed, use TCP this long
+Payload = bytes | bytearray | memoryview
+View = bytes | memoryview  # a block as read: bytes (gRPC) or a view of a reused buffer
+
+__all__ = ["BlockClient", "BlockStoreError", "ClientTls"]
 
 
 @dataclass(frozen=True)
@@ -65,50 +82,35 @@ class ClientTls:
         )
 
 
-class _NoBulk(Exception):
-    """The server offers no bulk channel."""
+@dataclass
+class ClientStats:
+    bulk_fallbacks: int = 0  # calls sent over gRPC because the bulk channel failed
 
 
-class BlockStoreError(errors.KvshareError):
-    """A failed RPC. `.code()` is the gRPC status; `.details()` the server's message."""
+class _Backoff:
+    """Off for a while after a failure, doubling while failures repeat."""
 
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"{code.name}: {details}")
-        self._code = code
-        self._details = details
+    def __init__(self, first_s: float, max_s: float) -> None:
+        self._first_s, self._max_s = first_s, max_s
+        self._delay_s = 0.0
+        self._until = 0.0
+        self._lock = threading.Lock()
 
-    def code(self) -> grpc.StatusCode:
-        return self._code
+    def allowed(self) -> bool:
+        return time.monotonic() >= self._until
 
-    def details(self) -> str:
-        return self._details
+    def failed(self) -> bool:
+        """Start (or extend) the off window; True when this opens a new window."""
+        with self._lock:
+            now = time.monotonic()
+            if now < self._until:
+                return False
+            self._delay_s = min(self._max_s, max(self._first_s, 2 * self._delay_s))
+            self._until = now + self._delay_s
+            return True
 
-
-_SUBCLASSES: dict[grpc.StatusCode, type[BlockStoreError]] = {}
-
-
-def _error_class(code: grpc.StatusCode) -> type[BlockStoreError]:
-    """A subclass of both BlockStoreError and the matching kvshare error, made once."""
-    cls = _SUBCLASSES.get(code)
-    if cls is None:
-        base = next(
-            (c for c in errors.KvshareError.__subclasses__() if c.status == code.name), None
-        )
-        bases: tuple[type, ...] = (BlockStoreError, base) if base else (BlockStoreError,)
-        cls = type(f"BlockStore{code.name.title().replace('_', '')}", bases, {})
-        _SUBCLASSES[code] = cls
-    return cls
-
-
-def _status_error(status_name: str, message: str) -> BlockStoreError:
-    code = getattr(grpc.StatusCode, status_name, grpc.StatusCode.INTERNAL)
-    return _error_class(code)(code, message)
-
-
-def _raise(error: grpc.RpcError) -> BlockStoreError:
-    code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
-    details = error.details() if hasattr(error, "details") else str(error)
-    return _error_class(code)(code, details or "")
+    def succeeded(self) -> None:
+        self._delay_s = 0.0
 
 
 class BlockClient:
@@ -125,10 +127,10 @@ class BlockClient:
         same_host: bool = True,
     ) -> None:
         """`bulk`: move payloads over the server's bulk channel (one-time tickets from
-        OpenBulk, same credentials and policy); plain gRPC when the server has none or
-        the channel fails. `same_host`: on the server's own host, move them through a
-        shared-memory arena the server hands out over a Unix socket (no TCP, no TLS:
-        the bytes never leave the host's kernel); off, or elsewhere, over TCP/TLS."""
+        OpenBulk, same credentials and policy); gRPC otherwise. `same_host`: on the
+        server's own host, move them through a shared-memory arena the server hands
+        out over a Unix socket (no TCP, no TLS: the bytes never leave the host's
+        kernel); off, or elsewhere, over TCP/TLS."""
         channel_options = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -145,20 +147,26 @@ class BlockClient:
             self._channel = grpc.secure_channel(address, tls.credentials(), channel_options)
         else:
             self._channel = grpc.insecure_channel(address, channel_options)
-        self._stub = pb_grpc.BlockStoreStub(self._channel)
-        self._metadata = (("authorization", f"Bearer {token}"),)
-        self.timeout_s = timeout_s
-        self.frame_bytes = frame_bytes
+        self._grpc = GrpcCalls(self._channel, token, timeout_s, frame_bytes)
+        self.transport_stats = ClientStats()
+        self._bulk_backoff = _Backoff(FIRST_BACKOFF_S, MAX_BACKOFF_S)
+        self._local_backoff = _Backoff(LOCAL_RETRY_S, LOCAL_RETRY_S)
         self._bulk: BulkChannel | None = None
         if bulk:
             self._bulk = BulkChannel(
-                self._open_bulk,
-                _status_error,
+                self._grpc.open_bulk,
+                dialed_host(address),
                 tls.ssl_context() if tls else None,
                 tls.server_name if tls else None,
                 timeout_s,
                 same_host=same_host,
+                local_allowed=self._local_backoff.allowed,
+                local_failed=self._local_backoff.failed,
             )
+
+    @property
+    def timeout_s(self) -> float | None:
+        return self._grpc.timeout_s
 
     def __enter__(self) -> BlockClient:
         return self
@@ -176,211 +184,107 @@ class BlockClient:
             self._bulk.close()
         self._channel.close()
 
-    def _call_metadata(self) -> tuple[tuple[str, str], ...]:
-        return self._metadata + outgoing_metadata()
+    # -- the transport choice -----------------------------------------------------------
 
-    def _open_bulk(self, tenant: str) -> Ticket:
-        try:
-            response = self._stub.OpenBulk(
-                pb.OpenBulkRequest(tenant=tenant),
-                timeout=self.timeout_s,
-                metadata=self._call_metadata(),
-            )
-        except grpc.RpcError as error:
-            if error.code() == grpc.StatusCode.UNIMPLEMENTED:
-                raise _NoBulk("server predates the bulk channel") from None
-            raise _raise(error) from None
-        return Ticket(
-            response.ticket,
-            response.address,
-            response.trace_context,
-            response.local_address,
-            response.local_namespace,
-            response.local_owner,
-        )
+    def _bulk_now(self) -> BulkChannel | None:
+        bulk = self._bulk
+        return bulk if bulk is not None and self._bulk_backoff.allowed() else None
 
     def _bulk_failed(self, error: Exception) -> None:
-        """The bulk path broke below the policy layer (a reset connection, an old server):
-        this call goes over gRPC; an old server turns the bulk path off for good."""
-        if not isinstance(error, UseGrpc):
-            log.warning("bulk channel failed (%s); this call uses gRPC", type(error).__name__)
-        if isinstance(error, _NoBulk) and self._bulk is not None:
-            self._bulk.close()
+        """The bulk path broke below the policy layer: this call goes over gRPC."""
+        if isinstance(error, UseGrpc):
+            return  # this call only; nothing is wrong with the channel
+        if isinstance(error, NoBulkListener):
+            log.info("the server has no bulk channel; using gRPC")
             self._bulk = None
+            return
+        self.transport_stats.bulk_fallbacks += 1
+        if self._bulk_backoff.failed():
+            log.warning(
+                "bulk channel failed (%s); using gRPC, retrying the bulk channel later",
+                type(error).__name__,
+            )
+
+    # -- calls ------------------------------------------------------------------------
 
     def lookup(self, tenant: str, model: str, digests: Sequence[bytes]) -> int:
-        request = pb.LookupRequest(tenant=tenant, model=model, digests=digests)
-        try:
-            response = self._stub.Lookup(
-                request, timeout=self.timeout_s, metadata=self._call_metadata()
-            )
-        except grpc.RpcError as error:
-            raise _raise(error) from None
-        return int(response.present)
+        return self._grpc.lookup(tenant, model, digests)
 
     def get(self, tenant: str, model: str, digests: Sequence[bytes]) -> list[bytes]:
-        views = self.get_views(tenant, model, digests)
-        return [v if isinstance(v, bytes) else bytes(v) for v in views]
+        return [bytes(v) for v in self._read(tenant, model, digests, keep=True)]
 
-    def get_views(
-        self, tenant: str, model: str, digests: Sequence[bytes]
-    ) -> Sequence[bytes | memoryview]:
+    def get_views(self, tenant: str, model: str, digests: Sequence[bytes]) -> list[View]:
         """Like `get`, without copies where the bulk channel is used: the views stay
         valid until this thread's next call on this client. Decode them at once."""
-        bulk = self._bulk
-        if bulk is not None:
-            try:
-                return bulk.get_views(tenant, model, digests)
-            except (OSError, _NoBulk, UseGrpc) as error:
-                self._bulk_failed(error)
-        return list(self.iter_get(tenant, model, digests))
+        return list(self._read(tenant, model, digests, keep=True))
 
-    def iter_views(
-        self, tenant: str, model: str, digests: Sequence[bytes]
-    ) -> Iterator[bytes | memoryview]:
+    def iter_views(self, tenant: str, model: str, digests: Sequence[bytes]) -> Iterator[View]:
         """The leading present payloads one at a time, each valid until the next is
-        requested: the restore path's zero-copy iterator (bulk channel, else gRPC)."""
-        bulk = self._bulk
+        requested: the restore path's zero-copy iterator."""
+        return self._read(tenant, model, digests, keep=False)
+
+    def _read(
+        self, tenant: str, model: str, digests: Sequence[bytes], *, keep: bool
+    ) -> Iterator[View]:
+        """The one read path: the bulk channel, else gRPC (module docstring)."""
+        bulk = self._bulk_now()
         if bulk is not None:
             try:
-                stream = bulk.iter_views(tenant, model, digests)
+                stream = bulk.read(tenant, model, digests, keep=keep)
                 first = next(stream, None)  # connection and policy errors surface here
-            except (OSError, _NoBulk, UseGrpc) as error:
+            except (OSError, w.ConnectionClosed, NoBulkListener, UseGrpc) as error:
                 self._bulk_failed(error)
             else:
-                if first is not None:
-                    yield first
-                    try:
-                        yield from stream
-                    except OSError as error:  # mid-stream: the caller keeps what it has
-                        raise _status_error(
-                            "UNAVAILABLE", f"bulk transfer broke: {error}"
-                        ) from None
-                return
-        yield from self.iter_get(tenant, model, digests)
-
-    def iter_get(self, tenant: str, model: str, digests: Sequence[bytes]) -> Iterator[bytes]:
-        """The leading present payloads, each yielded as soon as its last byte arrives,
-        so a caller can copy block i to the device while block i+1 is on the wire."""
-        request = pb.GetRequest(
-            tenant=tenant, model=model, digests=digests, max_frame_bytes=self.frame_bytes
-        )
-        call = self._stub.Get(request, timeout=self.timeout_s, metadata=self._call_metadata())
-        assembled = 0
-        partial: bytearray | None = None
-        try:
-            for frame in call:
-                for chunk in frame.chunks:
-                    if chunk.index != assembled:
-                        raise BlockStoreError(
-                            grpc.StatusCode.DATA_LOSS, "server sent blocks out of order"
-                        )
-                    if chunk.offset == 0 and len(chunk.data) == chunk.block_bytes:
-                        assembled += 1
-                        yield chunk.data  # a whole block in one chunk: no copy
-                        continue
-                    if chunk.offset == 0:
-                        partial = bytearray(chunk.block_bytes)
-                    if partial is None:
-                        raise BlockStoreError(
-                            grpc.StatusCode.DATA_LOSS, "server sent a chunk without its start"
-                        )
-                    partial[chunk.offset : chunk.offset + len(chunk.data)] = chunk.data
-                    if chunk.offset + len(chunk.data) == chunk.block_bytes:
-                        assembled += 1
-                        yield bytes(partial)
-                        partial = None
-        except grpc.RpcError as error:
-            raise _raise(error) from None
-        finally:
-            call.cancel()  # a consumer that stops early frees the stream at once
+                self._bulk_backoff.succeeded()
+                return _then(first, stream)
+        return self._grpc.iter_get(tenant, model, digests)
 
     def put(
-        self,
-        tenant: str,
-        model: str,
-        digests: Sequence[bytes],
-        payloads: Sequence[bytes | bytearray | memoryview],
+        self, tenant: str, model: str, digests: Sequence[bytes], payloads: Sequence[Payload]
     ) -> list[bool]:
         """Store blocks; per block True if newly stored, False if it was already present."""
         if len(digests) != len(payloads):
             raise ValueError(
                 f"{len(digests)} digests but {len(payloads)} payloads; pass one payload per digest"
             )
-        bulk = self._bulk
+        bulk = self._bulk_now()
         if bulk is not None:
             try:
-                return bulk.put(tenant, model, digests, payloads)
-            except (OSError, _NoBulk, UseGrpc) as error:
-                self._bulk_failed(error)  # puts are idempotent: retry over gRPC
-        frames = _put_frames(tenant, model, digests, payloads, self.frame_bytes)
-        try:
-            response = self._stub.Put(
-                frames, timeout=self.timeout_s, metadata=self._call_metadata()
-            )
-        except grpc.RpcError as error:
-            raise _raise(error) from None
-        stored = [False] * len(digests)
-        for result in response.results:
-            stored[result.index] = result.outcome == pb.PUT_OUTCOME_STORED
-        return stored
+                stored = bulk.put(tenant, model, digests, payloads)
+            except (OSError, w.ConnectionClosed, NoBulkListener, UseGrpc) as error:
+                self._bulk_failed(error)  # puts are idempotent: this one goes over gRPC
+            else:
+                self._bulk_backoff.succeeded()
+                return stored
+        return self._grpc.put(tenant, model, digests, payloads)
 
     def delete(self, tenant: str, model: str, digests: Sequence[bytes]) -> int:
-        return self._delete(pb.DeleteRequest(tenant=tenant, model=model, digests=digests))
+        return self._grpc.delete(pb.DeleteRequest(tenant=tenant, model=model, digests=digests))
 
     def delete_tenant(self, tenant: str, model: str = "") -> int:
         """Delete every block of `tenant`, or only those of `model` (needs `admin`)."""
-        return self._delete(pb.DeleteRequest(tenant=tenant, model=model, whole_tenant=True))
-
-    def _delete(self, request: pb.DeleteRequest) -> int:
-        try:
-            response = self._stub.Delete(
-                request, timeout=self.timeout_s, metadata=self._call_metadata()
-            )
-        except grpc.RpcError as error:
-            raise _raise(error) from None
-        return int(response.deleted)
+        return self._grpc.delete(pb.DeleteRequest(tenant=tenant, model=model, whole_tenant=True))
 
     def stats(self) -> pb.StatsResponse:
-        try:
-            return self._stub.Stats(
-                pb.StatsRequest(), timeout=self.timeout_s, metadata=self._call_metadata()
-            )
-        except grpc.RpcError as error:
-            raise _raise(error) from None
+        return self._grpc.stats()
 
 
-def _put_frames(
-    tenant: str,
-    model: str,
-    digests: Sequence[bytes],
-    payloads: Sequence[bytes | bytearray | memoryview],
-    frame_bytes: int,
-) -> Iterator[pb.PutFrame]:
-    frame = pb.PutFrame(header=pb.PutHeader(tenant=tenant, model=model))
-    filled = 0
-    for digest, payload in zip(digests, payloads, strict=True):
-        view = memoryview(payload).cast("B")
-        offset = 0
-        while True:
-            take = min(len(view) - offset, frame_bytes - filled)
-            data = (
-                payload
-                if take == len(view) and isinstance(payload, bytes)
-                else bytes(view[offset : offset + take])
-            )
-            frame.chunks.add(
-                digest=digest if offset == 0 else b"",
-                block_bytes=len(view),
-                offset=offset,
-                data=data,
-            )
-            offset += take
-            filled += take
-            if filled >= frame_bytes:
-                yield frame
-                frame, filled = pb.PutFrame(), 0
-            if offset >= len(view):
-                break
-    if frame.chunks or frame.HasField("header"):
-        yield frame
+def _then(first: memoryview | None, rest: Iterator[memoryview]) -> Iterator[View]:
+    """`first`, then the rest of a bulk read; a connection lost mid-stream is an
+    UNAVAILABLE error (the caller keeps what it already has)."""
+    if first is None:
+        return
+    yield first
+    try:
+        yield from rest
+    except (OSError, w.ConnectionClosed) as error:
+        raise store_error("UNAVAILABLE", f"bulk transfer broke: {error}") from None
+
+
+def dialed_host(address: str) -> str:
+    """The host of a plain `host:port` gRPC target (what the bulk channel dials when the
+    server announces a wildcard); "" for targets that name several (ipv4:..., dns:...)."""
+    if "," in address or "///" in address or address.startswith(("ipv4:", "ipv6:", "unix:")):
+        return ""
+    host, sep, _port = address.rpartition(":")
+    return host if sep else ""

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from kvcommon import bulkwire as w
-from kvcommon.errors import PermissionDenied
+from kvcommon.errors import PermissionDenied, Unauthenticated
 from kvcommon.v1 import kvshare_pb2 as pb
 from kvcommon.v1 import kvshare_pb2_grpc as pb_grpc
 from policy.identity import Action, Principal
@@ -44,8 +44,8 @@ def test_a_ticket_opens_one_connection_only(tenant_server: Running) -> None:
     response = open_bulk(tenant_server, "a", "alpha")
     assert len(response.ticket) == 32 and response.ttl_ms > 0
     assert hello(response.address, response.ticket) == w.OK  # positive control
-    assert hello(response.address, response.ticket) == w.STATUS_CODES["UNAUTHENTICATED"]
-    assert hello(response.address, os.urandom(32)) == w.STATUS_CODES["UNAUTHENTICATED"]
+    assert hello(response.address, response.ticket) == Unauthenticated.wire_code
+    assert hello(response.address, os.urandom(32)) == Unauthenticated.wire_code
 
 
 def test_tickets_are_issued_only_for_granted_tenants(tenant_server: Running) -> None:

@@ -27,10 +27,13 @@ from cacheserver.embedded import EmbeddedServer
 from cacheserver.telemetry import ServerTelemetry
 from kvcommon import bulkwire as w
 from kvcommon.bulkwire import host_namespace
+from kvcommon.errors import InvalidArgument, Unauthenticated
 from kvcommon.v1 import kvshare_pb2 as pb
 from kvcommon.v1 import kvshare_pb2_grpc as pb_grpc
-from replica_agent.bulk import BulkChannel, Ticket, _Connection
+from replica_agent.bulk import BulkChannel
+from replica_agent.bulk_connect import Connection
 from replica_agent.client import BlockClient
+from replica_agent.grpc_calls import Ticket
 from tests.conftest import Running, write_config
 
 MODEL = "m;fp32;L2"
@@ -72,7 +75,7 @@ def local_hello(name: str, ticket: bytes) -> tuple[socket.socket, bytes, list[in
     return sock, data, fds
 
 
-def connections(client: BlockClient) -> list[_Connection]:
+def connections(client: BlockClient) -> list[Connection]:
     bulk = client._bulk
     assert isinstance(bulk, BulkChannel)
     return list(bulk._all)
@@ -133,14 +136,14 @@ def test_the_same_host_listener_takes_only_valid_tickets(tenant_server: Running)
     assert response.local_address.startswith("kvshare-bulk-")
     sock, data, fds = local_hello(response.local_address, os.urandom(32))
     with sock:
-        assert fds == [] and data[0] == w.STATUS_CODES["UNAUTHENTICATED"]
+        assert fds == [] and data[0] == Unauthenticated.wire_code
     sock, data, fds = local_hello(response.local_address, response.ticket)  # positive control
     with sock:
         assert data[:1] == bytes([w.OK]) and len(fds) == 1
         os.close(fds[0])
     sock, data, fds = local_hello(response.local_address, response.ticket)  # used once
     with sock:
-        assert fds == [] and data[0] == w.STATUS_CODES["UNAUTHENTICATED"]
+        assert fds == [] and data[0] == Unauthenticated.wire_code
 
 
 def test_a_client_cannot_resize_its_arena_or_reach_past_it(tenant_server: Running) -> None:
@@ -161,7 +164,7 @@ def test_a_client_cannot_resize_its_arena_or_reach_past_it(tenant_server: Runnin
         sock.sendall(request + w.SIZE.pack(size - 100) + w.SIZE.pack(200))  # past the end
         status, length = w.ERROR.unpack(w.recv_bytes(sock, w.ERROR.size))
         message = w.recv_bytes(sock, length).decode()
-        assert status == w.STATUS_CODES["INVALID_ARGUMENT"] and "arena" in message
+        assert status == InvalidArgument.wire_code and "arena" in message
         assert sock.recv(1) == b""  # the connection is closed
     with tenant_server.client("a") as client:  # the server serves on
         assert client.put("alpha", MODEL, [b"k" * 32], [b"v"]) == [True]

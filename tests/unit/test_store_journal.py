@@ -7,6 +7,7 @@ from pathlib import Path
 
 from cacheserver.config import StorageConfig
 from cacheserver.store import BlockStore
+from cacheserver.writing import BytesSource
 from policy.types import ModelTag, StorageKey, TenantId
 
 MiB = 1 << 20
@@ -36,15 +37,19 @@ def test_a_block_served_from_its_journal_record_is_not_promoted_to_memory(
         keys = [StorageKey(os.urandom(32)) for _ in range(3)]
         payloads = [os.urandom(512 << 10) for _ in keys]
         for key, payload in zip(keys, payloads, strict=True):
-            assert s.submit_put(TENANT, key, payload, TAG).result() is True
-        with s.reading():
+            assert s.put(TENANT, key, TAG, BytesSource(payload)).result() is True
+        unpin = s.pin()
+        try:
             # positive control: new blocks are held in memory (as views) at once; the
             # first was pushed out of the 1 MiB memory tier by the other two
-            assert [bytes(p) for p in s.read_from_memory(keys[1:])] == payloads[1:]
-            assert s.read_from_memory(keys[:1]) == []
+            held, _ = s.read_from_memory(keys[1:])
+            assert [bytes(p) for p in held] == payloads[1:]
+            assert s.read_from_memory(keys[:1]) == ([], True)
             assert s.undrained_blocks == 3
-            served = s.read_from_disk(TENANT, keys[:1], 64 * MiB)  # from its record
+            served, _ = s.read_through(TENANT, keys[:1], 64 * MiB)  # from its record
             assert [bytes(p) for p in served] == payloads[:1]
-            assert s.read_from_memory(keys[:1]) == []  # and not promoted
+            assert s.read_from_memory(keys[:1]) == ([], True)  # and not promoted
+        finally:
+            unpin()
     finally:
         s.close()

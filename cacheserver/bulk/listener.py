@@ -1,0 +1,295 @@
+"""The bulk listener's connections: block bytes over plain TCP or TLS, beside gRPC.
+
+Python gRPC costs about a millisecond per call and copies each payload several times;
+this listener moves payloads with one `sendmsg` straight from the memory tier (or one
+copy out of LMDB) and receives them with `recv_into`, on a thread per connection, so
+the GIL is released for the whole transfer. Framing: `kvcommon.bulkwire`.
+
+Security: a connection is opened only with a ticket from `OpenBulk`, which gRPC issued
+after authenticating the caller (policy.TicketBook); the connection is then bound to
+that principal and tenant, and every request is admitted and named by the request core
+(cacheserver.requests), the same code the gRPC handlers call. With TLS on the gRPC
+port, this listener uses the same certificate (and client-certificate CA).
+
+Same host: a second listener, on an abstract Unix socket with a random name (so no
+one can claim it before the server, and only a caller told it by OpenBulk finds it),
+takes the same tickets. After the handshake it hands the connection a shared-memory
+arena of its own (a memfd, sealed so that the client can neither shrink nor grow it:
+no access of the server's can fault), and payloads move through the arena: one copy
+each way instead of two, and no TCP stack. The server copies a put's bytes out of the
+arena before it checks or hashes them, so a client rewriting the arena meanwhile can
+only change its own block, as if it had sent other bytes. Policy is the same code as
+on TCP (cacheserver.bulk.handler).
+
+Each request is observed like an RPC (ServerTelemetry.rpc, methods `kvshare.bulk/Get`,
+`kvshare.bulk/Put`, `kvshare.bulk/Hello`); a request flagged TRACED carries its
+caller's trace context, so its span joins the caller's trace as a gRPC call's does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import ssl
+import threading
+from collections.abc import Callable, Iterator
+
+from cacheserver.bulk.arena import Arena, listen_locally
+from cacheserver.bulk.handler import OPS, BulkHandler
+from cacheserver.config import BulkConfig
+from cacheserver.requests import RequestCore
+from cacheserver.telemetry import ServerTelemetry
+from kvcommon import bulkwire as w
+from kvcommon.errors import InvalidArgument, KvshareError, ResourceExhausted
+from kvcommon.tracing import context_from_binary
+from policy.tickets import Grant, TicketBook
+
+log = logging.getLogger(__name__)
+MAX_CONNECTIONS = 256
+IDLE_TIMEOUT_S = 300.0  # an authenticated connection may idle between requests this long
+# Before its ticket is accepted a peer is unauthenticated: it gets only this long to
+# finish TLS and present the ticket, so idle strangers cannot hold the connection slots.
+HANDSHAKE_TIMEOUT_S = 5.0
+BULK_SYSTEM = "kvshare_bulk"  # the `rpc.system` of this listener's spans
+
+
+class BulkServer:
+    def __init__(
+        self,
+        host: str,
+        core: RequestCore,
+        tickets: TicketBook,
+        tls: ssl.SSLContext | None = None,
+        *,
+        telemetry: ServerTelemetry | None = None,
+        bulk: BulkConfig | None = None,
+    ) -> None:
+        self._telemetry = telemetry or ServerTelemetry()
+        self._bulk = bulk or BulkConfig()
+        self._core = core
+        self._tickets = tickets
+        self._tls = tls
+        family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+        self._listener = socket.socket(family, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind((host.strip("[]"), 0))
+        self._listener.listen(128)
+        _bound_host, port = self._listener.getsockname()[:2]
+        self.address = f"{host}:{port}"
+        self._connections: set[socket.socket] = set()
+        self._arenas = 0
+        self._lock = threading.Lock()
+        self._stopping = False
+        self.handshake_timeout_s = HANDSHAKE_TIMEOUT_S
+        self._acceptors = [self._acceptor(self._listener, self._serve, "kvshare-bulk-accept")]
+        # The same-host listener, as OpenBulk describes it: its abstract socket's name
+        # (without the leading NUL), its host and network namespace, the server's uid.
+        self.local_address = self.local_namespace = self.local_owner = ""
+        local = listen_locally() if self._bulk.same_host else None
+        self._local_listener = local[0] if local is not None else None
+        if local is not None:
+            self.local_address = local[1]
+            self.local_namespace = w.host_namespace()
+            self.local_owner = str(os.getuid())
+            self._acceptors.append(
+                self._acceptor(local[0], self._serve_local, "kvshare-bulk-accept-local")
+            )
+
+    def _acceptor(
+        self, listener: socket.socket, serve: Callable[[socket.socket], None], name: str
+    ) -> threading.Thread:
+        return threading.Thread(
+            target=self._accept_loop, args=(listener, serve), name=name, daemon=True
+        )
+
+    @property
+    def arenas(self) -> int:
+        """Same-host connections holding an arena now."""
+        with self._lock:
+            return self._arenas
+
+    def start(self) -> str:
+        for acceptor in self._acceptors:
+            acceptor.start()
+        return self.address
+
+    def stop(self) -> None:
+        self._stopping = True
+        # shutdown() wakes threads blocked in accept()/recv(); close() alone does not.
+        _close_quietly(self._listener)
+        if self._local_listener is not None:
+            _close_quietly(self._local_listener)
+        with self._lock:
+            for conn in list(self._connections):
+                _close_quietly(conn)
+        for acceptor in self._acceptors:
+            acceptor.join(timeout=5)
+
+    def _accept_loop(self, listener: socket.socket, serve: Callable[[socket.socket], None]) -> None:
+        while not self._stopping:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return  # listener closed
+            with self._lock:
+                if len(self._connections) >= MAX_CONNECTIONS:
+                    _close_quietly(conn)
+                    continue
+                self._connections.add(conn)
+            threading.Thread(target=serve, args=(conn,), name="kvshare-bulk", daemon=True).start()
+
+    @contextlib.contextmanager
+    def _connection_scope(self, raw: socket.socket) -> Iterator[None]:
+        """One accepted connection's lifetime, for both listeners: a client going away
+        ends it quietly (nothing acknowledged is affected), anything else is logged;
+        either way the connection slot is given back."""
+        try:
+            yield
+        except (OSError, w.ConnectionClosed, ssl.SSLError):
+            pass
+        except Exception:
+            log.exception("bulk connection failed")
+        finally:
+            self._forget(raw)
+
+    def _serve(self, raw: socket.socket) -> None:
+        conn = raw
+        with self._connection_scope(raw):
+            try:
+                raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                raw.settimeout(self.handshake_timeout_s)
+                if self._tls is not None:
+                    conn = self._tls.wrap_socket(raw, server_side=True)
+                grant = self._handshake(conn)
+                if grant is None:
+                    return
+                conn.sendall(bytes([w.OK]))
+                if conn is raw:  # plain TCP: kernel timeouts, so receives can wait for all
+                    w.kernel_timeouts(raw, IDLE_TIMEOUT_S)
+                else:
+                    conn.settimeout(IDLE_TIMEOUT_S)
+                handler = BulkHandler(self._core, conn, grant, None)
+                while self._serve_one(conn, handler):
+                    pass
+            finally:
+                _close_quietly(conn)
+
+    def _serve_local(self, conn: socket.socket) -> None:
+        """A same-host connection: the same handshake and requests as `_serve`, with
+        payloads in the connection's arena."""
+        arena: Arena | None = None
+        with self._connection_scope(conn):
+            try:
+                conn.settimeout(self.handshake_timeout_s)
+                grant = self._handshake(conn)
+                arena = None if grant is None else self._open_arena(conn)
+                if grant is None or arena is None:
+                    return
+                try:
+                    socket.send_fds(conn, [w.ARENA_REPLY.pack(w.OK, arena.size)], [arena.fd])
+                finally:
+                    arena.close_fd()  # the client holds its own descriptor now
+                w.kernel_timeouts(conn, IDLE_TIMEOUT_S)
+                handler = BulkHandler(self._core, conn, grant, arena)
+                while self._serve_one(conn, handler):
+                    pass
+            finally:
+                _close_quietly(conn)
+                if arena is not None:
+                    try:
+                        arena.close()
+                    finally:
+                        with self._lock:
+                            self._arenas -= 1
+
+    def _open_arena(self, conn: socket.socket) -> Arena | None:
+        """This connection's arena, or None (and an error frame) when no more may open."""
+        with self._lock:
+            room = self._arenas < self._bulk.max_arenas
+            if room:
+                self._arenas += 1
+        try:
+            if not room:
+                raise ResourceExhausted(
+                    f"all {self._bulk.max_arenas} same-host arenas are in use "
+                    "([bulk] max_arenas); use the TCP listener"
+                )
+            return Arena(self._bulk.arena_bytes)
+        except (KvshareError, OSError) as error:
+            if room:
+                with self._lock:
+                    self._arenas -= 1
+            if isinstance(error, OSError):
+                log.error("cannot create a same-host arena: %s", error.strerror)
+                error = ResourceExhausted("the server could not create a shared-memory arena")
+            conn.sendall(w.error_frame(error))
+            return None
+
+    def _forget(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._connections.discard(conn)
+
+    def _handshake(self, conn: socket.socket) -> Grant | None:
+        """Redeem the client's ticket; None (and an error frame sent) if it fails."""
+        hello = w.recv_bytes(conn, w.HELLO.size)
+        magic, ticket = w.HELLO.unpack(hello)
+        with self._telemetry.rpc("kvshare.bulk/Hello", None, system=BULK_SYSTEM) as call:
+            try:
+                if magic != w.MAGIC:
+                    raise InvalidArgument("not a kvshare bulk client (bad magic)")
+                return self._tickets.redeem(ticket)
+            except KvshareError as error:
+                call.status = error.status
+                conn.sendall(w.error_frame(error))
+                return None
+
+    def _serve_one(self, conn: socket.socket, handler: BulkHandler) -> bool:
+        """One request; False when the connection should close."""
+        try:
+            header = w.recv_bytes(conn, w.REQUEST.size)
+        except w.ConnectionClosed:
+            return False
+        op, model_len, count = w.REQUEST.unpack(header)
+        parent = None
+        if op & w.TRACED:
+            op &= ~w.TRACED
+            parent = context_from_binary(w.recv_bytes(conn, w.TRACE_CONTEXT_BYTES))
+        name = OPS.get(op, "Invalid")
+        with self._telemetry.rpc(f"kvshare.bulk/{name}", parent, system=BULK_SYSTEM) as call:
+            try:
+                handler.handle(op, model_len, count)
+                return True
+            except KvshareError as error:
+                call.status = error.status
+                conn.sendall(w.error_frame(error))
+                return False  # the rest of the request may be in flight: resync by closing
+
+
+def _close_quietly(conn: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        conn.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in accept()/recv()
+    with contextlib.suppress(OSError):
+        conn.close()
+
+
+def server_tls_context(
+    cert_chain: bytes, private_key: bytes, client_ca: bytes | None
+) -> ssl.SSLContext:
+    """The bulk listener's TLS context, from the same files as the gRPC port."""
+    import tempfile
+    from pathlib import Path
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    with tempfile.TemporaryDirectory() as tmp:
+        cert_path, key_path = Path(tmp) / "cert.pem", Path(tmp) / "key.pem"
+        cert_path.write_bytes(cert_chain)
+        key_path.write_bytes(private_key)
+        key_path.chmod(0o600)
+        context.load_cert_chain(cert_path, key_path)
+    if client_ca is not None:
+        context.load_verify_locations(cadata=client_ca.decode("ascii"))
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context

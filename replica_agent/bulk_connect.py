@@ -1,0 +1,207 @@
+"""Opening a bulk-channel connection: TCP/TLS, or the same-host arena.
+
+A connection is opened with a one-time ticket from OpenBulk. On the server's host (the
+ticket names a same-host listener in this very network namespace, owned by the
+server's user), the connection gets a shared-memory arena from the server; anywhere
+else, or when the server has no arena to spare, it is a TCP (or TLS) connection to the
+address OpenBulk announced — or, when that address names no host (a wildcard), to the
+host this client dialed for gRPC.
+
+Each connection keeps page-aligned receive buffers that grow to the largest reply seen,
+so steady-state transfers touch no fresh memory (a fresh buffer per call caps near
+1 GB/s on these machines: PERF-BASELINES).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import mmap
+import os
+import socket
+import ssl
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvcommon import bulkwire as w
+from replica_agent.errors import store_error
+from replica_agent.grpc_calls import Ticket
+
+log = logging.getLogger(__name__)
+PAGE = mmap.PAGESIZE
+FIRST_BUFFER_BYTES = 1 << 20
+WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]", "*"})
+
+
+class Buffers:
+    """A connection's receive buffers (anonymous, page-aligned mappings, kept).
+
+    `take(size)` hands out where the next block lands: at the start of the first
+    buffer when only the latest block must stay valid (`keep=False`), else after the
+    blocks taken since `reset`, in a further buffer when this one is full — existing
+    buffers are never resized, so views handed out stay valid until the next `reset`."""
+
+    def __init__(self) -> None:
+        self._maps = [mmap.mmap(-1, FIRST_BUFFER_BYTES)]
+        self._index = 0
+        self._offset = 0
+
+    def reset(self) -> None:
+        self._index = self._offset = 0
+
+    def take(self, size: int, *, keep: bool) -> memoryview:
+        if not keep:
+            self._replace_if_smaller(0, size)
+            return memoryview(self._maps[0])[:size]
+        if self._offset + size > len(self._maps[self._index]):
+            self._index, self._offset = self._index + 1, 0
+            if self._index == len(self._maps):
+                grown = max(size, 2 * len(self._maps[-1]))
+                self._maps.append(mmap.mmap(-1, _pages(grown)))
+            else:
+                self._replace_if_smaller(self._index, size)
+        start = self._offset
+        self._offset = _pages(start + size)  # the next block starts on a page boundary
+        return memoryview(self._maps[self._index])[start : start + size]
+
+    def _replace_if_smaller(self, index: int, size: int) -> None:
+        if len(self._maps[index]) < size:
+            old, self._maps[index] = self._maps[index], mmap.mmap(-1, _pages(size))
+            with contextlib.suppress(BufferError):  # views still held: freed with them
+                old.close()
+
+    def close(self) -> None:
+        for mapping in self._maps:
+            with contextlib.suppress(BufferError):
+                mapping.close()
+
+
+@dataclass
+class Connection:
+    sock: socket.socket
+    traced: bool  # the server reads TRACED requests
+    arena: mmap.mmap | None  # same host: the server's shared-memory arena for payloads
+    buffers: Buffers
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        finally:
+            self.buffers.close()
+            if self.arena is not None:
+                with contextlib.suppress(BufferError):  # views still held: freed with them
+                    self.arena.close()
+
+
+def connect_tcp(
+    ticket: Ticket,
+    dialed_host: str,
+    tls: ssl.SSLContext | None,
+    server_name: str | None,
+    timeout_s: float | None,
+) -> Connection:
+    host, _, port = ticket.address.rpartition(":")
+    if host in WILDCARD_HOSTS:
+        host = dialed_host  # the server listens on every address: the one we reached
+    host = host.strip("[]")
+    sock = socket.create_connection((host, int(port)), timeout=timeout_s)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if tls is not None:
+            sock = tls.wrap_socket(sock, server_hostname=server_name or host)
+        sock.sendall(w.HELLO.pack(w.MAGIC, ticket.ticket))
+        expect_ok(sock)
+    except BaseException:
+        sock.close()
+        raise
+    return Connection(sock, ticket.traced, None, Buffers())
+
+
+def can_use_local(ticket: Ticket) -> bool:
+    """Only in the server's own namespace is the listener's name surely the server's:
+    a listener of that name anywhere else is an impostor (it would get the ticket, and
+    the payloads). An older server names no namespace: TCP."""
+    return bool(
+        ticket.local_address
+        and ticket.local_namespace
+        and ticket.local_namespace == w.host_namespace()
+    )
+
+
+def connect_local(ticket: Ticket, timeout_s: float | None) -> tuple[Connection | None, bool]:
+    """The same-host connection and its arena; (None, whether the ticket was
+    presented) when there is none to be had: another host or network namespace, or
+    the server's arenas are all taken. Errors of policy are raised."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout_s)
+        try:
+            sock.connect("\0" + ticket.local_address)
+        except OSError:
+            sock.close()
+            return None, False  # not this server's host: TCP, same ticket
+        if str(w.peer_uid(sock)) != ticket.local_owner:
+            # Not the server's user: a process that took the name after the server
+            # went away. It gets no ticket (and no payloads); TCP, same ticket.
+            log.warning("the same-host bulk listener is not the server's user; using TCP")
+            sock.close()
+            return None, False
+        sock.sendall(w.HELLO.pack(w.MAGIC, ticket.ticket))
+        arena, data = _receive_arena(sock)
+        if arena is None and data[:1] == bytes([w.OK]):
+            log.warning("same-host bulk channel gave no usable arena; using TCP")
+            sock.close()
+            return None, True
+        if arena is None:
+            if not data:
+                raise w.ConnectionClosed("the same-host listener closed the connection")
+            error = store_error(*w.recv_error(sock, data))
+            if error.status != "RESOURCE_EXHAUSTED":
+                raise error
+            log.warning("same-host bulk channel refused (%s); using TCP", error.details())
+            sock.close()
+            return None, True
+    except BaseException:
+        sock.close()
+        raise
+    return Connection(sock, ticket.traced, arena, Buffers()), True
+
+
+def _receive_arena(sock: socket.socket) -> tuple[mmap.mmap | None, bytes]:
+    """The arena the server sent with its reply (mapped), and the reply's bytes."""
+    data, fds, _flags, _addr = socket.recv_fds(sock, w.ARENA_REPLY.size, 1)
+    try:
+        if data[:1] != bytes([w.OK]):
+            return None, data
+        data += w.recv_bytes(sock, w.ARENA_REPLY.size - len(data))  # if split
+        return _map_arena(fds, w.ARENA_REPLY.unpack(data)[1]), data
+    finally:
+        for fd in fds:
+            os.close(fd)  # the mapping keeps the memory
+
+
+def _map_arena(fds: Sequence[int], size: int) -> mmap.mmap | None:
+    """Map the arena the server sent, if it is one: a memfd of `size` bytes sealed
+    against shrinking and growing (else a later shrink would fault this process)."""
+    if len(fds) != 1:
+        return None
+    try:
+        needed = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+        sealed = fcntl.fcntl(fds[0], fcntl.F_GET_SEALS) & needed == needed
+        if not sealed or os.fstat(fds[0]).st_size != size or size <= 0:
+            return None
+        return mmap.mmap(fds[0], size)
+    except (OSError, ValueError, AttributeError):  # AttributeError: no seals here
+        return None
+
+
+def expect_ok(sock: socket.socket) -> None:
+    """Read a status byte; raise the server's error if it is not OK."""
+    status = w.recv_bytes(sock, 1)
+    if status[0] != w.OK:
+        raise store_error(*w.recv_error(sock, bytes(status)))
+
+
+def _pages(size: int) -> int:
+    return (size + PAGE - 1) // PAGE * PAGE

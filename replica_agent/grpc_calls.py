@@ -1,0 +1,166 @@
+"""The client's gRPC transport: one method per RPC, errors mapped once.
+
+Used for every call that moves no payload (Lookup, Delete, Stats, OpenBulk), and for
+Get and Put when the bulk channel is off or unavailable. Each call carries the caller's
+trace context (W3C `traceparent`), so the server's span joins the caller's trace.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from kvcommon.tracing import outgoing_metadata
+from kvcommon.v1 import kvshare_pb2 as pb
+from kvcommon.v1 import kvshare_pb2_grpc as pb_grpc
+from replica_agent.errors import from_rpc_error, store_error
+
+Payload = bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """What OpenBulk answered: a one-time ticket and where to present it."""
+
+    ticket: bytes
+    address: str  # "host:port" of the TCP (or TLS) listener
+    traced: bool  # the listener reads requests that carry a trace context
+    local_address: str = ""  # the same-host listener's name; "": none
+    local_namespace: str = ""  # where that name is the server's
+    local_owner: str = ""  # the uid the server runs as ("": unknown)
+
+
+class NoBulkListener(Exception):
+    """The server offers no bulk channel (an older server, or none configured)."""
+
+
+class GrpcCalls:
+    def __init__(
+        self, channel: grpc.Channel, token: str, timeout_s: float | None, frame_bytes: int
+    ) -> None:
+        self._stub = pb_grpc.BlockStoreStub(channel)
+        self._metadata = (("authorization", f"Bearer {token}"),)
+        self.timeout_s = timeout_s
+        self.frame_bytes = frame_bytes
+
+    def _call(self, method: Any, request: Any) -> Any:
+        try:
+            return method(
+                request, timeout=self.timeout_s, metadata=self._metadata + outgoing_metadata()
+            )
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from None
+
+    def open_bulk(self, tenant: str) -> Ticket:
+        try:
+            response = self._stub.OpenBulk(
+                pb.OpenBulkRequest(tenant=tenant),
+                timeout=self.timeout_s,
+                metadata=self._metadata + outgoing_metadata(),
+            )
+        except grpc.RpcError as error:
+            if error.code() == grpc.StatusCode.UNIMPLEMENTED:
+                raise NoBulkListener("the server predates the bulk channel") from None
+            raise from_rpc_error(error) from None
+        return Ticket(
+            response.ticket,
+            response.address,
+            response.trace_context,
+            response.local_address,
+            response.local_namespace,
+            response.local_owner,
+        )
+
+    def lookup(self, tenant: str, model: str, digests: Sequence[bytes]) -> int:
+        request = pb.LookupRequest(tenant=tenant, model=model, digests=digests)
+        return int(self._call(self._stub.Lookup, request).present)
+
+    def iter_get(self, tenant: str, model: str, digests: Sequence[bytes]) -> Iterator[bytes]:
+        """The leading present payloads, each yielded as soon as its last byte arrives,
+        so a caller can copy block i to the device while block i+1 is on the wire."""
+        request = pb.GetRequest(
+            tenant=tenant, model=model, digests=digests, max_frame_bytes=self.frame_bytes
+        )
+        call = self._stub.Get(
+            request, timeout=self.timeout_s, metadata=self._metadata + outgoing_metadata()
+        )
+        assembled = 0
+        partial: bytearray | None = None
+        try:
+            for frame in call:
+                for chunk in frame.chunks:
+                    if chunk.index != assembled:
+                        raise store_error("DATA_LOSS", "server sent blocks out of order")
+                    if chunk.offset == 0 and len(chunk.data) == chunk.block_bytes:
+                        assembled += 1
+                        yield chunk.data  # a whole block in one chunk: no copy
+                        continue
+                    if chunk.offset == 0:
+                        partial = bytearray(chunk.block_bytes)
+                    if partial is None:
+                        raise store_error("DATA_LOSS", "server sent a chunk without its start")
+                    partial[chunk.offset : chunk.offset + len(chunk.data)] = chunk.data
+                    if chunk.offset + len(chunk.data) == chunk.block_bytes:
+                        assembled += 1
+                        yield bytes(partial)
+                        partial = None
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from None
+        finally:
+            call.cancel()  # a consumer that stops early frees the stream at once
+
+    def put(
+        self, tenant: str, model: str, digests: Sequence[bytes], payloads: Sequence[Payload]
+    ) -> list[bool]:
+        frames = _put_frames(tenant, model, digests, payloads, self.frame_bytes)
+        response = self._call(self._stub.Put, frames)
+        stored = [False] * len(digests)
+        for result in response.results:
+            stored[result.index] = result.outcome == pb.PUT_OUTCOME_STORED
+        return stored
+
+    def delete(self, request: pb.DeleteRequest) -> int:
+        return int(self._call(self._stub.Delete, request).deleted)
+
+    def stats(self) -> pb.StatsResponse:
+        response: pb.StatsResponse = self._call(self._stub.Stats, pb.StatsRequest())
+        return response
+
+
+def _put_frames(
+    tenant: str,
+    model: str,
+    digests: Sequence[bytes],
+    payloads: Sequence[Payload],
+    frame_bytes: int,
+) -> Iterator[pb.PutFrame]:
+    frame = pb.PutFrame(header=pb.PutHeader(tenant=tenant, model=model))
+    filled = 0
+    for digest, payload in zip(digests, payloads, strict=True):
+        view = memoryview(payload).cast("B")
+        offset = 0
+        while True:
+            take = min(len(view) - offset, frame_bytes - filled)
+            data = (
+                payload
+                if take == len(view) and isinstance(payload, bytes)
+                else bytes(view[offset : offset + take])
+            )
+            frame.chunks.add(
+                digest=digest if offset == 0 else b"",
+                block_bytes=len(view),
+                offset=offset,
+                data=data,
+            )
+            offset += take
+            filled += take
+            if filled >= frame_bytes:
+                yield frame
+                frame, filled = pb.PutFrame(), 0
+            if offset >= len(view):
+                break
+    if frame.chunks or frame.HasField("header"):
+        yield frame

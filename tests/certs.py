@@ -125,3 +125,31 @@ class TestCA:
         if dns:
             sans.append(x509.DNSName(dns))
         return self._issue(stem, common_name, sans, ExtendedKeyUsageOID.CLIENT_AUTH)
+
+
+SPIFFE = "spiffe://kvshare.test"
+
+
+@dataclass(frozen=True)
+class Certs:
+    ca: TestCA
+    server: CertFiles
+    clients: dict[str, CertFiles]  # cert-a, cert-b, stranger (valid, mapped to nobody)
+    other_ca_client: CertFiles  # signed by a CA the server does not trust
+
+
+def make_certs(directory: Path) -> Certs:
+    """A CA and its server certificate; client certificates `cert-a`, `cert-b` and
+    `stranger` known by their URI SANs; `cert-a` again, signed by a CA not trusted."""
+    ca = TestCA(directory)
+    clients = {
+        name: ca.client_cert(name, common_name=name, uri=f"{SPIFFE}/{name}")
+        for name in ("cert-a", "cert-b", "stranger")
+    }
+    rogue = TestCA(directory / "rogue", name="rogue CA")
+    return Certs(
+        ca,
+        ca.server_cert(),
+        clients,
+        rogue.client_cert("cert-a", common_name="cert-a", uri=f"{SPIFFE}/cert-a"),
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import re
@@ -10,15 +11,21 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from cacheserver.config import ServerConfig, StorageConfig, load_config
+from cacheserver.config import ServerConfig, load_config
 from cacheserver.embedded import EmbeddedServer
-from replica_agent.client import BlockClient
+from cacheserver.server import Server
+from cacheserver.store import BlockStore
+from cacheserver.telemetry import ServerTelemetry
+from policy import AccessPolicy
+from replica_agent.client import BlockClient, ClientTls
+from tests.certs import Certs, make_certs
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -68,6 +75,15 @@ def flip_stored_byte(data_file: Path, near: bytes, offset: int) -> None:
                 return
             position = stop
     raise AssertionError("the block's bytes are not in the data file")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--ks-samples",
+        type=int,
+        default=500,  # per arm; Gu et al. found provider cache sharing with ~250
+        help="timings per arm of the cross-tenant KS timing test (longer runs: more power)",
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -127,44 +143,153 @@ def write_config(
     return tenancy
 
 
+# How a test's client reaches the store: gRPC only, the bulk channel over TCP (as from
+# another host), or the bulk channel's same-host arena (BlockClient's default here).
+TRANSPORTS = ("grpc", "bulk-tcp", "bulk-same-host")
+TRANSPORT_OPTIONS: dict[str, dict[str, bool]] = {
+    "grpc": {"bulk": False},
+    "bulk-tcp": {"same_host": False},
+    "bulk-same-host": {},
+}
+
+
+@pytest.fixture(params=TRANSPORTS)
+def transport(request: pytest.FixtureRequest) -> str:
+    """Runs a test once per transport: pass it to `Running.client(transport=...)`."""
+    return str(request.param)
+
+
 @dataclass
 class Running:
+    """An in-process server (`launch`): its address, data dir, tokens by principal name,
+    the server itself, its config and its certificates (TLS)."""
+
     address: str
     data_dir: Path
     tokens: dict[str, str]
+    server: EmbeddedServer
+    config: ServerConfig
+    certs: Certs | None = None
+    stopped: bool = False
 
-    def client(self, who: str = "dev", **kwargs: object) -> BlockClient:
-        return BlockClient(self.address, self.tokens[who], **kwargs)  # type: ignore[arg-type]
+    def client(
+        self,
+        who: str = "dev",
+        *,
+        cert: str | None = None,
+        transport: str | None = None,
+        **kwargs: Any,
+    ) -> BlockClient:
+        """A client with `who`'s token ('' for none), over `transport` (TRANSPORTS; the
+        client's default when None) and, for mTLS, with the named client certificate."""
+        token = self.tokens[who] if who else ""
+        options = {**TRANSPORT_OPTIONS[transport or "bulk-same-host"], **kwargs}
+        return BlockClient(self.address, token, tls=self.tls(cert), **options)
+
+    def tls(self, cert: str | None = None) -> ClientTls | None:
+        if self.config.tls is None:
+            return None
+        assert self.certs is not None
+        files = self.certs.clients[cert] if cert else None
+        return ClientTls(
+            root_ca=self.certs.ca.cert_path,
+            client_cert=files.cert if files else None,
+            client_key=files.key if files else None,
+        )
+
+    def stop(self) -> None:
+        if not self.stopped:
+            self.stopped = True
+            self.server.stop()
+
+    def __enter__(self) -> Running:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def _server(self) -> Server:
+        assert self.server.server is not None
+        return self.server.server
+
+    @property
+    def policy(self) -> AccessPolicy:
+        return self._server.policy
+
+    @property
+    def store(self) -> BlockStore:
+        return self._server.store
+
+
+def launch(
+    tenancy: Tenancy,
+    certs: Certs | None = None,
+    *,
+    server_telemetry: ServerTelemetry | None = None,
+    **replace: Any,
+) -> Running:
+    """The one way tests start an in-process server: `tenancy`'s config, with fields
+    of ServerConfig replaced by `replace`. Stop it with `.stop()` or `with` (fixtures
+    do)."""
+    config = load_config(tenancy.path)
+    if replace:
+        config = dataclasses.replace(config, **replace)
+    server = EmbeddedServer(config, telemetry=server_telemetry)
+    server.start()
+    return Running(server.address, config.data_dir, tenancy.tokens, server, config, certs)
+
+
+@pytest.fixture
+def start_server(tmp_path: Path) -> Iterator[Callable[..., Running]]:
+    """A factory: `start_server(quotas=..., extra=..., principals=..., **replace)` starts
+    a two-tenant server (write_config) in its own directory; all stop at teardown."""
+    started: list[Running] = []
+
+    def start(
+        *,
+        quotas: dict[str, int] | None = None,
+        extra: str = "",
+        principals: dict[str, tuple[list[str], list[str]]] | None = None,
+        **replace: Any,
+    ) -> Running:
+        directory = tmp_path / f"server{len(started)}"
+        directory.mkdir()
+        tenancy = write_config(directory, quotas=quotas, extra=extra, principals=principals)
+        running = launch(tenancy, **replace)
+        started.append(running)
+        return running
+
+    yield start
+    for running in started:
+        running.stop()
 
 
 @pytest.fixture
 def dev_server(tmp_path: Path) -> Iterator[Running]:
     """The dev-mode server (tenant `dev`, token from the data dir), in-process."""
     data_dir = tmp_path / "data"
-    with EmbeddedServer(ServerConfig(listen="127.0.0.1:0", data_dir=data_dir)) as server:
+    config = ServerConfig(listen="127.0.0.1:0", data_dir=data_dir)
+    with EmbeddedServer(config) as server:
         token = (data_dir / "dev.token").read_text().strip()
-        yield Running(server.address, data_dir, {"dev": token})
+        yield Running(server.address, data_dir, {"dev": token}, server, config)
 
 
 @pytest.fixture
 def tenant_server(tmp_path: Path) -> Iterator[Running]:
     """Two tenants, three principals, from a real TOML config, in-process."""
-    tenancy = write_config(tmp_path)
-    config = load_config(tenancy.path)
-    with EmbeddedServer(config) as server:
-        yield Running(server.address, config.data_dir, tenancy.tokens)
+    running = launch(write_config(tmp_path))
+    try:
+        yield running
+    finally:
+        running.stop()
 
 
-def embedded(config: ServerConfig, **storage: int) -> EmbeddedServer:
-    return EmbeddedServer(
-        ServerConfig(
-            listen=config.listen,
-            data_dir=config.data_dir,
-            access=config.access,
-            storage=StorageConfig(**storage) if storage else config.storage,
-            limits=config.limits,
-        )
-    )
+@pytest.fixture(scope="session")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
+    """A CA, a server certificate for 127.0.0.1/localhost, client certificates `cert-a`,
+    `cert-b`, `stranger` (valid, mapped to nobody), and `cert-a` of a CA not trusted."""
+    return make_certs(tmp_path_factory.mktemp("certs"))
 
 
 class ServerProcess:

@@ -18,12 +18,10 @@ from typing import Any
 import pytest
 import torch
 
-from cacheserver.config import load_config
-from cacheserver.embedded import EmbeddedServer
 from policy.sealing import BlockSealer, Keyring, new_key_entry
 from replica_agent.adapters.hf import cache_from_blocks, greedy_continue, prefill
 from replica_agent.agent import ReplicaAgent
-from tests.conftest import REPO, Running, write_config
+from tests.conftest import REPO, Running, launch, write_config
 from tests.e2e.agent_writer import build
 
 BLOCK_TOKENS = 16
@@ -45,9 +43,8 @@ def store(tmp_path: Path) -> Iterator[tuple[Running, Path]]:
     keyring = tmp_path / "keyring.toml"
     keyring.write_text(new_key_entry("alpha", 1))
     keyring.chmod(0o600)
-    config = load_config(tenancy.path)
-    with EmbeddedServer(config) as server:
-        yield Running(server.address, config.data_dir, tenancy.tokens), keyring
+    with launch(tenancy) as running:
+        yield running, keyring
 
 
 def write_from_another_process(running: Running, keyring: Path, dtype: str) -> None:
@@ -108,9 +105,9 @@ def test_fp32_restore_matches_full_recompute(store: tuple[Running, Path]) -> Non
     model = read.model
     for prompt in prompts():
         logits, tokens = read.restored(prompt)
-        full_logits, full_cache = prefill(model, prompt)  # type: ignore[arg-type]
+        full_logits, full_cache = prefill(model, prompt)
         assert torch.max(torch.abs(logits - full_logits)).item() < 1e-4
-        assert tokens == greedy_continue(model, full_logits, full_cache, 8)  # type: ignore[arg-type]
+        assert tokens == greedy_continue(model, full_logits, full_cache, 8)
     assert read.agent.stats.open_failures == 0 and read.agent.stats.blocks_restored > 0
     read.agent.close()
 
@@ -123,12 +120,12 @@ def test_bf16_restore_matches_a_bf16_run_with_the_same_split(store: tuple[Runnin
     for prompt in prompts():
         _, tokens = read.restored(prompt)
         split = len(prompt) // BLOCK_TOKENS * BLOCK_TOKENS
-        _, prefix_cache = prefill(model, prompt[:split])  # type: ignore[arg-type]
+        _, prefix_cache = prefill(model, prompt[:split])
         logits, cache = prefill(
             model,
             prompt,
-            prefix_cache=prefix_cache,  # type: ignore[arg-type]
+            prefix_cache=prefix_cache,
             prefix_tokens=split,
         )
-        assert tokens == greedy_continue(model, logits, cache, 8)  # type: ignore[arg-type]
+        assert tokens == greedy_continue(model, logits, cache, 8)
     read.agent.close()

@@ -29,7 +29,7 @@ def call_method(
 def example_request(method: _descriptor.MethodDescriptor, tenant: str) -> Any:
     """A well-formed request naming `tenant` where the message has such a field."""
     cls = message_factory.GetMessageClass(method.input_type)
-    request = cls()
+    request: Any = cls()
     fields = {f.name for f in method.input_type.fields}
     if "tenant" in fields:
         request.tenant = tenant

@@ -100,27 +100,23 @@ def test_a_read_only_principal_cannot_put_over_the_bulk_channel(
 ) -> None:
     from pathlib import Path
 
-    from cacheserver.config import load_config
-    from cacheserver.embedded import EmbeddedServer
-    from tests.conftest import write_config
+    from tests.conftest import launch, write_config
 
     tenancy = write_config(
         Path(str(tmp_path)),
         principals={"reader": (["alpha"], ["read"]), "writer": (["alpha"], ["write"])},
     )
-    config = load_config(tenancy.path)
-    with EmbeddedServer(config) as server:
-        running = Running(server.address, config.data_dir, tenancy.tokens)
-        with (
-            running.client("writer", same_host=same_host) as writer,
-            running.client("reader", same_host=same_host) as reader,
-        ):
-            assert writer.put("alpha", MODEL, [b"k" * 32], [b"v"]) == [True]
-            assert reader.get("alpha", MODEL, [b"k" * 32]) == [b"v"]
-            with pytest.raises(PermissionDenied):
-                reader.put("alpha", MODEL, [b"j" * 32], [b"v"])
-            with pytest.raises(PermissionDenied):
-                writer.get("alpha", MODEL, [b"k" * 32])
+    with (
+        launch(tenancy) as running,
+        running.client("writer", same_host=same_host) as writer,
+        running.client("reader", same_host=same_host) as reader,
+    ):
+        assert writer.put("alpha", MODEL, [b"k" * 32], [b"v"]) == [True]
+        assert reader.get("alpha", MODEL, [b"k" * 32]) == [b"v"]
+        with pytest.raises(PermissionDenied):
+            reader.put("alpha", MODEL, [b"j" * 32], [b"v"])
+        with pytest.raises(PermissionDenied):
+            writer.get("alpha", MODEL, [b"k" * 32])
 
 
 @TRANSPORTS
@@ -144,22 +140,17 @@ def test_a_dead_bulk_listener_falls_back_to_grpc(tmp_path: object, same_host: bo
 def test_the_rate_limit_counts_every_bulk_request(tmp_path: object, same_host: bool) -> None:
     from pathlib import Path
 
-    from cacheserver.config import load_config
-    from cacheserver.embedded import EmbeddedServer
     from kvcommon.errors import ResourceExhausted
-    from tests.conftest import write_config
+    from tests.conftest import launch, write_config
 
     tenancy = write_config(
         Path(str(tmp_path)), extra="[limits]\nrequests_per_s = 5\nrequest_burst_s = 2\n"
     )
-    config = load_config(tenancy.path)
-    with EmbeddedServer(config) as server:
-        running = Running(server.address, config.data_dir, tenancy.tokens)
-        with running.client("a", same_host=same_host) as client:
-            assert client.get("alpha", MODEL, [b"k" * 32]) == []  # positive control
-            with pytest.raises(ResourceExhausted, match="over its rate"):
-                for _ in range(20):  # one OpenBulk, then requests on the bulk channel
-                    client.get("alpha", MODEL, [b"k" * 32])
+    with launch(tenancy) as running, running.client("a", same_host=same_host) as client:
+        assert client.get("alpha", MODEL, [b"k" * 32]) == []  # positive control
+        with pytest.raises(ResourceExhausted, match="over its rate"):
+            for _ in range(20):  # one OpenBulk, then requests on the bulk channel
+                client.get("alpha", MODEL, [b"k" * 32])
 
 
 def test_an_unauthenticated_peer_cannot_hold_a_connection(dev_server: Running) -> None:

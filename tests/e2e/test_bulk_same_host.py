@@ -22,8 +22,6 @@ import grpc
 import pytest
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-from cacheserver.config import load_config
-from cacheserver.embedded import EmbeddedServer
 from cacheserver.telemetry import ServerTelemetry
 from kvcommon import bulkwire as w
 from kvcommon.bulkwire import host_namespace
@@ -34,7 +32,7 @@ from replica_agent.bulk import BulkChannel
 from replica_agent.bulk_connect import Connection
 from replica_agent.client import BlockClient
 from replica_agent.grpc_calls import Ticket
-from tests.conftest import Running, write_config
+from tests.conftest import Running, launch, write_config
 
 MODEL = "m;fp32;L2"
 MiB = 1 << 20
@@ -44,9 +42,8 @@ MiB = 1 << 20
 def serving(tmp_path: Path, bulk: str = "") -> Iterator[Running]:
     """A server from a real TOML config with these `[bulk]` lines."""
     tenancy = write_config(tmp_path, extra=f"[bulk]\n{bulk}" if bulk else "")
-    config = load_config(tenancy.path)
-    with EmbeddedServer(config) as server:
-        yield Running(server.address, config.data_dir, tenancy.tokens)
+    with launch(tenancy) as running:
+        yield running
 
 
 @pytest.fixture
@@ -193,7 +190,7 @@ class Impostor:
     def __init__(self, *, sealed: bool) -> None:
         self.name = f"kvshare-test-impostor-{os.getpid()}-{time.monotonic_ns()}"
         self.sealed = sealed
-        self.hellos: list[bytes] = []
+        self.hellos: list[bytes | bytearray] = []
         self.arena = -1
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind("\0" + self.name)
@@ -328,12 +325,10 @@ def test_an_arena_kept_after_its_connection_holds_no_memory(tenant_server: Runni
 
 def test_a_get_split_over_the_arena_counts_its_blocks_once(tmp_path: Path) -> None:
     tenancy = write_config(tmp_path, extra="[bulk]\narena_bytes = 1048576\n")
-    config = load_config(tenancy.path)
     reader = InMemoryMetricReader()
     digests = [os.urandom(32) for _ in range(6)]
     payloads = [os.urandom(300_000) for _ in digests]  # three arenas' worth
-    with EmbeddedServer(config, telemetry=ServerTelemetry(metric_readers=[reader])) as server:
-        running = Running(server.address, config.data_dir, tenancy.tokens)
+    with launch(tenancy, server_telemetry=ServerTelemetry(metric_readers=[reader])) as running:
         with running.client("a") as client:
             client.put("alpha", MODEL, digests, payloads)
             assert client.get("alpha", MODEL, digests) == payloads
@@ -343,5 +338,6 @@ def test_a_get_split_over_the_arena_counts_its_blocks_once(tmp_path: Path) -> No
                 for metric in scope.metrics:
                     if metric.name == "kvshare.get.blocks":
                         for point in metric.data.data_points:
-                            blocks[point.attributes["result"]] = point.value
+                            result = str((point.attributes or {})["result"])
+                            blocks[result] = getattr(point, "value", 0)
     assert blocks == {"hit": 6, "miss": 0}

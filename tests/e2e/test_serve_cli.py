@@ -137,23 +137,17 @@ def test_help_documents_every_flag() -> None:
 def test_the_naming_secret_is_owner_only_and_can_live_outside_the_data_dir(
     tmp_path: Path,
 ) -> None:
-    from cacheserver.config import load_config
-    from cacheserver.embedded import EmbeddedServer
-    from tests.conftest import Running
+    from tests.conftest import launch
 
     secret = tmp_path / "keys" / "kvshare.secret"
     secret.parent.mkdir()
     tenancy = write_config(tmp_path, extra=f'secret_file = "{secret}"\n')
-    config = load_config(tenancy.path)
     digest = b"s" * 32
-    with EmbeddedServer(config) as server:
-        Running(server.address, config.data_dir, tenancy.tokens).client("a").put(
-            "alpha", "m", [digest], [b"payload"]
-        )
+    with launch(tenancy) as running, running.client("a") as client:
+        client.put("alpha", "m", [digest], [b"payload"])
     assert stat.S_IMODE(secret.stat().st_mode) == 0o600
-    assert not (config.data_dir / "server.secret").exists()  # not in the data dir's backups
-    with EmbeddedServer(config) as server:  # positive control: same secret, same names
-        client = Running(server.address, config.data_dir, tenancy.tokens).client("a")
+    assert not (running.data_dir / "server.secret").exists()  # not in the data dir's backups
+    with launch(tenancy) as running, running.client("a") as client:  # control: same names
         assert client.get("alpha", "m", [digest]) == [b"payload"]
     secret.chmod(0o640)
     line = one_line_error(run_cli("serve", "--config", str(tenancy.path)))

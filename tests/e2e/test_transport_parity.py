@@ -20,8 +20,6 @@ from pathlib import Path
 import grpc
 import pytest
 
-from cacheserver.config import load_config
-from cacheserver.embedded import EmbeddedServer
 from kvcommon import bulkwire as w
 from kvcommon.errors import (
     InvalidArgument,
@@ -31,7 +29,7 @@ from kvcommon.errors import (
 )
 from kvcommon.v1 import kvshare_pb2 as pb
 from kvcommon.v1 import kvshare_pb2_grpc as pb_grpc
-from tests.conftest import Running, write_config
+from tests.conftest import Running, launch, write_config
 
 MODEL = "parity/model;fp32"
 OK = 0
@@ -53,9 +51,8 @@ def parity_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]
         extra="[limits]\nmax_digests_per_call = 16\nmax_block_bytes = 4194304\n",
     )
     tenancy.path.write_text(tenancy.path.read_text() + SEALED_ONLY)
-    config = load_config(tenancy.path)
-    with EmbeddedServer(config) as server:
-        yield Running(server.address, config.data_dir, tenancy.tokens)
+    with launch(tenancy) as running:
+        yield running
 
 
 @dataclass(frozen=True)

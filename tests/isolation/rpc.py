@@ -38,7 +38,7 @@ def invoke(
         factory = channel.unary_stream
     else:
         factory = channel.unary_unary
-    rpc = factory(
+    rpc: Any = factory(
         path,
         request_serializer=lambda m: m.SerializeToString(),
         response_deserializer=response_cls.FromString,

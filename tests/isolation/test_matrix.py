@@ -19,7 +19,8 @@ from google.protobuf import descriptor as _descriptor
 
 from kvcommon.v1 import kvshare_pb2 as pb
 from replica_agent.client import BlockClient, ClientTls
-from tests.isolation.conftest import MODEL, Certs, Served, isolation_config, serve
+from tests.certs import Certs
+from tests.isolation.conftest import MODEL, Served, isolation_config, serve
 from tests.isolation.rpc import METHODS, bearer, invoke
 
 
@@ -46,8 +47,8 @@ def probe(method: _descriptor.MethodDescriptor, owner: BlockClient, tenant: str)
         assert owner.lookup("alpha", MODEL, [fresh]) == 0
 
     if method.name in ("Lookup", "Get"):
-        cls = pb.LookupRequest if method.name == "Lookup" else pb.GetRequest
-        request = cls(tenant=tenant, model=MODEL, digests=[digest])
+        cls: Any = pb.LookupRequest if method.name == "Lookup" else pb.GetRequest
+        request: Any = cls(tenant=tenant, model=MODEL, digests=[digest])
         if method.name == "Lookup":
             return Probe(request, lambda r: _eq(r.present, 1), still_there)
         return Probe(request, lambda r: _eq(_joined(r), payload), still_there)

@@ -8,6 +8,8 @@ import os
 import random
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import lmdb
 import pytest
@@ -23,7 +25,6 @@ from tests.isolation.conftest import MODEL, Served
 
 TENANT_IDS = st.from_regex(r"[a-z0-9][a-z0-9._-]{0,62}", fullmatch=True)
 SECRET = bytes(range(32))
-KS_SAMPLES = 500  # per arm; Gu et al. found provider cache sharing with ~250
 KS_ALPHA = 0.01
 
 
@@ -66,8 +67,9 @@ def test_same_digests_in_two_tenants_are_stored_under_unrelated_names(served: Se
         assert a.get("alpha", MODEL, digests) == [b"alpha:" + d[:4] for d in digests]
         assert b.get("beta", MODEL, digests) == [b"beta:" + d[:4] for d in digests]
     policy = served.policy
-    alpha = [policy.storage_key("alpha", MODEL, d) for d in digests]
-    beta = [policy.storage_key("beta", MODEL, d) for d in digests]
+    model = ModelName(MODEL)
+    alpha = [policy.storage_key(TenantId("alpha"), model, BlockDigest(d)) for d in digests]
+    beta = [policy.storage_key(TenantId("beta"), model, BlockDigest(d)) for d in digests]
     assert not set(alpha) & set(beta)
     distances = [
         bin(int.from_bytes(x) ^ int.from_bytes(y)).count("1")
@@ -117,52 +119,80 @@ def _interleaved(arms: dict[str, Callable[[], object]], rounds: int) -> dict[str
     return samples
 
 
-def test_cross_tenant_probe_timings_match_random_misses_ks(served: Served) -> None:
-    """KS test (Gu et al., ICML 2025) on >= 400 timings per arm, interleaved.
+@dataclass(frozen=True)
+class Timing:
+    probe: Any  # scipy's KS result: cross-tenant probes vs misses on random digests
+    power: Any  # the owner's hits vs its misses: must be told apart
 
-    Power control in the same test: the same harness must tell the owner's hits
-    from misses, so a pass cannot come from a measurement too coarse to see anything.
-    With no leak at all, p is uniform: the p > 0.01 bar fails about one run in 100 by
-    chance. A repeatable failure is a finding; check the printed D and p.
-    """
-    victim = [os.urandom(32) for _ in range(KS_SAMPLES)]
+
+def _measure_probe_timings(served: Served, samples: int) -> Timing:
+    """Interleaved timings of a co-tenant's probes of another tenant's cached blocks
+    against its misses on random digests, and, as a power control, of the owner's hits
+    against its misses (a separate phase: big replies never sit between probes)."""
+    victim = [os.urandom(32) for _ in range(samples)]
     hot = os.urandom(32)
     with served.client("a") as a, served.client("b") as b:
         a.put("alpha", MODEL, victim, [os.urandom(2048) for _ in victim])
         a.put("alpha", MODEL, [hot], [os.urandom(256 << 10)])
-        assert a.lookup("alpha", MODEL, victim) == KS_SAMPLES  # positive control: cached
+        assert a.lookup("alpha", MODEL, victim) == samples  # positive control: cached
         # Digests are made before timing starts, so both arms do the same client work.
         cross = iter(victim)
-        rand = iter([os.urandom(32) for _ in range(KS_SAMPLES)])
-        owner_misses = iter([os.urandom(32) for _ in range(KS_SAMPLES // 2)])
+        rand = iter([os.urandom(32) for _ in range(samples)])
+        owner_misses = iter([os.urandom(32) for _ in range(samples // 2)])
         for _ in range(100):  # warm up channels, caches and the event loop
             b.get("beta", MODEL, [os.urandom(32)])
             a.get("alpha", MODEL, [hot])
         gc.disable()  # collector pauses add noise to whichever call they land in
         try:
-            samples = _interleaved(
+            timed = _interleaved(
                 {
                     "cross_get": lambda: b.get("beta", MODEL, [next(cross)]),
                     "random_get": lambda: b.get("beta", MODEL, [next(rand)]),
                 },
-                KS_SAMPLES,
+                samples,
             )
-            control = _interleaved(  # a separate phase: big replies never sit between probes
+            control = _interleaved(
                 {
                     "owner_hit": lambda: a.get("alpha", MODEL, [hot]),
                     "owner_miss": lambda: a.get("alpha", MODEL, [next(owner_misses)]),
                 },
-                KS_SAMPLES // 2,
+                samples // 2,
             )
         finally:
             gc.enable()
         assert b.lookup("beta", MODEL, victim) == 0  # every cross probe was a miss
-    probe = ks_2samp(samples["cross_get"], samples["random_get"])
+    probe = ks_2samp(timed["cross_get"], timed["random_get"])
     power = ks_2samp(control["owner_hit"], control["owner_miss"])
     print(f"KS cross-tenant vs random miss: D={probe.statistic:.4f} p={probe.pvalue:.4f}")
     print(f"KS owner hit vs miss (power control): D={power.statistic:.4f} p={power.pvalue:.3g}")
-    assert power.pvalue < 1e-6, "the timing harness cannot see a real hit; the test is blind"
-    assert probe.pvalue > KS_ALPHA
+    return Timing(probe, power)
+
+
+def test_cross_tenant_probe_timings_match_random_misses_ks(
+    served: Served, request: pytest.FixtureRequest
+) -> None:
+    """KS test (Gu et al., ICML 2025) on `--ks-samples` (default 500) timings per arm.
+
+    The rule, stated so a failure means something: the power control must tell the
+    owner's hits from misses (p < 1e-6), or the harness is blind and the test fails.
+    The probe arm passes when p > 0.01; when it does not, the measurement is repeated
+    once with fresh samples and the test fails only if that run also has p <= 0.01.
+    With no leak p is uniform, so a false failure takes two independent 1-in-100
+    events: about one run in 10,000. A real leak (a distribution shift the power
+    control would see) fails both runs. A long run for a report:
+    `python -m pytest tests/isolation/test_names_and_timing.py -k ks --ks-samples 5000 -s`.
+    """
+    samples = int(request.config.getoption("--ks-samples"))
+    first = _measure_probe_timings(served, samples)
+    assert first.power.pvalue < 1e-6, "the timing harness cannot see a real hit; it is blind"
+    if first.probe.pvalue > KS_ALPHA:
+        return
+    second = _measure_probe_timings(served, samples)
+    assert second.power.pvalue < 1e-6, "the timing harness cannot see a real hit; it is blind"
+    assert second.probe.pvalue > KS_ALPHA, (
+        f"cross-tenant probes are distinguishable from random misses in two runs "
+        f"(p={first.probe.pvalue:.4g}, then p={second.probe.pvalue:.4g})"
+    )
 
 
 def test_per_user_salts_separate_users_of_one_tenant(served: Served) -> None:

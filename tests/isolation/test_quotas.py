@@ -9,7 +9,7 @@ import pytest
 
 from cacheserver.config import StorageConfig
 from kvcommon.errors import ResourceExhausted
-from policy.types import ModelName, TenantId
+from policy.types import BlockDigest, ModelName, TenantId
 from replica_agent.client import BlockClient
 from tests.isolation.conftest import MODEL, Served, isolation_config, serve
 
@@ -53,7 +53,8 @@ def test_a_tenant_writing_5x_its_quota_leaves_the_other_tenant_whole(tight: Serv
         assert a.get("alpha", MODEL, flood_digests[-recent:]) == flood_payloads[-recent:]
         assert a.lookup("alpha", MODEL, flood_digests[: len(flood_digests) - recent]) == 0
     # The hot tier follows the same rule: beta's blocks are still in memory.
-    keys = [tight.policy.storage_key(TenantId("beta"), ModelName(MODEL), d) for d in beta_digests]
+    model = ModelName(MODEL)
+    keys = [tight.policy.storage_key(TenantId("beta"), model, BlockDigest(d)) for d in beta_digests]
     held, _ = tight.store.read_from_memory(keys)
     assert len(held) == len(beta_digests)
 

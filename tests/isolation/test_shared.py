@@ -85,27 +85,26 @@ def test_a_tenant_that_did_not_opt_in_cannot_read_it(shared_server: Served) -> N
 
 @pytest.mark.parametrize("bulk", [True, False], ids=["bulk", "grpc"])
 def test_a_tenant_requiring_sealed_blocks_refuses_plaintext(tmp_path: Path, bulk: bool) -> None:
-    from cacheserver.config import load_config
-    from cacheserver.embedded import EmbeddedServer
     from kvcommon.errors import InvalidArgument
     from policy.sealing import BlockSealer, Keyring, new_key_entry
-    from tests.conftest import Running
+    from tests.conftest import launch
 
     tenancy = write_config(tmp_path)
     text = tenancy.path.read_text().replace(
         'id = "alpha"', 'id = "alpha"\nrequire_sealed = true', 1
     )
     tenancy.path.write_text(text)
-    config = load_config(tenancy.path)
     sealer = BlockSealer(Keyring.parse_toml(new_key_entry("alpha", 1), "test"))
     digest = b"q" * 32
     sealed = sealer.seal("alpha", "m", digest, b"kv bytes" * 100)
-    with EmbeddedServer(config) as server:
-        running = Running(server.address, config.data_dir, tenancy.tokens)
-        with running.client("a", bulk=bulk) as a, running.client("b", bulk=bulk) as b:
-            with pytest.raises(InvalidArgument, match="requires sealed blocks"):
-                a.put("alpha", "m", [digest], [b"kv bytes" * 100])
-            assert a.lookup("alpha", "m", [digest]) == 0  # nothing of it was stored
-            assert a.put("alpha", "m", [digest], [sealed]) == [True]  # positive control
-            assert a.get("alpha", "m", [digest]) == [sealed]
-            assert b.put("beta", "m", [digest], [b"plain"]) == [True]  # beta does not require it
+    with (
+        launch(tenancy) as running,
+        running.client("a", bulk=bulk) as a,
+        running.client("b", bulk=bulk) as b,
+    ):
+        with pytest.raises(InvalidArgument, match="requires sealed blocks"):
+            a.put("alpha", "m", [digest], [b"kv bytes" * 100])
+        assert a.lookup("alpha", "m", [digest]) == 0  # nothing of it was stored
+        assert a.put("alpha", "m", [digest], [sealed]) == [True]  # positive control
+        assert a.get("alpha", "m", [digest]) == [sealed]
+        assert b.put("beta", "m", [digest], [b"plain"]) == [True]  # beta does not require it

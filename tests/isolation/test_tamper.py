@@ -22,7 +22,7 @@ import torch
 
 from cacheserver.lmdb_tier import PendingWrite, _pack_meta, _unpack_meta, checksum
 from policy.sealing import BlockSealer, Keyring, SealError, TenantKeys
-from policy.types import ModelName, TenantId
+from policy.types import BlockDigest, ModelName, TenantId
 from replica_agent import codec, device
 from replica_agent.agent import ReplicaAgent
 from replica_agent.spec import ModelSpec
@@ -254,7 +254,9 @@ def test_a_block_rewritten_on_disk_with_a_fixed_checksum_is_still_rejected(
     running = serve(tenancy)
     with running.client("a") as a:
         a.put("alpha", MODEL, [victim.digest, control.digest], [victim.sealed, control.sealed])
-    key = running.policy.storage_key(TenantId("alpha"), ModelName(MODEL), victim.digest)
+    key = running.policy.storage_key(
+        TenantId("alpha"), ModelName(MODEL), BlockDigest(victim.digest)
+    )
     running.stop()
     _rewrite_with_valid_checksum(tmp_path / "data" / "lmdb", key)
     running = serve(tenancy)
@@ -278,9 +280,11 @@ def _rewrite_with_valid_checksum(lmdb_dir: Path, key: bytes) -> None:
     env = lmdb.open(str(lmdb_dir), max_dbs=4)
     blocks_db, meta_db = env.open_db(b"blocks"), env.open_db(b"meta")
     with env.begin(write=True) as txn:
-        payload = bytearray(txn.get(key, db=blocks_db))
+        raw, raw_meta = txn.get(key, db=blocks_db), txn.get(key, db=meta_db)
+        assert raw is not None and raw_meta is not None
+        payload = bytearray(raw)
         payload[100] ^= 0xFF
-        _, meta = _unpack_meta(key, txn.get(key, db=meta_db))
+        _, meta = _unpack_meta(key, raw_meta)
         write = PendingWrite(
             meta.key, meta.tenant, meta.epoch, meta.clock, bytes(payload), meta.model_tag
         )

@@ -6,23 +6,22 @@ with a filler file. Needs root and mount (skipped with the reason otherwise).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cacheserver.config import StorageConfig, TelemetryConfig, load_config
-from cacheserver.embedded import EmbeddedServer
+from cacheserver.config import StorageConfig, TelemetryConfig
 from cacheserver.server import SERVICE_NAME
 from kvcommon.errors import KvshareError
-from tests.conftest import Running, write_config
+from tests.conftest import launch, write_config
 
 MODEL = "obs/model@r1;fp32;L2;H2;D8;B4;tp0/1"
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -64,7 +63,9 @@ def fill(path: Path) -> None:
             pass
 
 
-def wait_for(check: grpc.UnaryUnaryMultiCallable, status: int, timeout_s: float = 10) -> None:
+def wait_for(
+    check: grpc.UnaryUnaryMultiCallable[Any, Any], status: int, timeout_s: float = 10
+) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         answers = [
@@ -81,20 +82,22 @@ def test_health_is_not_serving_while_the_lmdb_tier_is_full_then_recovers(
     tmp_path: Path, small_disk: Path, journal: bool
 ) -> None:
     tenancy = write_config(tmp_path)
-    config = dataclasses.replace(
-        load_config(tenancy.path),
-        data_dir=small_disk / "data",
-        storage=StorageConfig(
-            memory_budget_bytes=1 << 20,
-            disk_budget_bytes=4 << 20,
-            journal_bytes=(64 << 20) if journal else 0,
-        ),
-        telemetry=TelemetryConfig(health_interval_ms=100),
+    storage = StorageConfig(
+        memory_budget_bytes=1 << 20,
+        disk_budget_bytes=4 << 20,
+        journal_bytes=(64 << 20) if journal else 0,
     )
     filler = small_disk / "filler"
-    with EmbeddedServer(config) as server, grpc.insecure_channel(server.address) as channel:
+    with (
+        launch(
+            tenancy,
+            data_dir=small_disk / "data",
+            storage=storage,
+            telemetry=TelemetryConfig(health_interval_ms=100),
+        ) as running,
+        grpc.insecure_channel(running.address) as channel,
+    ):
         check = health_pb2_grpc.HealthStub(channel).Check  # no credentials: exempt
-        running = Running(server.address, config.data_dir, tenancy.tokens)
         wait_for(check, SERVING)
 
         fill(filler)
@@ -110,9 +113,8 @@ def test_health_is_not_serving_while_the_lmdb_tier_is_full_then_recovers(
         filler.unlink()
         wait_for(check, SERVING)
         if journal:  # the drain got through once there was room: on disk, served
-            assert server.server is not None
             deadline = time.monotonic() + 10
-            while server.server.store.undrained_blocks:
+            while running.store.undrained_blocks:
                 assert time.monotonic() < deadline, "the journaled block never reached LMDB"
                 time.sleep(0.05)
             with running.client("a", bulk=False) as client:
@@ -127,23 +129,18 @@ def test_a_full_journal_file_system_refuses_puts_instead_of_crashing(
     """The journal is mapped into the server: a page tmpfs cannot back would SIGBUS the
     whole process (this test's, the server being embedded) instead of failing a put."""
     tenancy = write_config(tmp_path)
-    config = dataclasses.replace(
-        load_config(tenancy.path),
-        storage=StorageConfig(
-            journal_bytes=64 << 20,  # four times the 16 MiB file system under it
-            journal_dir=str(small_disk),
-            drain_idle_ms=600_000,  # nothing is drained, so nothing is reused
-        ),
+    storage = StorageConfig(
+        journal_bytes=64 << 20,  # four times the 16 MiB file system under it
+        journal_dir=str(small_disk),
+        drain_idle_ms=600_000,  # nothing is drained, so nothing is reused
     )
     stored: list[tuple[bytes, bytes]] = []
-    with EmbeddedServer(config) as server:
-        running = Running(server.address, config.data_dir, tenancy.tokens)
-        with running.client("a") as client:
-            with pytest.raises(KvshareError, match="no space for the put journal"):
-                for _ in range(32):
-                    digest, payload = os.urandom(32), os.urandom(1 << 20)
-                    assert client.put("alpha", MODEL, [digest], [payload]) == [True]
-                    stored.append((digest, payload))
-            assert 8 <= len(stored) < 16  # positive control: the journal took what fit
-            digests = [d for d, _ in stored]
-            assert client.get("alpha", MODEL, digests) == [p for _, p in stored]
+    with launch(tenancy, storage=storage) as running, running.client("a") as client:
+        with pytest.raises(KvshareError, match="no space for the put journal"):
+            for _ in range(32):
+                digest, payload = os.urandom(32), os.urandom(1 << 20)
+                assert client.put("alpha", MODEL, [digest], [payload]) == [True]
+                stored.append((digest, payload))
+        assert 8 <= len(stored) < 16  # positive control: the journal took what fit
+        digests = [d for d, _ in stored]
+        assert client.get("alpha", MODEL, digests) == [p for _, p in stored]

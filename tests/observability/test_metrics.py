@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 import time
@@ -12,12 +11,11 @@ from pathlib import Path
 import pytest
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-from cacheserver.config import ServerConfig, StorageConfig, TelemetryConfig, load_config
-from cacheserver.embedded import EmbeddedServer
+from cacheserver.config import ServerConfig, StorageConfig, TelemetryConfig
 from cacheserver.telemetry import ServerTelemetry
 from kvcommon.errors import ResourceExhausted
 from replica_agent.client import BlockClient
-from tests.conftest import Running, ServerProcess, flip_stored_byte, write_config
+from tests.conftest import ServerProcess, flip_stored_byte, launch, write_config
 from tests.observability.scrape import Samples, parse, scrape_text, value
 
 MODEL = "obs/model@r1;fp32;L2;H2;D8;B4;tp0/1"
@@ -103,7 +101,10 @@ def test_scraped_counters_equal_the_workload_over_grpc_and_bulk(tmp_path: Path) 
     try:
         found = [m.group(1) for line in server.startup_lines if (m := METRICS_RE.search(line))]
         assert found, server.startup_lines
-        scrape = lambda: parse(scrape_text(found[0]))  # noqa: E731
+
+        def scrape() -> Samples:
+            return parse(scrape_text(found[0]))
+
         token = (tmp_path / "data" / "dev.token").read_text().strip()
 
         with BlockClient(server.address, token, bulk=False) as client:
@@ -113,7 +114,9 @@ def test_scraped_counters_equal_the_workload_over_grpc_and_bulk(tmp_path: Path) 
 
         with BlockClient(server.address, token) as client:  # the bulk channel
             workload(client)
-            arenas = {("kvshare_bulk_arenas", ()): 1.0}  # its same-host connection
+            arenas: dict[Series, float] = {
+                ("kvshare_bulk_arenas", ()): 1.0
+            }  # its same-host connection
             assert_counts(settled(scrape, arenas), arenas)
         deadline = time.monotonic() + 5  # given back when it closes (a thread notices)
         while value(scrape(), "kvshare_bulk_arenas") and time.monotonic() < deadline:
@@ -136,11 +139,8 @@ def test_scraped_counters_equal_the_workload_over_grpc_and_bulk(tmp_path: Path) 
 def test_evictions_rejections_and_integrity_failures_are_counted(tmp_path: Path) -> None:
     kib = 1 << 10
     tenancy = write_config(tmp_path, quotas={"beta": 8 * kib})
-    config = dataclasses.replace(
-        load_config(tenancy.path),
-        storage=StorageConfig(memory_budget_bytes=32 * kib, disk_budget_bytes=64 * kib),
-        telemetry=TelemetryConfig(per_tenant_labels=True),
-    )
+    storage = StorageConfig(memory_budget_bytes=32 * kib, disk_budget_bytes=64 * kib)
+    telemetry_config = TelemetryConfig(per_tenant_labels=True)
     reader = InMemoryMetricReader()
 
     def counts() -> dict[Series, float]:
@@ -149,15 +149,17 @@ def test_evictions_rejections_and_integrity_failures_are_counted(tmp_path: Path)
             for scope in resource.scope_metrics:
                 for metric in scope.metrics:
                     for point in metric.data.data_points:
-                        labels = tuple(sorted((k, str(v)) for k, v in point.attributes.items()))
+                        attributes = point.attributes or {}
+                        labels = tuple(sorted((k, str(v)) for k, v in attributes.items()))
                         out[(metric.name, labels)] = getattr(point, "value", 0)
         return out
 
     digests = [os.urandom(32) for _ in range(12)]
     payloads = [os.urandom(8 * kib) for _ in digests]  # 96 KiB into a 64 KiB disk budget
-    telemetry = ServerTelemetry(config.telemetry, metric_readers=[reader])
-    with EmbeddedServer(config, telemetry=telemetry) as server:
-        running = Running(server.address, config.data_dir, tenancy.tokens)
+    telemetry = ServerTelemetry(telemetry_config, metric_readers=[reader])
+    with launch(
+        tenancy, server_telemetry=telemetry, storage=storage, telemetry=telemetry_config
+    ) as running:
         with running.client("a", bulk=False) as a, running.client("b", bulk=False) as b:
             for i in range(12):
                 a.put("alpha", MODEL, digests[i : i + 1], payloads[i : i + 1])
@@ -173,11 +175,13 @@ def test_evictions_rejections_and_integrity_failures_are_counted(tmp_path: Path)
     assert got[("kvshare.tenant.quota.bytes", (("tenant", "beta"),))] == 8 * kib
     assert got[("kvshare.tenant.bytes", (("tenant", "alpha"),))] == 64 * kib
 
-    flip_stored_byte(config.data_dir / "lmdb" / "data.mdb", payloads[-1][:4096], 100)
+    flip_stored_byte(running.data_dir / "lmdb" / "data.mdb", payloads[-1][:4096], 100)
     reader = InMemoryMetricReader()
-    telemetry = ServerTelemetry(config.telemetry, metric_readers=[reader])
-    with EmbeddedServer(config, telemetry=telemetry) as server:
-        with Running(server.address, config.data_dir, tenancy.tokens).client("a") as a:
+    telemetry = ServerTelemetry(telemetry_config, metric_readers=[reader])
+    with launch(
+        tenancy, server_telemetry=telemetry, storage=storage, telemetry=telemetry_config
+    ) as running:
+        with running.client("a") as a:
             assert a.get("alpha", MODEL, digests[-1:]) == []  # corrupt: a miss
         assert (
             counts()[("kvshare.integrity.failures", (("tenant", "alpha"), ("tier", "lmdb")))] == 1

@@ -6,34 +6,30 @@ import json
 import os
 from pathlib import Path
 
-from cacheserver.config import load_config
-from cacheserver.embedded import EmbeddedServer
-from tests.conftest import Running, run_cli, write_config
+from tests.conftest import launch, run_cli, write_config
 
 MODEL = "obs/model@r1;fp32;L2;H2;D8;B4;tp0/1"
 
 
 def test_stats_shows_only_visible_tenants_with_hit_rate_and_bytes(tmp_path: Path) -> None:
     tenancy = write_config(tmp_path)
-    config = load_config(tenancy.path)
     token_file = tmp_path / "a.token"
     token_file.write_text(tenancy.tokens["a"] + "\n")
     digests = [os.urandom(32) for _ in range(4)]
-    with EmbeddedServer(config) as server:
-        running = Running(server.address, config.data_dir, tenancy.tokens)
+    with launch(tenancy) as running:
         with running.client("a") as a, running.client("b") as b:
             a.put("alpha", MODEL, digests[:3], [b"x" * 1000] * 3)
             assert a.lookup("alpha", MODEL, digests) == 3  # 3 of 4 digests present
             assert a.get("alpha", MODEL, digests[:2]) == [b"x" * 1000] * 2
             b.put("beta", MODEL, digests[:1], [b"y" * 500])
 
-        as_a = run_cli("stats", "--address", server.address, "--token-file", str(token_file),
+        as_a = run_cli("stats", "--address", running.address, "--token-file", str(token_file),
                        "--json")  # fmt: skip
-        table = run_cli("stats", "--address", server.address, "--token-file", str(token_file))
+        table = run_cli("stats", "--address", running.address, "--token-file", str(token_file))
         # `--token=...`: a token may start with "-", which argparse would take for a flag
-        as_root = run_cli("stats", "--address", server.address,
+        as_root = run_cli("stats", "--address", running.address,
                           f"--token={tenancy.tokens['root']}", "--json")  # fmt: skip
-        wrong = run_cli("stats", "--address", server.address, "--token=not-a-token")
+        wrong = run_cli("stats", "--address", running.address, "--token=not-a-token")
 
     assert as_a.returncode == 0, as_a.stderr
     report = json.loads(as_a.stdout)

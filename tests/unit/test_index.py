@@ -71,7 +71,7 @@ def test_block_larger_than_budget_or_quota_is_refused() -> None:
 @given(st.lists(st.tuples(st.sampled_from(["a", "b", "c"]), st.integers(1, 120)), max_size=60))
 def test_budget_and_quotas_hold_after_any_sequence(ops: list[tuple[str, int]]) -> None:
     quotas = {"a": 200, "b": 250}
-    index = BlockIndex(500, quotas)
+    index = BlockIndex(500, {TenantId(t): q for t, q in quotas.items()})
     for i, (tenant, size) in enumerate(ops):
         try:
             admit(index, key(i), TenantId(tenant), size)

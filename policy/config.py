@@ -237,10 +237,19 @@ def parse_access(
     parsed = [_parse_principal(raw, i, tenant_ids, err) for i, raw in enumerate(principals_raw)]
     seen_names: set[str] = set()
     seen_identities: set[str] = set()
+    seen_tokens: set[bytes] = set()
     for i, credential in enumerate(parsed):
         if credential.principal.name in seen_names:
             raise err.error(f"principals[{i}].name", "principal names must be unique")
         seen_names.add(credential.principal.name)
+        if isinstance(credential, TokenCredential):
+            # One token, one principal: otherwise the last entry would silently win.
+            if credential.token_sha256 in seen_tokens:
+                raise err.error(
+                    f"principals[{i}].token_sha256",
+                    "two principals have this token; give each principal its own token",
+                )
+            seen_tokens.add(credential.token_sha256)
         if isinstance(credential, CertCredential):
             if credential.identity in seen_identities:
                 raise err.error(

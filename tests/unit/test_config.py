@@ -85,3 +85,12 @@ def test_the_bulk_table(tmp_path: Path) -> None:
         load(tmp_path, MINIMAL + "[bulk]\narena_bytes = 4096\n")
     with pytest.raises(ConfigError, match=r"bulk\.arenas: unknown key; allowed: arena_bytes"):
         load(tmp_path, MINIMAL + "[bulk]\narenas = 4\n")
+
+
+def test_two_principals_with_one_token_are_refused(tmp_path: Path) -> None:
+    """Issue 15 F11: with a shared token the last principal silently won."""
+    second = MINIMAL.split("[[principals]]")[1].replace('"replica-a"', '"replica-b"')
+    with pytest.raises(ConfigError, match=r"principals\[1\].token_sha256.*its own token"):
+        load(tmp_path, MINIMAL + "\n[[principals]]" + second)
+    other_token = second.replace(hashlib.sha256(b"t").hexdigest(), hashlib.sha256(b"u").hexdigest())
+    load(tmp_path, MINIMAL + "\n[[principals]]" + other_token)  # positive control

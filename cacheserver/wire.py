@@ -9,6 +9,12 @@ carries the verified peer certificate (mTLS); the interceptor sees just the meta
 Only the standard health check is exempt (load balancers probe it without
 credentials). A new RPC therefore cannot skip authentication.
 
+Requests are deserialized inside the wrapper too, after authentication: the handlers are
+registered with raw bytes, so a stranger's garbage costs one UNAUTHENTICATED answer and
+no decoding (let alone a traceback in the log), and a malformed message from an
+authenticated caller is INVALID_ARGUMENT, not an unexpected error. A call with more than
+one `authorization` header is refused: which one counts must never be ambiguous.
+
 `KvshareError`s become `context.abort(status, message)` here and nowhere else; any other
 exception is a bug, logged with a request id and answered INTERNAL with a fixed message.
 
@@ -29,7 +35,7 @@ import grpc
 from opentelemetry.context import Context
 
 from cacheserver.telemetry import RpcCall, ServerTelemetry
-from kvcommon.errors import KvshareError
+from kvcommon.errors import InvalidArgument, KvshareError, Unauthenticated
 from kvcommon.logs import current_request_id, new_request_id
 from kvcommon.tracing import context_from_metadata
 from policy import AccessPolicy, Principal
@@ -67,7 +73,7 @@ async def abort_for(
 
 async def _authenticate(
     policy: AccessPolicy,
-    authorization: str | None,
+    authorization: tuple[str, ...],
     method: str,
     context: grpc.aio.ServicerContext[Any, Any],
 ) -> Principal:
@@ -78,8 +84,10 @@ async def _authenticate(
     """
     bind_call(method, context.peer())
     try:
+        if len(authorization) > 1:
+            raise Unauthenticated("send one authorization header, not several")
         auth_context = _auth_context(context) if policy.reads_certificates else None
-        principal = policy.authenticate(authorization, auth_context)
+        principal = policy.authenticate(authorization[0] if authorization else None, auth_context)
     except KvshareError as error:
         await context.abort(_status(error), str(error))
         raise  # unreachable: abort raises
@@ -98,9 +106,10 @@ class _Call:
 
     policy: AccessPolicy
     telemetry: ServerTelemetry
-    authorization: str | None
+    authorization: tuple[str, ...]  # every `authorization` header the call carried
     parent: Context | None  # the caller's trace context (traceparent)
     method: str
+    deserialize: Callable[[bytes], Any] | None  # the handler's request deserializer
 
     @property
     def name(self) -> str:
@@ -119,12 +128,35 @@ class _Call:
         await abort_for(context, error, self.method)
 
 
-def _wrap_unary(behavior: Callable[..., Awaitable[T]], call: _Call) -> Callable[..., Awaitable[T]]:
+def _decode(call: _Call, raw: Any) -> Any:
+    """One request message, decoded once the caller is authenticated."""
+    if call.deserialize is None:
+        return raw
+    try:
+        return call.deserialize(raw)
+    except Exception:  # DecodeError, or a field protobuf refuses (invalid UTF-8)
+        raise InvalidArgument(
+            "malformed request message; send a valid kvshare.v1 message"
+        ) from None
+
+
+async def _decoded(call: _Call, raw_stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async for raw in raw_stream:
+        yield _decode(call, raw)
+
+
+def _request_of(call: _Call, request: Any, streaming: bool) -> Any:
+    return _decoded(call, request) if streaming else _decode(call, request)
+
+
+def _wrap_unary(
+    behavior: Callable[..., Awaitable[T]], call: _Call, streaming: bool
+) -> Callable[..., Awaitable[T]]:
     async def wrapped(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> T:
         with call.telemetry.rpc(call.name, call.parent) as observed:
             try:
                 await _authenticate(call.policy, call.authorization, call.method, context)
-                return await behavior(request, context)
+                return await behavior(_request_of(call, request, streaming), context)
             except Exception as exc:
                 await call.fail(context, exc, observed)
                 raise  # unreachable: abort raises
@@ -133,7 +165,7 @@ def _wrap_unary(behavior: Callable[..., Awaitable[T]], call: _Call) -> Callable[
 
 
 def _wrap_stream(
-    behavior: Callable[..., AsyncIterator[T]], call: _Call
+    behavior: Callable[..., AsyncIterator[T]], call: _Call, streaming: bool
 ) -> Callable[..., AsyncIterator[T]]:
     async def wrapped(
         request: Any, context: grpc.aio.ServicerContext[Any, Any]
@@ -141,7 +173,7 @@ def _wrap_stream(
         with call.telemetry.rpc(call.name, call.parent, restore_context=False) as observed:
             try:
                 await _authenticate(call.policy, call.authorization, call.method, context)
-                async for item in behavior(request, context):
+                async for item in behavior(_request_of(call, request, streaming), context):
                     yield item
             except Exception as exc:
                 await call.fail(context, exc, observed)
@@ -167,20 +199,30 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or method in UNAUTHENTICATED_METHODS:
             return handler
         metadata = handler_call_details.invocation_metadata or ()
-        authorization = next((str(v) for k, v in metadata if k == "authorization"), None)
+        authorization = tuple(str(v) for k, v in metadata if k == "authorization")
         parent = context_from_metadata(metadata)
-        return _rewrap(handler, _Call(self._policy, self._telemetry, authorization, parent, method))
+        call = _Call(
+            self._policy,
+            self._telemetry,
+            authorization,
+            parent,
+            method,
+            handler.request_deserializer,
+        )
+        return _rewrap(handler, call)
 
 
 def _rewrap(handler: Any, call: _Call) -> Handler:
-    """The same handler (a namedtuple) with its one behaviour wrapped."""
+    """The same handler (a namedtuple) with its one behaviour wrapped, taking raw bytes
+    (deserialized by the wrapper once the caller is authenticated)."""
+    raw = handler._replace(request_deserializer=None)
     replaced: Handler
     if handler.unary_unary is not None:
-        replaced = handler._replace(unary_unary=_wrap_unary(handler.unary_unary, call))
+        replaced = raw._replace(unary_unary=_wrap_unary(handler.unary_unary, call, False))
     elif handler.stream_unary is not None:
-        replaced = handler._replace(stream_unary=_wrap_unary(handler.stream_unary, call))
+        replaced = raw._replace(stream_unary=_wrap_unary(handler.stream_unary, call, True))
     elif handler.unary_stream is not None:
-        replaced = handler._replace(unary_stream=_wrap_stream(handler.unary_stream, call))
+        replaced = raw._replace(unary_stream=_wrap_stream(handler.unary_stream, call, False))
     else:
-        replaced = handler._replace(stream_stream=_wrap_stream(handler.stream_stream, call))
+        replaced = raw._replace(stream_stream=_wrap_stream(handler.stream_stream, call, True))
     return replaced

@@ -22,7 +22,9 @@ common system prompt) for many tenants:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
 
 from kvcommon.errors import InvalidArgument, PermissionDenied, Unauthenticated
 from policy.audit import AuditLog, Field
@@ -47,6 +49,39 @@ from policy.types import (
 )
 
 AuthContext = Mapping[str, Sequence[bytes]]
+# Anyone can fail to authenticate, as fast as the network allows: each failure is
+# audited, but at most this often (a burst of this many at once); the next record
+# says how many were left out (`suppressed`), so an unauthenticated flood cannot fill
+# the audit log's disk, and the log still shows that it happened and how big it was.
+AUTHN_FAILURE_RECORDS_PER_S = 10
+AUTHN_FAILURE_BURST = 50
+
+
+class AuditGate:
+    """A token bucket for audit records of one kind. Thread-safe."""
+
+    def __init__(
+        self, per_s: float, burst: int, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._per_s, self._burst, self._clock = per_s, burst, clock
+        self._tokens = float(burst)
+        self._at = clock()
+        self._suppressed = 0
+        self._lock = threading.Lock()
+
+    def admit(self) -> int | None:
+        """None: leave this record out. Else write it, noting the number left out
+        since the last one written."""
+        with self._lock:
+            now = self._clock()
+            self._tokens = min(self._burst, self._tokens + (now - self._at) * self._per_s)
+            self._at = now
+            if self._tokens < 1:
+                self._suppressed += 1
+                return None
+            self._tokens -= 1
+            suppressed, self._suppressed = self._suppressed, 0
+            return suppressed
 
 
 class AccessPolicy:
@@ -74,6 +109,7 @@ class AccessPolicy:
         self._limiter = limiter or RequestRateLimiter(0)
         self.audit = audit or AuditLog.disabled()
         self._accept_certificates = accept_certificates
+        self._authn_failures = AuditGate(AUTHN_FAILURE_RECORDS_PER_S, AUTHN_FAILURE_BURST)
 
     @classmethod
     def from_access(
@@ -118,12 +154,15 @@ class AccessPolicy:
         try:
             principal = self._authenticator.authenticate(authorization, identities)
         except Unauthenticated:
-            presented = describe(authorization, identities)
-            self.audit.record(
-                "authn_failure",
-                credential=presented.kind,
-                cert_identities=sorted(presented.cert_identities) or None,
-            )
+            suppressed = self._authn_failures.admit()
+            if suppressed is not None:
+                presented = describe(authorization, identities)
+                self.audit.record(
+                    "authn_failure",
+                    credential=presented.kind,
+                    cert_identities=sorted(presented.cert_identities) or None,
+                    suppressed=suppressed or None,
+                )
             raise
         self.check_rate(principal)
         return principal

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import grpc
@@ -93,3 +94,55 @@ def test_reflection_requires_a_token_and_health_does_not(dev_server: Running) ->
         )
         names = {s.name for s in replies[0].list_services_response.service}
         assert SERVICE.full_name in names
+
+
+def _raw_call(
+    channel: grpc.Channel, method: _descriptor.MethodDescriptor, raw: bytes, metadata: Any
+) -> grpc.StatusCode:
+    """Send `raw` bytes as the request of `method` (no client-side encoding)."""
+    path = f"/{SERVICE.full_name}/{method.name}"
+    stream_unary: Any = channel.stream_unary(path)
+    unary_stream: Any = channel.unary_stream(path)
+    unary_unary: Any = channel.unary_unary(path)
+    try:
+        if method.client_streaming:
+            stream_unary(iter([raw]), metadata=metadata, timeout=10)
+        elif method.server_streaming:
+            list(unary_stream(raw, metadata=metadata, timeout=10))
+        else:
+            unary_unary(raw, metadata=metadata, timeout=10)
+    except grpc.RpcError as error:
+        return error.code()
+    return grpc.StatusCode.OK
+
+
+GARBAGE = b"\xff\xff\xff\x0f not a protobuf message"
+
+
+def test_garbage_is_decoded_only_after_authentication_and_logs_no_traceback(
+    dev_server: Running, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 15 F10: garbage from a stranger was decoded before the auth wrapper ran
+    (a traceback in the log per call, and no audit record); a malformed message from an
+    authenticated caller was INTERNAL with a traceback."""
+    token = (("authorization", f"Bearer {dev_server.tokens['dev']}"),)
+    with caplog.at_level(logging.INFO), grpc.insecure_channel(dev_server.address) as channel:
+        for method in SERVICE.methods:
+            assert _raw_call(channel, method, GARBAGE, ()) == grpc.StatusCode.UNAUTHENTICATED
+            assert _raw_call(channel, method, GARBAGE, token) == grpc.StatusCode.INVALID_ARGUMENT
+        empty = kvshare_pb2.StatsRequest().SerializeToString()  # positive control
+        assert _raw_call(channel, SERVICE.methods_by_name["Stats"], empty, token).name == "OK"
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+    audited = [r for r in caplog.records if r.getMessage() == "audit authn_failure"]
+    assert len(audited) == len(SERVICE.methods)  # each stranger's call is on the record
+
+
+def test_two_authorization_headers_are_refused(dev_server: Running) -> None:
+    """Issue 15 F11: with two headers the first one won; now neither does."""
+    good = ("authorization", f"Bearer {dev_server.tokens['dev']}")
+    stats = SERVICE.methods_by_name["Stats"]
+    empty = kvshare_pb2.StatsRequest().SerializeToString()
+    with grpc.insecure_channel(dev_server.address) as channel:
+        assert _raw_call(channel, stats, empty, (good,)) == grpc.StatusCode.OK  # control
+        for pair in ((good, ("authorization", "Bearer x")), (("authorization", "x"), good)):
+            assert _raw_call(channel, stats, empty, pair) == grpc.StatusCode.UNAUTHENTICATED

@@ -181,3 +181,17 @@ def test_admit_rules(
         with pytest.raises(PermissionDenied) as info:
             policy.admit(principal, tenant, action)
         assert tenant not in str(info.value)
+
+
+def test_authn_failure_records_are_rate_limited_and_say_how_many_were_left_out() -> None:
+    """Issue 15 F10: a stranger must not fill the audit log's disk at network speed."""
+    from policy.access import AuditGate
+
+    now = [0.0]
+    gate = AuditGate(per_s=10, burst=3, clock=lambda: now[0])
+    assert [gate.admit() for _ in range(5)] == [0, 0, 0, None, None]  # burst, then gated
+    now[0] = 0.1  # one token back
+    assert gate.admit() == 2  # written, saying two were left out
+    assert gate.admit() is None
+    now[0] = 10.0  # refilled to the burst, not beyond
+    assert [gate.admit() for _ in range(4)] == [1, 0, 0, None]

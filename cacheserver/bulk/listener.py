@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterator
 
 from cacheserver.bulk.arena import Arena, listen_locally
 from cacheserver.bulk.handler import OPS, BulkHandler
+from cacheserver.bulk.slots import ConnectionSlots
 from cacheserver.config import BulkConfig
 from cacheserver.requests import RequestCore
 from cacheserver.telemetry import ServerTelemetry
@@ -47,10 +48,9 @@ from kvcommon.tracing import context_from_binary
 from policy.tickets import Grant, TicketBook
 
 log = logging.getLogger(__name__)
-MAX_CONNECTIONS = 256
 IDLE_TIMEOUT_S = 300.0  # an authenticated connection may idle between requests this long
-# Before its ticket is accepted a peer is unauthenticated: it gets only this long to
-# finish TLS and present the ticket, so idle strangers cannot hold the connection slots.
+# Before its ticket is accepted a peer is unauthenticated: it gets only this long, in
+# total, to finish TLS and present the ticket (cacheserver.bulk.slots).
 HANDSHAKE_TIMEOUT_S = 5.0
 BULK_SYSTEM = "kvshare_bulk"  # the `rpc.system` of this listener's spans
 
@@ -82,8 +82,11 @@ class BulkServer:
         self._arenas = 0
         self._lock = threading.Lock()
         self._stopping = False
-        self.handshake_timeout_s = HANDSHAKE_TIMEOUT_S
-        self._acceptors = [self._acceptor(self._listener, self._serve, "kvshare-bulk-accept")]
+        self._slots = ConnectionSlots(HANDSHAKE_TIMEOUT_S)
+        self._reaper = threading.Thread(
+            target=self._slots.reap, name="kvshare-bulk-reaper", daemon=True
+        )
+        self._acceptors = [self._acceptor(self._listener, self._serve, "tcp")]
         # The same-host listener, as OpenBulk describes it: its abstract socket's name
         # (without the leading NUL), its host and network namespace, the server's uid.
         self.local_address = self.local_namespace = self.local_owner = ""
@@ -93,16 +96,25 @@ class BulkServer:
             self.local_address = local[1]
             self.local_namespace = w.host_namespace()
             self.local_owner = str(os.getuid())
-            self._acceptors.append(
-                self._acceptor(local[0], self._serve_local, "kvshare-bulk-accept-local")
-            )
+            self._acceptors.append(self._acceptor(local[0], self._serve_local, "local"))
 
     def _acceptor(
-        self, listener: socket.socket, serve: Callable[[socket.socket], None], name: str
+        self, listener: socket.socket, serve: Callable[[socket.socket], None], kind: str
     ) -> threading.Thread:
         return threading.Thread(
-            target=self._accept_loop, args=(listener, serve), name=name, daemon=True
+            target=self._accept_loop,
+            args=(listener, serve, kind),
+            name=f"kvshare-bulk-accept-{kind}",
+            daemon=True,
         )
+
+    @property
+    def handshake_timeout_s(self) -> float:
+        return self._slots.handshake_timeout_s
+
+    @handshake_timeout_s.setter
+    def handshake_timeout_s(self, seconds: float) -> None:
+        self._slots.handshake_timeout_s = seconds
 
     @property
     def arenas(self) -> int:
@@ -111,6 +123,7 @@ class BulkServer:
             return self._arenas
 
     def start(self) -> str:
+        self._reaper.start()
         for acceptor in self._acceptors:
             acceptor.start()
         return self.address
@@ -124,20 +137,21 @@ class BulkServer:
         with self._lock:
             for conn in list(self._connections):
                 _close_quietly(conn)
+        self._slots.close()
         for acceptor in self._acceptors:
             acceptor.join(timeout=5)
 
-    def _accept_loop(self, listener: socket.socket, serve: Callable[[socket.socket], None]) -> None:
+    def _accept_loop(
+        self, listener: socket.socket, serve: Callable[[socket.socket], None], kind: str
+    ) -> None:
         while not self._stopping:
             try:
                 conn, _ = listener.accept()
             except OSError:
                 return  # listener closed
             with self._lock:
-                if len(self._connections) >= MAX_CONNECTIONS:
-                    _close_quietly(conn)
-                    continue
                 self._connections.add(conn)
+            self._slots.accept(conn, kind)
             threading.Thread(target=serve, args=(conn,), name="kvshare-bulk", daemon=True).start()
 
     @contextlib.contextmanager
@@ -162,7 +176,7 @@ class BulkServer:
                 raw.settimeout(self.handshake_timeout_s)
                 if self._tls is not None:
                     conn = self._tls.wrap_socket(raw, server_side=True)
-                grant = self._handshake(conn)
+                grant = self._handshake(conn, raw)
                 if grant is None:
                     return
                 conn.sendall(bytes([w.OK]))
@@ -183,7 +197,7 @@ class BulkServer:
         with self._connection_scope(conn):
             try:
                 conn.settimeout(self.handshake_timeout_s)
-                grant = self._handshake(conn)
+                grant = self._handshake(conn, conn)
                 arena = None if grant is None else self._open_arena(conn)
                 if grant is None or arena is None:
                     return
@@ -228,18 +242,22 @@ class BulkServer:
             return None
 
     def _forget(self, conn: socket.socket) -> None:
+        self._slots.release(conn)
         with self._lock:
             self._connections.discard(conn)
 
-    def _handshake(self, conn: socket.socket) -> Grant | None:
-        """Redeem the client's ticket; None (and an error frame sent) if it fails."""
+    def _handshake(self, conn: socket.socket, raw: socket.socket) -> Grant | None:
+        """Redeem the client's ticket and take an authenticated slot for `raw` (the
+        accepted socket); None (and an error frame sent) if either fails."""
         hello = w.recv_bytes(conn, w.HELLO.size)
         magic, ticket = w.HELLO.unpack(hello)
         with self._telemetry.rpc("kvshare.bulk/Hello", None, system=BULK_SYSTEM) as call:
             try:
                 if magic != w.MAGIC:
                     raise InvalidArgument("not a kvshare bulk client (bad magic)")
-                return self._tickets.redeem(ticket)
+                grant = self._tickets.redeem(ticket)
+                self._slots.authenticated(raw, grant.principal.name)
+                return grant
             except KvshareError as error:
                 call.status = error.status
                 conn.sendall(w.error_frame(error))

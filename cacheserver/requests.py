@@ -35,7 +35,7 @@ from cacheserver.store import BlockStore
 from cacheserver.writing import BlockSource, CheckedSource
 from kvcommon.errors import InvalidArgument, Unavailable
 from policy import AccessPolicy, Action, Principal
-from policy.tickets import TicketBook
+from policy.tickets import TicketBook, local_binding
 from policy.types import (
     ModelName,
     ModelTag,
@@ -78,13 +78,14 @@ class BulkEndpoint:
     address: str
     local_address: str = ""  # the same-host listener's abstract socket name; "": none
     local_namespace: str = ""  # where that name is the server's (bulkwire.host_namespace)
-    local_owner: str = ""  # the uid the server runs as, for the client's peer check
+    local_uid: int = -1  # the uid the server runs as, for the client's peer check
 
 
 @dataclass(frozen=True, slots=True)
 class BulkOffer:
     ticket: bytes
     endpoint: BulkEndpoint
+    local_binding: str  # policy.tickets.local_binding: where the same-host listener counts
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,7 +220,11 @@ class RequestCore:
             raise Unavailable("this server has no bulk listener; use Get and Put")
         action = Action.READ if Action.READ in principal.actions else Action.WRITE
         tenant_id = self.policy.admit(principal, tenant, action)
-        return BulkOffer(self.bulk.tickets.issue(principal, tenant_id), self.bulk)
+        ticket = self.bulk.tickets.issue(principal, tenant_id)
+        binding = ""
+        if self.bulk.local_address and self.bulk.local_namespace:
+            binding = local_binding(ticket, self.bulk.local_namespace, self.bulk.local_uid)
+        return BulkOffer(ticket, self.bulk, binding)
 
 
 def parse_model_bytes(raw: bytes | memoryview) -> str:

@@ -209,7 +209,7 @@ class Server:
             bulk.start(),
             bulk.local_address,
             bulk.local_namespace,
-            bulk.local_owner,
+            bulk.local_uid,
         )
         kvshare_pb2_grpc.add_BlockStoreServicer_to_server(BlockStoreService(core), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)

@@ -43,8 +43,7 @@ class BlockStoreService(pb_grpc.BlockStoreServicer):
             ticket=offer.ticket,
             address=endpoint.address,
             local_address=endpoint.local_address,
-            local_namespace=endpoint.local_namespace,
-            local_owner=endpoint.local_owner,
+            local_namespace=offer.local_binding,
             ttl_ms=int(endpoint.tickets.ttl_s * 1000),
             trace_context=True,
         )

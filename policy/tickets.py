@@ -14,17 +14,20 @@ replayed if it leaked; lookup is by that hash, so its timing reveals nothing use
 from __future__ import annotations
 
 import hashlib
+import hmac
 import secrets
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvcommon.encoding import enc
 from kvcommon.errors import Unauthenticated
 from policy.identity import Principal
 from policy.types import TenantId
 
 TICKET_BYTES = 32
+LOCAL_BINDING_LABEL = "kvshare/bulk/local/v1"
 DEFAULT_TTL_S = 30.0
 MAX_OUTSTANDING = 65536  # bound the registry against a caller minting tickets in a loop
 
@@ -71,3 +74,18 @@ class TicketBook:
     def _expire(self, now: float) -> None:
         for key in [k for k, (_, deadline) in self._grants.items() if deadline < now]:
             del self._grants[key]
+
+
+def local_binding(ticket: bytes, host_namespace: str, uid: int) -> str:
+    """Where a same-host listener may be used, bound to one ticket (OpenBulk's
+    `local_namespace`): the server computes it from its own namespace and uid, a client
+    from its own namespace and the listener's peer uid, and only equal values let the
+    ticket be presented there. The ticket is a one-time random key, so the value tells
+    a remote caller neither the boot id nor the uid."""
+    message = enc(LOCAL_BINDING_LABEL, host_namespace, str(uid))
+    return hmac.digest(ticket, message, "sha256").hex()
+
+
+def is_local_binding(ticket: bytes, host_namespace: str, uid: int, binding: str) -> bool:
+    """The client's check of `local_binding` (constant time)."""
+    return hmac.compare_digest(local_binding(ticket, host_namespace, uid), binding)

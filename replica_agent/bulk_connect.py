@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvcommon import bulkwire as w
+from policy.tickets import is_local_binding
 from replica_agent.errors import store_error
 from replica_agent.grpc_calls import Ticket
 
@@ -119,14 +120,21 @@ def connect_tcp(
 
 
 def can_use_local(ticket: Ticket) -> bool:
-    """Only in the server's own namespace is the listener's name surely the server's:
-    a listener of that name anywhere else is an impostor (it would get the ticket, and
-    the payloads). An older server names no namespace: TCP."""
-    return bool(
-        ticket.local_address
-        and ticket.local_namespace
-        and ticket.local_namespace == w.host_namespace()
-    )
+    """Whether to try the same-host listener at all: the server offers one, bound to
+    where it counts (an older server binds nothing: TCP), and this process knows its
+    own namespace."""
+    return bool(ticket.local_address and ticket.local_binding and w.host_namespace())
+
+
+def is_the_servers(ticket: Ticket, sock: socket.socket) -> bool:
+    """Only in the server's own namespace, and only while the server's user holds it,
+    is the listener's name the server's: a listener of that name anywhere else, or of
+    another user (the name is free once the server dies), is an impostor that would
+    get the ticket and the payloads. OpenBulk bound both to the ticket."""
+    uid = w.peer_uid(sock)
+    if uid is None:
+        return False
+    return is_local_binding(ticket.ticket, w.host_namespace(), uid, ticket.local_binding)
 
 
 def connect_local(ticket: Ticket, timeout_s: float | None) -> tuple[Connection | None, bool]:
@@ -141,10 +149,10 @@ def connect_local(ticket: Ticket, timeout_s: float | None) -> tuple[Connection |
         except OSError:
             sock.close()
             return None, False  # not this server's host: TCP, same ticket
-        if str(w.peer_uid(sock)) != ticket.local_owner:
-            # Not the server's user: a process that took the name after the server
-            # went away. It gets no ticket (and no payloads); TCP, same ticket.
-            log.warning("the same-host bulk listener is not the server's user; using TCP")
+        if not is_the_servers(ticket, sock):
+            # Another namespace's listener, or a process of another user that took the
+            # name after the server went away. It gets no ticket (and no payloads).
+            log.warning("the same-host bulk listener is not the server's; using TCP")
             sock.close()
             return None, False
         sock.sendall(w.HELLO.pack(w.MAGIC, ticket.ticket))

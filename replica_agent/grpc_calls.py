@@ -29,8 +29,8 @@ class Ticket:
     address: str  # "host:port" of the TCP (or TLS) listener
     traced: bool  # the listener reads requests that carry a trace context
     local_address: str = ""  # the same-host listener's name; "": none
-    local_namespace: str = ""  # where that name is the server's
-    local_owner: str = ""  # the uid the server runs as ("": unknown)
+    # where that listener counts, bound to this ticket (policy.tickets.local_binding)
+    local_binding: str = ""
 
 
 class NoBulkListener(Exception):
@@ -71,7 +71,6 @@ class GrpcCalls:
             response.trace_context,
             response.local_address,
             response.local_namespace,
-            response.local_owner,
         )
 
     def lookup(self, tenant: str, model: str, digests: Sequence[bytes]) -> int:

@@ -89,13 +89,13 @@ class BulkServer:
         self._acceptors = [self._acceptor(self._listener, self._serve, "tcp")]
         # The same-host listener, as OpenBulk describes it: its abstract socket's name
         # (without the leading NUL), its host and network namespace, the server's uid.
-        self.local_address = self.local_namespace = self.local_owner = ""
+        self.local_address = self.local_namespace = ""
+        self.local_uid = os.getuid()
         local = listen_locally() if self._bulk.same_host else None
         self._local_listener = local[0] if local is not None else None
         if local is not None:
             self.local_address = local[1]
             self.local_namespace = w.host_namespace()
-            self.local_owner = str(os.getuid())
             self._acceptors.append(self._acceptor(local[0], self._serve_local, "local"))
 
     def _acceptor(

@@ -527,16 +527,17 @@ class OpenBulkResponse(_message.Message):
     through a shared-memory arena instead of TCP, with the same ticket and policy.
     """
     local_namespace: _builtins.str
-    """Which host and network namespace that listener is in (the kernel's boot id and the
-    namespace's inode). An abstract socket name is only the server's inside the
-    server's own namespace: a client elsewhere could reach an impostor bound to the
-    same name, so it uses the listener only when its own namespace is this one.
+    """Where that listener may be used, bound to this ticket: hex of
+    HMAC-SHA256(ticket, "kvshare/bulk/local/v1" | host namespace | server uid), where
+    the host namespace is the kernel's boot id and the network namespace's inode and
+    the uid is the server's. An abstract socket name is only the server's inside the
+    server's own namespace, and only while the server holds it: a client computes the
+    same value from its own namespace and the listener's peer credentials
+    (SO_PEERCRED) and presents its ticket only when they match. Remote callers learn
+    neither the boot id nor the uid (the ticket is a one-time random key).
     """
     local_owner: _builtins.str
-    """The user id the server runs as (decimal; "" unknown). The client checks it against
-    the listener's peer credentials before it presents a ticket there, so that a
-    process of another user that took the name (after the server died) gets nothing.
-    """
+    """No longer sent (was the server's uid in clear; now part of local_namespace)."""
     def __init__(
         self,
         *,

@@ -8,6 +8,7 @@ channel (tests/e2e/test_bulk.py) run over both transports.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import mmap
@@ -28,6 +29,7 @@ from kvcommon.bulkwire import host_namespace
 from kvcommon.errors import InvalidArgument, Unauthenticated
 from kvcommon.v1 import kvshare_pb2 as pb
 from kvcommon.v1 import kvshare_pb2_grpc as pb_grpc
+from policy.tickets import local_binding
 from replica_agent.bulk import BulkChannel
 from replica_agent.bulk_connect import Connection
 from replica_agent.client import BlockClient
@@ -220,18 +222,20 @@ class Impostor:
 
 
 def pointing_at(
-    client: BlockClient, impostor: Impostor, namespace: str, owner: str | None = None
+    client: BlockClient, impostor: Impostor, namespace: str, owner: int | None = None
 ) -> None:
-    """Make `client`'s OpenBulk answers name the impostor's listener, `namespace` and
-    `owner` (by default the server's, which is also the impostor's user here)."""
+    """Make `client`'s OpenBulk answers name the impostor's listener, bound (as the
+    server binds its own) to `namespace` and `owner` (by default the server's user,
+    which is also the impostor's here)."""
     bulk = client._bulk
     assert isinstance(bulk, BulkChannel)
     real = bulk._open_ticket
 
     def open_ticket(tenant: str) -> Ticket:
         ticket = real(tenant)
-        uid = ticket.local_owner if owner is None else owner
-        return Ticket(ticket.ticket, ticket.address, ticket.traced, impostor.name, namespace, uid)
+        uid = os.getuid() if owner is None else owner
+        binding = local_binding(ticket.ticket, namespace, uid)
+        return dataclasses.replace(ticket, local_address=impostor.name, local_binding=binding)
 
     bulk._open_ticket = open_ticket
 
@@ -269,12 +273,12 @@ def test_a_client_presents_no_ticket_to_a_listener_of_another_user(
 ) -> None:
     """After a server dies its listener's name is free in its namespace; a process of
     another user that takes it must get nothing. The client compares the listener's
-    peer credentials with the uid OpenBulk named (the previous test is the positive
-    control: the same listener of the right user gets the client's hello)."""
+    peer credentials with the uid OpenBulk bound the ticket to (the previous test is the
+    positive control: the same listener of the right user gets the client's hello)."""
     impostor = Impostor(sealed=True)
     try:
         with tenant_server.client("a") as client:
-            pointing_at(client, impostor, host_namespace(), owner=str(os.getuid() + 4242))
+            pointing_at(client, impostor, host_namespace(), owner=os.getuid() + 4242)
             assert client.put("alpha", MODEL, [b"o" * 32], [b"payload"]) == [True]
             assert [c.arena is None for c in connections(client)] == [True]
             time.sleep(0.2)
@@ -341,3 +345,18 @@ def test_a_get_split_over_the_arena_counts_its_blocks_once(tmp_path: Path) -> No
                             result = str((point.attributes or {})["result"])
                             blocks[result] = getattr(point, "value", 0)
     assert blocks == {"hit": 6, "miss": 0}
+
+
+def test_openbulk_tells_no_caller_the_servers_boot_id_or_uid(tenant_server: Running) -> None:
+    """Issue 15 F11: OpenBulk told every caller the server's uid and boot id, which only
+    a same-host client needs, to check the listener. Now it sends a value bound to the
+    one-time ticket that a client on the server's host can recompute and check."""
+    response = open_bulk(tenant_server)
+    boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    assert response.local_owner == ""
+    assert boot_id not in response.local_namespace and host_namespace() != ""
+    assert len(response.local_namespace) == 64  # hex of an HMAC-SHA256
+    assert local_binding(response.ticket, host_namespace(), os.getuid()) == (
+        response.local_namespace
+    )  # positive control: what a client on this host computes
+    assert open_bulk(tenant_server).local_namespace != response.local_namespace  # per ticket

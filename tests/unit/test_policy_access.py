@@ -195,3 +195,31 @@ def test_authn_failure_records_are_rate_limited_and_say_how_many_were_left_out()
     assert gate.admit() is None
     now[0] = 10.0  # refilled to the burst, not beyond
     assert [gate.admit() for _ in range(4)] == [1, 0, 0, None]
+
+
+def test_a_full_ticket_book_drops_expired_tickets_then_the_oldest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 15 F11: a full book scanned all 65,536 tickets on every OpenBulk. Tickets
+    are now kept oldest first: expired ones leave from the front, then the oldest."""
+    from policy import tickets
+    from policy.identity import Principal
+
+    monkeypatch.setattr(tickets, "MAX_OUTSTANDING", 4)
+    now = [0.0]
+    book = tickets.TicketBook(ttl_s=10, clock=lambda: now[0])
+    who = Principal("p", frozenset({TenantId("t")}), frozenset({Action.READ}))
+    first = [book.issue(who, TenantId("t")) for _ in range(2)]
+    now[0] = 5.0
+    later = [book.issue(who, TenantId("t")) for _ in range(2)]
+    now[0] = 12.0  # the first two expired; the book is full
+    newest = book.issue(who, TenantId("t"))
+    assert len(book) == 3  # both expired ones left, nothing live was dropped
+    book.issue(who, TenantId("t"))
+    book.issue(who, TenantId("t"))  # full again, nothing expired: the oldest goes
+    assert len(book) == 4
+    for ticket in first + later[:1]:
+        with pytest.raises(Unauthenticated):
+            book.redeem(ticket)
+    assert book.redeem(later[1]).tenant == "t"  # positive control
+    assert book.redeem(newest).principal == who

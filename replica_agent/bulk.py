@@ -29,13 +29,10 @@ from replica_agent.bulk_connect import (
     expect_ok,
 )
 from replica_agent.errors import store_error
-from replica_agent.grpc_calls import Ticket
+from replica_agent.grpc_calls import MAX_BLOCK_BYTES, Ticket
 
 Payload = bytes | bytearray | memoryview
 OpenTicket = Callable[[str], Ticket]  # tenant -> a fresh ticket
-# No kvshare block comes near this (the server's max_block_bytes defaults to 128 MiB);
-# a bigger announced size is a broken or hostile server.
-MAX_BLOCK_BYTES = 1 << 32
 
 
 class UseGrpc(Exception):

@@ -19,6 +19,10 @@ from kvcommon.v1 import kvshare_pb2_grpc as pb_grpc
 from replica_agent.errors import from_rpc_error, store_error
 
 Payload = bytes | bytearray | memoryview
+# No kvshare block comes near this (the server's max_block_bytes defaults to 128 MiB; a
+# 256-token block of a 70B model is 80 MiB): bigger is a broken or hostile server, whose
+# size must never become an allocation.
+MAX_BLOCK_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -98,7 +102,7 @@ class GrpcCalls:
                         yield chunk.data  # a whole block in one chunk: no copy
                         continue
                     if chunk.offset == 0:
-                        partial = bytearray(chunk.block_bytes)
+                        partial = bytearray(_checked_size(chunk.block_bytes))
                     if partial is None:
                         raise store_error("DATA_LOSS", "server sent a chunk without its start")
                     partial[chunk.offset : chunk.offset + len(chunk.data)] = chunk.data
@@ -127,6 +131,12 @@ class GrpcCalls:
     def stats(self) -> pb.StatsResponse:
         response: pb.StatsResponse = self._call(self._stub.Stats, pb.StatsRequest())
         return response
+
+
+def _checked_size(size: int) -> int:
+    if size > MAX_BLOCK_BYTES:
+        raise store_error("DATA_LOSS", f"the server announced a {size}-byte block")
+    return size
 
 
 def _put_frames(

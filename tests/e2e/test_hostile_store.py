@@ -1,0 +1,99 @@
+"""A hostile or broken store must not crash the client (issue 15 F9).
+
+A fake server (real gRPC and a real bulk socket, speaking the wire formats) announces
+absurd block sizes. The client answers DATA_LOSS — a KvshareError, which the agent
+treats as a miss — instead of letting the size reach an allocation (OverflowError,
+MemoryError), which would escape into inference.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+import pytest
+
+from kvcommon import bulkwire as w
+from kvcommon.v1 import kvshare_pb2 as pb
+from kvcommon.v1 import kvshare_pb2_grpc as pb_grpc
+from replica_agent.client import BlockClient
+from replica_agent.errors import BlockStoreError
+
+HOSTILE_SIZES = [2**63 + 5, 2**62, 2**40 + 3, (1 << 30) + 1]
+MODEL = "m;fp32"
+
+
+class FakeStore(pb_grpc.BlockStoreServicer):
+    """Answers every Get and bulk GET with one block of `size` bytes (announced)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.bulk = socket.create_server(("127.0.0.1", 0))
+        threading.Thread(target=self._serve_bulk, daemon=True).start()
+
+    def OpenBulk(self, request: Any, context: Any) -> pb.OpenBulkResponse:
+        host, port = self.bulk.getsockname()[:2]
+        return pb.OpenBulkResponse(ticket=b"t" * 32, address=f"{host}:{port}", ttl_ms=1000)
+
+    def Get(self, request: Any, context: Any) -> Iterator[pb.GetFrame]:
+        chunk = pb.BlockChunk(index=0, block_bytes=self.size, offset=0, data=b"x")
+        yield pb.GetFrame(chunks=[chunk])
+
+    def Lookup(self, request: Any, context: Any) -> pb.LookupResponse:
+        return pb.LookupResponse(present=len(request.digests))
+
+    def Put(self, request_iterator: Any, context: Any) -> pb.PutResponse:
+        return pb.PutResponse()
+
+    def Delete(self, request: Any, context: Any) -> pb.DeleteResponse:
+        return pb.DeleteResponse()
+
+    def Stats(self, request: Any, context: Any) -> pb.StatsResponse:
+        return pb.StatsResponse()
+
+    def _serve_bulk(self) -> None:
+        while True:
+            try:
+                conn, _ = self.bulk.accept()
+            except OSError:
+                return
+            with conn:
+                try:
+                    w.recv_bytes(conn, w.HELLO.size)
+                    conn.sendall(bytes([w.OK]))
+                    _op, model_len, count = w.REQUEST.unpack(w.recv_bytes(conn, w.REQUEST.size))
+                    w.recv_bytes(conn, model_len + 32 * count)
+                    conn.sendall(bytes([w.OK]) + w.SIZE.pack(min(self.size, 2**64 - 1)))
+                    conn.recv(1)
+                except OSError:
+                    pass
+
+
+@pytest.fixture(params=HOSTILE_SIZES)
+def fake_store(request: pytest.FixtureRequest) -> Iterator[str]:
+    store = FakeStore(int(request.param))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    pb_grpc.add_BlockStoreServicer_to_server(store, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.stop(0)
+        store.bulk.close()
+
+
+@pytest.mark.parametrize("bulk", [True, False], ids=["bulk", "grpc"])
+def test_an_absurd_announced_size_is_data_loss_not_a_crash(fake_store: str, bulk: bool) -> None:
+    with BlockClient(fake_store, "token", bulk=bulk, same_host=False, timeout_s=10) as client:
+        for read in (client.get, client.get_views, lambda *a: list(client.iter_views(*a))):
+            with pytest.raises(BlockStoreError) as info:
+                read("t", MODEL, [b"d" * 32])
+            assert info.value.code() == grpc.StatusCode.DATA_LOSS
+            assert "announced" in info.value.details()
+        if bulk:
+            assert client.transport_stats.bulk_fallbacks == 0  # the bulk path answered

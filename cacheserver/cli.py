@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -138,6 +139,10 @@ def _config_from(args: argparse.Namespace) -> ServerConfig:
 def run(args: argparse.Namespace) -> int:
     tune_allocator()
     sys.setswitchinterval(SWITCH_INTERVAL_S)
+    # Everything the server writes is its own: data, journal, audit log, secret, token.
+    # Each file is also created with an explicit owner-only mode; the umask covers any
+    # file a library makes on the server's behalf.
+    os.umask(0o077)
     from cacheserver.server import TlsFiles, serve
     from kvcommon.logs import configure_logging
     from kvcommon.tracing import current_trace_ids

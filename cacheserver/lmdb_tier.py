@@ -94,9 +94,10 @@ class LmdbTier:
     ) -> None:
         """`on_integrity_failure(tenant, blocks)` hears of every corrupt block dropped."""
         try:
-            path.mkdir(parents=True, exist_ok=True)
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
             self._env = lmdb.open(
                 str(path),
+                mode=0o600,  # data.mdb and lock.mdb: every tenant's blocks, owner-only
                 map_size=map_bytes,
                 max_dbs=8,
                 subdir=True,

@@ -17,6 +17,7 @@ import os
 import signal
 import socket
 import ssl
+import stat
 from pathlib import Path
 from typing import IO
 
@@ -62,10 +63,17 @@ def is_loopback(listen: str) -> bool:
 
 
 def prepare_data_dir(data_dir: Path) -> IO[str]:
-    """Create the data dir and take its lock; the lock is held until the file is closed."""
+    """Create the data dir and take its lock; the lock is held until the file is closed.
+
+    The data dir is owner-only (0700), whatever it was: it holds every tenant's blocks
+    (plaintext KV where a tenant does not seal) and tenant ids, and under the default
+    umask LMDB would create world-readable files in it. Made by the server or not,
+    a group- or world-accessible data dir is tightened, and the change is logged."""
     try:
-        data_dir.mkdir(parents=True, exist_ok=True)
-        lock = (data_dir / "server.lock").open("a+")
+        data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _make_owner_only(data_dir)
+        fd = os.open(data_dir / "server.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        lock = os.fdopen(fd, "a+")
     except OSError as error:
         raise ConfigError(
             f"data dir {data_dir} is not writable ({error.strerror}); "
@@ -82,6 +90,17 @@ def prepare_data_dir(data_dir: Path) -> IO[str]:
     if not os.access(data_dir, os.W_OK):
         raise ConfigError(f"data dir {data_dir} is not writable; fix its permissions")
     return lock
+
+
+def _make_owner_only(data_dir: Path) -> None:
+    mode = stat.S_IMODE(data_dir.stat().st_mode)
+    if mode & 0o077:
+        data_dir.chmod(mode & 0o700)
+        log.warning(
+            "data dir %s was accessible to group or others (mode %o); made it owner-only",
+            data_dir,
+            mode,
+        )
 
 
 def check_can_bind(listen: str) -> None:

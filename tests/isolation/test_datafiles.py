@@ -89,3 +89,44 @@ def test_data_files_hold_no_digest_token_or_plaintext(
     assert MODEL.encode() not in written  # names are keyed: not even the model leaks
     logged = caplog.text.encode()
     assert not any(form in logged for s in secrets for form in forms(s))
+
+
+def test_every_file_and_dir_the_server_writes_is_owner_only(tmp_path: Path) -> None:
+    """Issue 15 F1: under umask 022 the data dir and lmdb/ were 0755 and data.mdb,
+    lock.mdb and server.lock 0644: any local user read a tenant's unsealed payloads
+    and tenant ids, while the server ran and after it stopped."""
+    os.umask(old := os.umask(0o022))  # the test process's umask is what a library sees
+    try:
+        (tmp_path / "data").mkdir(mode=0o755)  # an existing, open data dir is tightened
+        running = serve(isolation_config(tmp_path))
+        with running.client("a") as client:
+            client.put("alpha", MODEL, [os.urandom(32)], [b"unsealed payload" * 64])
+        written = [running.data_dir, *running.data_dir.rglob("*")]
+        names = {p.name for p in written}
+        assert {"lmdb", "data.mdb", "lock.mdb", "server.lock", "server.secret"} <= names
+        opened = [p for p in written if p.stat().st_mode & 0o077]
+        assert opened == [], [f"{p.name}: {p.stat().st_mode & 0o777:o}" for p in opened]
+        if os.getuid() == 0:  # as root (CI), show it as another user would see it
+            assert not _readable_by_nobody(running.data_dir / "lmdb" / "data.mdb")
+        running.stop()
+    finally:
+        os.umask(old)
+
+
+def _readable_by_nobody(path: Path) -> bool:
+    """Whether uid `nobody` can open `path` (a child process drops to it)."""
+    import pwd
+
+    nobody = pwd.getpwnam("nobody")
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        try:
+            os.setgid(nobody.pw_gid)
+            os.setuid(nobody.pw_uid)
+            with open(path, "rb") as f:
+                f.read(1)
+            os._exit(0)
+        except OSError:
+            os._exit(1)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 0

@@ -96,9 +96,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--metrics-listen",
-        metavar="HOST:PORT",
-        help="serve Prometheus metrics (kvshare_*) at http://HOST:PORT/metrics; port 0 "
-        "picks one, printed as 'metrics on HOST:PORT' (overrides [telemetry] metrics_listen)",
+        metavar="[HOST:]PORT",
+        help="serve Prometheus metrics (kvshare_*) at http://HOST:PORT/metrics; a bare PORT "
+        "is loopback (the endpoint has no authentication); port 0 picks one, printed as "
+        "'metrics on HOST:PORT' (overrides [telemetry] metrics_listen)",
     )
     parser.add_argument(
         "--otlp-endpoint",

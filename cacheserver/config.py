@@ -254,8 +254,8 @@ def check_telemetry(config: TelemetryConfig, where: str) -> None:
     """Values a flag can also set: checked the same way for the file and the flags."""
     if config.log_format not in LOG_FORMATS:
         raise ConfigError(f"{where}: log_format {config.log_format!r}; use text or json")
-    if config.metrics_listen and ":" not in config.metrics_listen:
-        raise ConfigError(f"{where}: metrics_listen {config.metrics_listen!r} is not HOST:PORT")
+    if config.metrics_listen and not config.metrics_listen.rpartition(":")[2].isdigit():
+        raise ConfigError(f"{where}: metrics_listen {config.metrics_listen!r} is not [HOST:]PORT")
     if config.otlp_endpoint and not config.otlp_endpoint.startswith(("http://", "https://")):
         raise ConfigError(
             f"{where}: otlp_endpoint {config.otlp_endpoint!r}; give the collector's "

@@ -219,7 +219,8 @@ class ServerTelemetry:
         from prometheus_client import start_http_server
 
         host, _, port_text = listen.rpartition(":")
-        host = host.strip("[]")
+        # Unauthenticated: a bare port means loopback, a scrape network must be named.
+        host = host.strip("[]") or "127.0.0.1"
         try:
             self._http, _ = start_http_server(int(port_text), host, self._registry)
         except (OSError, ValueError) as error:

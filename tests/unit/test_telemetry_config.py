@@ -33,10 +33,21 @@ def test_defaults_export_nothing_and_keys_parse(tmp_path: Path) -> None:
         ('log_format = "xml"', "log_format 'xml'; use text or json"),
         ("per_tenant_labels = 1", "telemetry.per_tenant_labels: must be bool"),
         ('otlp_endpoint = "collector:4318"', "OTLP/HTTP base URL"),
-        ('metrics_listen = "9464"', "is not HOST:PORT"),
+        ('metrics_listen = "metrics.internal"', r"is not \[HOST:\]PORT"),
         ("health_interval_ms = 0", "must be int > 0"),
     ],
 )
 def test_bad_telemetry_keys_are_errors(tmp_path: Path, table: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(config_with(tmp_path, table))
+
+
+def test_a_bare_metrics_port_binds_loopback() -> None:
+    """Issue 15 F11: the endpoint has no authentication, so loopback is the default."""
+    from cacheserver.telemetry import ServerTelemetry
+
+    telemetry = ServerTelemetry(TelemetryConfig(metrics_listen="0"))
+    try:
+        assert telemetry.start().startswith("127.0.0.1:")
+    finally:
+        telemetry.shutdown()

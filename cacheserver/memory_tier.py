@@ -12,12 +12,9 @@ from collections.abc import Callable, Mapping
 from typing import TypeAlias
 
 from cacheserver.index import BlockIndex, EvictReason, NoRoom
+from cacheserver.tiers import Payload
 from policy.types import StorageKey, TenantId
 
-# A block's bytes as the store holds them: bytes from gRPC, the receive buffer itself
-# (bytearray, never written again), or a view of its record in the put journal, where
-# the bulk channel received it; no path copies.
-Payload: TypeAlias = bytes | bytearray | memoryview
 OnEvict: TypeAlias = Callable[[EvictReason, int], None]  # (reason, bytes) per block evicted
 
 

@@ -45,15 +45,15 @@ from cacheserver.index import BlockIndex, Entry, EvictReason, NoRoom
 from cacheserver.journal import (
     Journal,
     JournalFull,
-    Position,
     Reservation,
     default_journal_path,
     remove_orphans,
     replay,
 )
-from cacheserver.lmdb_tier import LmdbTier, PendingWrite
-from cacheserver.memory_tier import MemoryTier, Payload
+from cacheserver.lmdb_tier import LmdbTier
+from cacheserver.memory_tier import MemoryTier
 from cacheserver.reading import Reading
+from cacheserver.tiers import Payload, PendingWrite, Position
 from cacheserver.writing import BlockSource
 from kvcommon.errors import ConfigError, KvshareError, ResourceExhausted, Unavailable
 from policy.types import ModelTag, StorageKey, TenantId

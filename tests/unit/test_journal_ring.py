@@ -14,11 +14,12 @@ from cacheserver.journal import (
     MIN_CAPACITY,
     Journal,
     JournalFull,
-    Position,
+    Reservation,
     record_bytes,
     remove_orphans,
     replay,
 )
+from cacheserver.tiers import Position
 from kvcommon.errors import ConfigError
 from policy.types import ModelTag, StorageKey, TenantId
 
@@ -29,8 +30,18 @@ def key(n: int) -> StorageKey:
     return StorageKey(n.to_bytes(32, "big"))
 
 
+def write_record(
+    journal: Journal, n: int, payload: bytes, tenant: str = "alpha", wait_s: float = 0.0
+) -> Reservation:
+    """One whole record: reserve, copy the payload in, commit."""
+    reservation = journal.reserve(key(n), TenantId(tenant), 1, TAG, len(payload), wait_s)
+    reservation.view[:] = payload
+    journal.commit(reservation)
+    return reservation
+
+
 def append(journal: Journal, n: int, payload: bytes, tenant: str = "alpha") -> None:
-    journal.append(key(n), TenantId(tenant), 1, TAG, payload)
+    write_record(journal, n, payload, tenant)
 
 
 def replayed(journal: Journal, after: Position | None = None) -> list[tuple[int, bytes]]:
@@ -128,7 +139,7 @@ def test_a_reader_keeps_released_space_from_being_written(tmp_path: Path) -> Non
     done = threading.Event()
 
     def wrap_when_allowed() -> None:
-        journal.append(key(2), TenantId("alpha"), 1, TAG, b"b" * (10 << 20), wait_s=5)
+        write_record(journal, 2, b"b" * (10 << 20), wait_s=5)
         done.set()
 
     waiting = threading.Thread(target=wrap_when_allowed)

@@ -1,25 +1,16 @@
 """The put journal's ring, open for writing: reserve, commit, drain, reclaim, readers.
 
 Invariants (all under `Journal._lock`):
-- Space is written again only once it is reclaimed, and reclaimed only once it is
-  drained (LMDB holds its blocks, or they were given up) and LMDB has recorded that the
-  chain goes on past it (`_drained`): a replay never needs bytes that were overwritten.
+- Space is written again only once the ledger (`cacheserver.journal.ledger`) has
+  released it: drained, and covered by the position LMDB records.
 - No record is handed out past the file space reserved so far (`_allocated`): touching
   a page of the mapping that tmpfs cannot back would kill the server with SIGBUS.
 - Released space is not written while a reader that entered before the release may
   still be sending views of it (`enter_read`/`exit_read`, by generation).
 
-Several records may be receiving at once (one per connection), so records complete
-out of order: `_slots` holds every unreclaimed record by sequence number, `_undone` the
-ones not yet drained or given up, and `drain_point` finds how far an unbroken run of
-finished records reaches from the oldest one.
-
-Known gaps (issue 15), each a local fix here:
-- F2: a record left RESERVED keeps `drain_point` (which walks only `_undone`) from
-  passing it, as `finish` pops later records without moving `_drained`: walk every
-  unreclaimed slot there, and give a reservation up at a deadline.
-- F3: a reader that stays entered (a stalled GET's `pin()`) keeps `_wait_for_room`
-  from wrapping (`_stale_readers`): bound how long a generation may hold the ring.
+Known gaps (issue 15), each a local fix: F2 is the ledger's (see there). F3: a reader
+that stays entered (a stalled GET's `pin()`) keeps `_wait_for_room` from wrapping
+(`_stale_readers`): bound how long a generation may hold the ring, there.
 """
 
 from __future__ import annotations
@@ -31,7 +22,6 @@ import os
 import secrets
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +42,7 @@ from cacheserver.journal.format import (
     pack_superblock,
     record_bytes,
 )
+from cacheserver.journal.ledger import Ledger
 from cacheserver.tiers import NO_MODEL_TAG, Position
 from kvcommon.errors import ConfigError, ResourceExhausted
 from policy.types import ModelTag, StorageKey, TenantId
@@ -73,13 +64,6 @@ class Reservation:
     tenant: TenantId
     epoch: int
     model_tag: ModelTag
-
-
-@dataclass(slots=True)
-class _Slot:
-    taken: int  # ring bytes, a wrap's waste included
-    end: int
-    done: bool = False  # drained into LMDB, or abandoned
 
 
 class JournalFull(ResourceExhausted):
@@ -122,11 +106,7 @@ class Journal:
         self.on_full: Callable[[], None] = lambda: None  # asks the drainer to hurry
         self._seq = after_seq
         self._head = DATA_START
-        self._used = 0  # bytes from the oldest unreclaimed record to the head
-        self._undrained = 0  # of which records not yet drained (or given up)
-        self._slots: OrderedDict[int, _Slot] = OrderedDict()  # unreclaimed, by seq
-        self._undone: OrderedDict[int, _Slot] = OrderedDict()  # of which not drained
-        self._drained = Position(self.journal_id, after_seq, DATA_START)
+        self._ledger = Ledger(self.journal_id, after_seq)  # what holds space, what is done
         self._wrapped = False  # space is being written a second time
         self._generation = 0  # bumped each time space is released
         self._readers: dict[int, int] = {}  # generation entered -> readers still sending
@@ -142,7 +122,7 @@ class Journal:
     @property
     def start(self) -> Position:
         """Where recovery begins for this journal before anything is drained."""
-        return Position(self.journal_id, self._drained.seq, DATA_START)
+        return Position(self.journal_id, self._ledger.drained.seq, DATA_START)
 
     @property
     def last_seq(self) -> int:
@@ -153,7 +133,7 @@ class Journal:
     def drained_seq(self) -> int:
         """Every record up to this one is in LMDB (or was given up), as LMDB records."""
         with self._lock:
-            return self._drained.seq
+            return self._ledger.drained.seq
 
     # -- writing ------------------------------------------------------------------
 
@@ -192,9 +172,7 @@ class Journal:
                 if self._allocated < min(self.capacity, end + PREFAULT_AHEAD_BYTES):
                     self.prefault_wanted.set()
             self._head = next_start(end, self.capacity)
-            self._used += waste + need
-            self._undrained += waste + need
-            self._slots[seq] = self._undone[seq] = _Slot(waste + need, end)
+            self._ledger.add(seq, waste + need, end)
             view = self._view[offset + ALIGN : offset + ALIGN + size]
         return Reservation(seq, offset, end, view, key, tenant, epoch, model_tag)
 
@@ -209,12 +187,13 @@ class Journal:
             if offset + need > self.capacity:
                 waste, offset = self.capacity - offset, DATA_START
             wrapping = self._wrapped or waste > 0
-            if self._used + waste + need <= ring and not (wrapping and self._stale_readers()):
+            used = self._ledger.used_bytes
+            if used + waste + need <= ring and not (wrapping and self._stale_readers()):
                 return offset, waste, wrapping
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise JournalFull(
-                    f"the put journal holds {self._used} bytes not yet in LMDB and has "
+                    f"the put journal holds {used} bytes not yet in LMDB and has "
                     f"no room for {need} more: puts arrive faster than the disk takes "
                     "them; retry later, or raise [storage] journal_bytes"
                 )
@@ -265,54 +244,28 @@ class Journal:
     # -- draining -----------------------------------------------------------------
 
     def drain_point(self, seqs: set[int]) -> Position | None:
-        """How far the chain is covered once records `seqs` are in LMDB: the last of
-        the unbroken run of finished records from the oldest unreleased one."""
+        """How far the chain is covered once records `seqs` are in LMDB (Ledger)."""
         with self._lock:
-            point = None
-            for seq, slot in self._undone.items():  # drained ones are not walked again
-                if seq not in seqs:
-                    break
-                point = Position(self.journal_id, seq, slot.end)
-            return point
+            return self._ledger.drain_point(seqs)
 
     def finish(self, seqs: set[int], through: Position | None) -> None:
         """Records `seqs` are drained (or given up), and LMDB records the chain going on
         after `through`. Their space stays in use (the memory tier may still hold
         views of them) until `reclaim`."""
         with self._lock:
-            for seq in seqs:
-                slot = self._undone.pop(seq, None)
-                if slot is not None:
-                    slot.done = True
-                    self._undrained -= slot.taken
-            if through is not None and through.seq > self._drained.seq:
-                self._drained = through
+            self._ledger.finish(seqs, through)
 
     def reclaimable(self, keep_bytes: int) -> int | None:
         """The last seq of the oldest drained records whose space, reclaimed, brings
         the ring down to `keep_bytes` in use (None: nothing to reclaim)."""
         with self._lock:
-            used, last = self._used, None
-            for seq, slot in self._slots.items():
-                if used <= keep_bytes or not slot.done or seq > self._drained.seq:
-                    break
-                used -= slot.taken
-                last = seq
-            return last
+            return self._ledger.reclaimable(keep_bytes)
 
     def reclaim(self, through_seq: int) -> None:
         """Reuse the space of drained records up to `through_seq`. The caller has made
         sure no new reader can find views of them (the store dropped them first)."""
         with self._lock:
-            freed = False
-            while self._slots:
-                seq, slot = next(iter(self._slots.items()))
-                if seq > through_seq or not slot.done or seq > self._drained.seq:
-                    break
-                self._slots.popitem(last=False)
-                self._used -= slot.taken
-                freed = True
-            if freed:
+            if self._ledger.reclaim(through_seq):
                 self._generation += 1
                 self._changed.notify_all()
 
@@ -324,7 +277,8 @@ class Journal:
         """Whether the drainer should not wait for a quiet moment: half the ring is not
         drained yet, or a put waits for room."""
         with self._lock:
-            return self._waiting > 0 or 2 * self._undrained >= self.capacity - DATA_START
+            undrained = self._ledger.undrained_bytes
+            return self._waiting > 0 or 2 * undrained >= self.capacity - DATA_START
 
     # -- readers ------------------------------------------------------------------
 

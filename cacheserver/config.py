@@ -53,7 +53,7 @@ class StorageConfig:
     lmdb_map_bytes: int = 0
     # An acknowledged block always survives a crash of the server process (kill -9).
     # By default a put is acknowledged once it is written to the put journal, a ring
-    # file on tmpfs (cacheserver/journal.py), and moved into LMDB behind the ack; a
+    # file on tmpfs (cacheserver/journal/), and moved into LMDB behind the ack; a
     # crash replays what LMDB lacks. A host reboot clears tmpfs and so may lose what
     # was not yet in LMDB (at most journal_bytes; only cache entries, which replicas
     # recompute). journal_bytes = 0 acknowledges a put after its LMDB commit instead.

@@ -1,13 +1,17 @@
-"""The persistent tier: blocks in LMDB, verified on every read.
+"""The persistent tier: blocks in LMDB, verified on every read (a `LowerTier`).
 
-The only module that imports `lmdb`. Two named databases in one environment:
-`blocks` (storage key -> payload) and `meta` (storage key -> checksum, size, tenant,
-epoch, clock). Both are written in one transaction, so a block is visible only once
-all of its bytes and its checksum are committed; a torn write is never visible.
-Reads use `buffers=True` (zero-copy from the memory map) and verify the xxh3-128
-checksum before anything leaves the read transaction; a mismatch deletes the block and
-is reported to the caller as a miss. A third database, `health`, holds one key that
-the health probe rewrites to prove the tier still commits.
+Invariant: a block is visible only once all of its bytes and its checksum are
+committed, and no read returns bytes whose checksum does not match: `blocks` (storage
+key -> payload) and `meta` (storage key -> checksum, size, epoch, clock, model tag,
+tenant) are written in one transaction, so a torn write is never visible, and reads
+(`buffers=True`, zero-copy from the memory map) verify the xxh3-128 checksum before
+anything leaves the read transaction; a mismatch deletes the block and is reported to
+the caller as a miss. Two more databases: `health` holds one key that the health probe
+rewrites to prove the tier still commits, and `journal` the put journal's checkpoint
+(how far it is in LMDB), written in the same transaction as the blocks it covers.
+
+The only module that imports `lmdb`. Blocking; thread-safe (LMDB's own transactions):
+the store calls it outside its lock, reads on executor threads, writes on its writer.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from pathlib import Path
 import lmdb
 import xxhash
 
-from cacheserver.journal import Position
+from cacheserver.tiers import NO_MODEL_TAG, JournalCheckpoint, Payload, PendingWrite, Position
 from kvcommon.errors import ConfigError, ResourceExhausted
 from policy.types import ModelTag, StorageKey, TenantId
 
@@ -34,7 +38,6 @@ _DRAINED_KEY = b"drained"
 # journal id | last sequence number in LMDB | offset where the journal's chain goes on;
 # then the journal's path in UTF-8
 _DRAINED = struct.Struct(">16sQQ")
-NO_MODEL_TAG = ModelTag(bytes(16))  # blocks written without a model tag
 # A commit that needs fresh pages fails when the file system is full, yet the probe's
 # own tiny write reuses freed pages and still succeeds: so the probe also asks for this
 # much free space, about what a burst of new blocks needs before eviction catches up.
@@ -57,17 +60,7 @@ class StoredMeta:
     model_tag: ModelTag = NO_MODEL_TAG
 
 
-@dataclass(frozen=True, slots=True)
-class PendingWrite:
-    key: StorageKey
-    tenant: TenantId
-    epoch: int
-    clock: int
-    payload: bytes | bytearray | memoryview
-    model_tag: ModelTag = NO_MODEL_TAG
-
-
-def checksum(payload: bytes | bytearray | memoryview) -> bytes:
+def checksum(payload: Payload) -> bytes:
     return xxhash.xxh3_128_digest(payload)
 
 
@@ -223,7 +216,7 @@ class LmdbTier:
             for tenant, blocks in by_tenant.items():
                 self._on_integrity_failure(tenant, blocks)
 
-    def journal_position(self) -> tuple[Position, Path] | None:
+    def journal_position(self) -> JournalCheckpoint | None:
         """How far the put journal has been moved into LMDB, and where that journal is."""
         with self._env.begin(db=self._journal) as txn:
             raw = txn.get(_DRAINED_KEY)
@@ -236,7 +229,7 @@ class LmdbTier:
         self,
         writes: Sequence[PendingWrite],
         deletes: Sequence[StorageKey],
-        drained: tuple[Position, Path] | None = None,
+        drained: JournalCheckpoint | None = None,
     ) -> list[bool]:
         """Delete `deletes`, then insert `writes` first-writer-wins, in one durable commit.
         With `drained`, the same commit records how far the put journal is now in LMDB.

@@ -1,23 +1,21 @@
-"""The hot tier: a byte-bounded LRU of payloads in process memory.
+"""The hot tier: a byte-bounded LRU of payloads in process memory (a `Tier`).
 
-Inclusive of the LMDB tier: every block here is also on disk, so dropping one loses
-nothing. Per-tenant quotas (scaled from the disk quotas by the store) give it the same
-eviction rule as the disk tier. Not thread-safe by itself; the store calls it under
-its lock.
+Invariant: inclusive of the tiers below. Every block here is also in LMDB or in the put
+journal, so dropping one loses nothing, and the tier never holds more than its budget.
+Per-tenant quotas (scaled from the disk quotas by the store, `memory_quotas`) give it
+the same eviction rule as the disk tier: a flooding tenant evicts its own hot blocks.
+Not thread-safe by itself; the store calls it under its lock (it never blocks).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TypeAlias
 
 from cacheserver.index import BlockIndex, EvictReason, NoRoom
+from cacheserver.tiers import Payload
 from policy.types import StorageKey, TenantId
 
-# A block's bytes as the store holds them: bytes from gRPC, the receive buffer itself
-# (bytearray, never written again), or a view of its record in the put journal, where
-# the bulk channel received it; no path copies.
-Payload: TypeAlias = bytes | bytearray | memoryview
 OnEvict: TypeAlias = Callable[[EvictReason, int], None]  # (reason, bytes) per block evicted
 
 
@@ -72,3 +70,35 @@ class MemoryTier:
     def drop(self, key: StorageKey) -> None:
         if self._payloads.pop(key, None) is not None:
             self._index.remove(key)
+
+    # -- the Tier protocol (cacheserver.tiers) ---------------------------------------
+
+    def read_many(self, keys: Sequence[StorageKey]) -> list[Payload | None]:
+        """The payloads held of `keys` (None where not), each touched as used."""
+        return [self.get(key) for key in keys]
+
+    def delete(self, keys: Sequence[StorageKey]) -> int:
+        held = 0
+        for key in keys:
+            held += key in self._payloads
+            self.drop(key)
+        return held
+
+    def close(self) -> None:
+        """Let go of every payload (views of journal records among them)."""
+        for key in list(self._payloads):
+            self.drop(key)
+
+
+def memory_quotas(
+    quotas_bytes: Mapping[TenantId, int], memory_budget_bytes: int, disk_budget_bytes: int
+) -> dict[TenantId, int]:
+    """Each tenant's quota scaled to the memory tier, so the hot tier follows the same
+    rule as the disk tier: a flooding tenant evicts its own hot blocks, not others'."""
+    if disk_budget_bytes <= 0:
+        return {}
+    return {
+        tenant: max(1, quota * memory_budget_bytes // disk_budget_bytes)
+        for tenant, quota in quotas_bytes.items()
+        if quota
+    }

@@ -22,7 +22,7 @@ from types import TracebackType
 from typing import Protocol
 
 from cacheserver.events import StoreEvents, Tier
-from cacheserver.memory_tier import Payload
+from cacheserver.tiers import Payload
 from policy.types import StorageKey, TenantId
 
 

@@ -17,8 +17,8 @@ from typing import Any, TypeVar
 
 import grpc
 
-from cacheserver.memory_tier import Payload
 from cacheserver.requests import DISK_BATCH_BYTES, AdmittedPut, RequestCore
+from cacheserver.tiers import Payload
 from cacheserver.wire import current_principal
 from cacheserver.writing import BytesSource
 from kvcommon.errors import InvalidArgument, ResourceExhausted

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from cacheserver.memory_tier import Payload
+from cacheserver.tiers import Payload
 
 
 class BlockSource(Protocol):

@@ -1,0 +1,354 @@
+"""The put journal's ring, open for writing: reserve, commit, drain, reclaim, readers.
+
+Invariants (all under `Journal._lock`):
+- Space is written again only once the ledger (`cacheserver.journal.ledger`) has
+  released it: drained, and covered by the position LMDB records.
+- No record is handed out past the file space reserved so far (`_allocated`): touching
+  a page of the mapping that tmpfs cannot back would kill the server with SIGBUS.
+- Released space is not written while a reader that entered before the release may
+  still be sending views of it (`enter_read`/`exit_read`, by generation).
+
+Known gaps (issue 15), each a local fix: F2 is the ledger's (see there). F3: a reader
+that stays entered (a stalled GET's `pin()`) keeps `_wait_for_room` from wrapping
+(`_stale_readers`): bound how long a generation may hold the ring, there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import xxhash
+
+from cacheserver.journal.files import fallocate_in_steps, open_private, populate
+from cacheserver.journal.format import (
+    ALIGN,
+    DATA_START,
+    FLAG_COMMITTED,
+    FLAG_WRAP,
+    ID_BYTES,
+    MAC_KEY_BYTES,
+    NO_CHECKSUM,
+    next_start,
+    pack_header,
+    pack_superblock,
+    record_bytes,
+)
+from cacheserver.journal.ledger import Ledger
+from cacheserver.tiers import NO_MODEL_TAG, Position
+from kvcommon.errors import ConfigError, ResourceExhausted
+from policy.types import ModelTag, StorageKey, TenantId
+
+MIN_CAPACITY = 16 << 20
+PREFAULT_CHUNK_BYTES = 32 << 20
+PREFAULT_AHEAD_BYTES = 128 << 20  # how far ahead of use the ring's pages are made
+
+
+@dataclass(slots=True)
+class Reservation:
+    """A record being filled: write the payload into `view`, then commit or abort."""
+
+    seq: int
+    offset: int
+    end: int
+    view: memoryview
+    key: StorageKey
+    tenant: TenantId
+    epoch: int
+    model_tag: ModelTag
+
+
+class JournalFull(ResourceExhausted):
+    pass
+
+
+class Journal:
+    """The ring, open for writing. Thread-safe."""
+
+    def __init__(
+        self, path: Path, capacity: int, after_seq: int = 0, owner: Path | None = None
+    ) -> None:
+        """A fresh journal at `path` whose sequence numbers continue after `after_seq`;
+        `owner` (the data dir) is recorded so that a journal left by a server that never
+        came back can be recognised once its data dir is gone (`remove_orphans`)."""
+        if capacity < MIN_CAPACITY:
+            raise ConfigError(
+                f"journal_bytes {capacity} is below the minimum {MIN_CAPACITY}; raise it, "
+                "or set it to 0 to acknowledge puts after their LMDB commit"
+            )
+        self.path = path
+        self.capacity = capacity
+        self.journal_id = secrets.token_bytes(ID_BYTES)
+        self._mac_key = secrets.token_bytes(MAC_KEY_BYTES)
+        self._fd = open_private(path, create=True)
+        try:
+            os.ftruncate(self._fd, capacity)
+            owner_path = str(owner.resolve()) if owner else ""
+            superblock = pack_superblock(capacity, self.journal_id, self._mac_key, owner_path)
+            os.pwrite(self._fd, superblock, 0)
+            self._map = mmap.mmap(self._fd, capacity, flags=mmap.MAP_SHARED)
+        except OSError as error:
+            os.close(self._fd)
+            raise ConfigError(f"cannot create journal {path}: {error.strerror}") from None
+        self._view = memoryview(self._map)
+        self._base = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # space released, a reader left
+        self._waiting = 0  # reservations waiting for room
+        self.on_full: Callable[[], None] = lambda: None  # asks the drainer to hurry
+        self._seq = after_seq
+        self._head = DATA_START
+        self._ledger = Ledger(self.journal_id, after_seq)  # what holds space, what is done
+        self._wrapped = False  # space is being written a second time
+        self._generation = 0  # bumped each time space is released
+        self._readers: dict[int, int] = {}  # generation entered -> readers still sending
+        # The file's blocks are reserved (fallocate) up to here: touching a page of the
+        # mapping past what tmpfs can back would kill the server with SIGBUS, so no
+        # record is handed out beyond it (`_allocate`).
+        self._allocated = DATA_START
+        self._furthest = DATA_START  # the end of the furthest record reserved yet
+        self.prefault_wanted = threading.Event()
+        self.prefault_wanted.set()
+        self._closed = False
+
+    @property
+    def start(self) -> Position:
+        """Where recovery begins for this journal before anything is drained."""
+        return Position(self.journal_id, self._ledger.drained.seq, DATA_START)
+
+    @property
+    def last_seq(self) -> int:
+        with self._lock:
+            return self._seq
+
+    @property
+    def drained_seq(self) -> int:
+        """Every record up to this one is in LMDB (or was given up), as LMDB records."""
+        with self._lock:
+            return self._ledger.drained.seq
+
+    # -- writing ------------------------------------------------------------------
+
+    def reserve(
+        self,
+        key: StorageKey,
+        tenant: TenantId,
+        epoch: int,
+        model_tag: ModelTag,
+        size: int,
+        wait_s: float = 0.0,
+    ) -> Reservation:
+        """Take room for a record of `size` payload bytes and mark it RESERVED.
+
+        Waits up to `wait_s` for the drainer to free room, then raises JournalFull."""
+        need = record_bytes(size)
+        if need > self.capacity - DATA_START:
+            raise JournalFull(
+                f"a {size}-byte block does not fit the {self.capacity}-byte put journal; "
+                "raise [storage] journal_bytes"
+            )
+        deadline = time.monotonic() + wait_s
+        with self._lock:
+            offset, waste, wrapping = self._wait_for_room(need, deadline)
+            end = offset + need
+            if end > self._allocated:
+                self._allocate(end)
+            seq = self._seq + 1
+            if waste >= ALIGN:  # an explicit wrap marker at the old head
+                self._write_header(self._head, FLAG_WRAP, seq, b"", "", 0, NO_MODEL_TAG, 0)
+            self._write_header(offset, 0, seq, key, tenant, epoch, model_tag, size)
+            self._seq = seq
+            self._wrapped = wrapping
+            if end > self._furthest:
+                self._furthest = end
+                if self._allocated < min(self.capacity, end + PREFAULT_AHEAD_BYTES):
+                    self.prefault_wanted.set()
+            self._head = next_start(end, self.capacity)
+            self._ledger.add(seq, waste + need, end)
+            view = self._view[offset + ALIGN : offset + ALIGN + size]
+        return Reservation(seq, offset, end, view, key, tenant, epoch, model_tag)
+
+    def _wait_for_room(self, need: int, deadline: float) -> tuple[int, int, bool]:
+        """Where the next record of `need` bytes goes: (offset, bytes wasted before a
+        wrap, whether the ring is being written again), once it fits and a wrap would
+        overwrite nothing a reader may still send. Waits for the drainer until
+        `deadline`, then raises JournalFull. Under `_lock`."""
+        ring = self.capacity - DATA_START
+        while True:
+            offset, waste = self._head, 0
+            if offset + need > self.capacity:
+                waste, offset = self.capacity - offset, DATA_START
+            wrapping = self._wrapped or waste > 0
+            used = self._ledger.used_bytes
+            if used + waste + need <= ring and not (wrapping and self._stale_readers()):
+                return offset, waste, wrapping
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise JournalFull(
+                    f"the put journal holds {used} bytes not yet in LMDB and has "
+                    f"no room for {need} more: puts arrive faster than the disk takes "
+                    "them; retry later, or raise [storage] journal_bytes"
+                )
+            self._waiting += 1
+            try:
+                self.on_full()
+                self._changed.wait(remaining)
+            finally:
+                self._waiting -= 1
+
+    def commit(self, reservation: Reservation) -> Position:
+        """The payload is complete: mark the record COMMITTED (acknowledgeable)."""
+        r = reservation
+        self._write_header(
+            r.offset, FLAG_COMMITTED, r.seq, r.key, r.tenant, r.epoch, r.model_tag, len(r.view)
+        )
+        return Position(self.journal_id, r.seq, r.end)
+
+    def _write_header(
+        self,
+        offset: int,
+        flags: int,
+        seq: int,
+        key: bytes,
+        tenant: str,
+        epoch: int,
+        model_tag: bytes,
+        size: int,
+    ) -> None:
+        checksum = NO_CHECKSUM
+        if flags & FLAG_COMMITTED:
+            checksum = xxhash.xxh3_128_digest(self._view[offset + ALIGN : offset + ALIGN + size])
+        header = pack_header(
+            self._mac_key,
+            self.journal_id,
+            flags,
+            seq,
+            key,
+            tenant,
+            epoch,
+            model_tag,
+            size,
+            checksum,
+        )
+        # One pwrite inside one page: a crash leaves the old header or the new one.
+        os.pwrite(self._fd, header, offset)
+
+    # -- draining -----------------------------------------------------------------
+
+    def drain_point(self, seqs: set[int]) -> Position | None:
+        """How far the chain is covered once records `seqs` are in LMDB (Ledger)."""
+        with self._lock:
+            return self._ledger.drain_point(seqs)
+
+    def finish(self, seqs: set[int], through: Position | None) -> None:
+        """Records `seqs` are drained (or given up), and LMDB records the chain going on
+        after `through`. Their space stays in use (the memory tier may still hold
+        views of them) until `reclaim`."""
+        with self._lock:
+            self._ledger.finish(seqs, through)
+
+    def reclaimable(self, keep_bytes: int) -> int | None:
+        """The last seq of the oldest drained records whose space, reclaimed, brings
+        the ring down to `keep_bytes` in use (None: nothing to reclaim)."""
+        with self._lock:
+            return self._ledger.reclaimable(keep_bytes)
+
+    def reclaim(self, through_seq: int) -> None:
+        """Reuse the space of drained records up to `through_seq`. The caller has made
+        sure no new reader can find views of them (the store dropped them first)."""
+        with self._lock:
+            if self._ledger.reclaim(through_seq):
+                self._generation += 1
+                self._changed.notify_all()
+
+    def waiting_for_room(self) -> bool:
+        with self._lock:
+            return self._waiting > 0
+
+    def under_pressure(self) -> bool:
+        """Whether the drainer should not wait for a quiet moment: half the ring is not
+        drained yet, or a put waits for room."""
+        with self._lock:
+            undrained = self._ledger.undrained_bytes
+            return self._waiting > 0 or 2 * undrained >= self.capacity - DATA_START
+
+    # -- readers ------------------------------------------------------------------
+
+    def enter_read(self) -> int:
+        """A reader is about to send views of records; returns its token."""
+        with self._lock:
+            generation = self._generation
+            self._readers[generation] = self._readers.get(generation, 0) + 1
+            return generation
+
+    def exit_read(self, token: int) -> None:
+        with self._lock:
+            left = self._readers[token] - 1
+            if left:
+                self._readers[token] = left
+            else:
+                del self._readers[token]
+                self._changed.notify_all()
+
+    def _stale_readers(self) -> bool:
+        """Whether a reader that entered before the latest release may still hold a
+        view of released space (under `_lock`)."""
+        return any(generation < self._generation for generation in self._readers)
+
+    # -- upkeep -------------------------------------------------------------------
+
+    def _allocate(self, end: int) -> None:
+        """Reserve the file's blocks up to `end` (under `_lock`), or refuse the put.
+        Usually the prefaulter got there first; this covers what it has not."""
+        end = min(self.capacity, end + -end % mmap.PAGESIZE)  # whole pages: see prefault
+        try:
+            os.posix_fallocate(self._fd, self._allocated, end - self._allocated)
+        except OSError as error:
+            raise JournalFull(
+                f"no space for the put journal in {self.path.parent} ({error.strerror}): "
+                "free space there, lower [storage] journal_bytes, or set journal_dir"
+            ) from None
+        self._allocated = end
+
+    def prefault(self, chunk_bytes: int = PREFAULT_CHUNK_BYTES) -> bool:
+        """Reserve and map the next chunk of the ring, while it is less than
+        `PREFAULT_AHEAD_BYTES` ahead of the furthest record yet (a first touch of a page
+        costs ~4x the copy into it), without holding the lock meanwhile. Never changes
+        bytes. Returns whether it did work; `prefault_wanted` is set when more is wanted."""
+        with self._lock:
+            limit = min(self.capacity, self._furthest + PREFAULT_AHEAD_BYTES)
+            if self._closed or self._allocated >= limit:
+                return False
+            # Whole chunks from a page boundary (`_allocated` always is one): madvise
+            # refuses a start inside a page, and would leave every page to fault.
+            start = self._allocated
+            end = min(self.capacity, start + chunk_bytes)
+        try:
+            fallocate_in_steps(self._fd, start, end)
+        except OSError:
+            return False  # tmpfs is full: reserve() refuses what does not fit
+        with self._lock:
+            if self._closed:
+                return False
+            self._allocated = max(self._allocated, end)
+        populate(self._base + start, end - start)
+        return True
+
+    def close(self, *, remove: bool) -> None:
+        with self._lock:
+            self._closed = True
+            self.prefault_wanted.set()
+            self._view.release()
+            with contextlib.suppress(BufferError):  # views still held: unmapped at exit
+                self._map.close()
+            os.close(self._fd)
+        if remove:
+            self.path.unlink(missing_ok=True)

@@ -1,0 +1,322 @@
+"""`BlockStore`: the store's one face, for the request core (`cacheserver.requests`)
+and the transports' reads (`cacheserver.reading.ReadSource`).
+
+Invariants of the facade (the store's own are in `cacheserver.store.tiering`):
+- A put is acknowledged (its future True) only once its block is visible and a crash
+  of the server cannot lose it; the caller never learns whether it was journaled.
+- `lookup` and `read_from_memory` never block (the index and memory tier, under the
+  lock): safe on the event loop. Methods marked Blocking run off it.
+- Everything countable (hits, misses, blocks and bytes per tier, evictions, refusals,
+  integrity failures) is reported to `events` as it happens; the events carry
+  tenants and sizes, never keys.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+from cacheserver.config import StorageConfig
+from cacheserver.events import NoEvents, StoreEvents
+from cacheserver.index import BlockIndex
+from cacheserver.lmdb_tier import LmdbTier
+from cacheserver.memory_tier import MemoryTier, memory_quotas
+from cacheserver.reading import Reading
+from cacheserver.store.jobs import PutJob, done
+from cacheserver.store.journaled import JournaledPuts
+from cacheserver.store.recovery import open_journal, rebuild_index, replay_journal
+from cacheserver.store.tiering import Tiers
+from cacheserver.store.upkeep import start_prefaulter, start_syncer
+from cacheserver.store.writer import Writer
+from cacheserver.tiers import JournalCheckpoint, LowerTier, Payload
+from cacheserver.writing import BlockSource
+from policy.types import ModelTag, StorageKey, TenantId
+
+
+def _nothing() -> None:
+    pass
+
+
+class BlockStore:
+    def __init__(
+        self,
+        data_dir: Path,
+        storage: StorageConfig,
+        quotas_bytes: Mapping[TenantId, int],
+        epochs: Mapping[TenantId, int],
+        *,
+        on_integrity_failure: Callable[[TenantId, int], None] | None = None,
+        events: StoreEvents | None = None,
+        lower_tiers: Sequence[LowerTier] = (),
+    ) -> None:
+        """`lower_tiers`: durable tiers behind LMDB (see the package docstring)."""
+        self.events: StoreEvents = events or NoEvents()
+        self._on_integrity_failure = on_integrity_failure
+        disk = LmdbTier(
+            data_dir / "lmdb",
+            map_bytes=storage.effective_map_bytes(),
+            sync_writes=storage.sync_writes,
+            on_integrity_failure=self._integrity_failed,
+        )
+        memory = MemoryTier(
+            storage.memory_budget_bytes,
+            memory_quotas(quotas_bytes, storage.memory_budget_bytes, storage.disk_budget_bytes),
+            on_evict=lambda reason, nbytes: self.events.evicted("memory", reason, nbytes),
+        )
+        index = BlockIndex(storage.disk_budget_bytes, quotas_bytes)
+        self._tiers = Tiers(index, memory, disk, lower_tiers, self.events)
+        self._epochs = dict(epochs)
+        self._closing = threading.Event()
+        self._writer = Writer(
+            self._tiers,
+            self.events,
+            storage.max_pending_write_bytes,
+            storage.drain_idle_ms / 1000,
+            self._closing,
+        )
+        self.reclaimed_at_start = rebuild_index(self._tiers, self._epochs)
+        recorded = disk.journal_position()
+        self.replayed_at_start = replay_journal(self._tiers, self._epochs, recorded)
+        if storage.journal_bytes and not storage.sync_writes:
+            self._start_journal(data_dir, storage, recorded)
+        self._writer.start()
+        self._syncer: threading.Thread | None = None
+        if not storage.sync_writes and storage.sync_interval_ms:
+            self._syncer = start_syncer(disk, storage.sync_interval_ms / 1000, self._closing)
+
+    def _start_journal(
+        self, data_dir: Path, storage: StorageConfig, recorded: JournalCheckpoint | None
+    ) -> None:
+        opened = open_journal(self._tiers, data_dir, storage, recorded)
+        if opened is None:
+            return
+        journal, path = opened
+        journal.on_full = self._writer.journal_full
+        writer = self._writer
+        self._tiers.journaled = JournaledPuts(
+            self._tiers, journal, path, self._epochs, writer.backlog, writer.enqueue
+        )
+        start_prefaulter(journal, self._closing)
+
+    def _integrity_failed(self, tenant: TenantId, blocks: int) -> None:
+        self.events.integrity_failure(tenant, blocks)
+        if self._on_integrity_failure is not None:
+            self._on_integrity_failure(tenant, blocks)
+
+    def probe(self) -> str | None:
+        """Why the store cannot take writes (for the health check), or None. Blocking.
+
+        A real commit that failed since the last probe counts once even if the probe's
+        own write works, so a failure between probes is seen; health then recovers by
+        itself as soon as the tier commits again."""
+        tiers = self._tiers
+        with tiers.lock:
+            failure, tiers.commit_failure = tiers.commit_failure, None
+        return tiers.probe() or failure
+
+    # -- reads ------------------------------------------------------------------------
+
+    def lookup(self, tenant: TenantId, keys: Sequence[StorageKey]) -> int:
+        tiers = self._tiers
+        index = tiers.index
+        with tiers.lock:
+            tiers.last_activity = time.monotonic()
+            present = 0
+            for key in keys:
+                if not index.touch(key):
+                    break
+                present += 1
+        self.events.looked_up(tenant, len(keys), present)
+        return present
+
+    def read(self, tenant: TenantId, keys: Sequence[StorageKey]) -> Reading:
+        """The leading present blocks of `keys`, batch by batch (cacheserver.reading)."""
+        return Reading(self, tenant, keys)
+
+    def pin(self) -> Callable[[], None]:
+        """Keep views of journal records valid until the returned function is called:
+        a record's space is not written again while a reader that entered before it
+        was released is still using it."""
+        journaled = self._tiers.journaled
+        if journaled is None:
+            return _nothing
+        return journaled.pin()
+
+    def read_from_memory(self, keys: Sequence[StorageKey]) -> tuple[list[Payload], bool]:
+        """Leading payloads held in memory, and whether the key after them is stored
+        (fast; safe to call on the event loop)."""
+        out: list[Payload] = []
+        tiers = self._tiers
+        memory, index = tiers.memory, tiers.index
+        with tiers.lock:
+            tiers.last_activity = time.monotonic()
+            for key in keys:
+                payload = memory.get(key)
+                if payload is None or not index.touch(key):
+                    break
+                out.append(payload)
+            more = len(out) < len(keys) and keys[len(out)] in index
+        return out, more
+
+    def read_through(
+        self, tenant: TenantId, keys: Sequence[StorageKey], max_bytes: int
+    ) -> tuple[list[Payload], bool]:
+        """Leading payloads (about `max_bytes` of them, at least one) read through the
+        journal and the lower tiers and promoted to memory, and whether the key after
+        them is stored. Blocking: run it off the event loop."""
+        tiers = self._tiers
+        journaled = tiers.journaled
+        with tiers.lock:
+            wanted: list[StorageKey] = []
+            total = 0
+            for key in keys:
+                entry = tiers.index.get(key)
+                if entry is None or (wanted and total + entry.size > max_bytes):
+                    break
+                wanted.append(key)
+                total += entry.size
+            held = journaled.held(wanted) if journaled is not None else {}
+        below = [key for key in wanted if key not in held]
+        read = tiers.read_below(below) if below else {}
+        out: list[Payload] = []
+        with tiers.lock:
+            for key in wanted:
+                payload = held[key] if key in held else read[key]
+                if payload is None:
+                    if journaled is None or not journaled.holds(key):  # not put again
+                        tiers.remove_everywhere([key])  # corrupt or gone: a miss from now on
+                    return out, False
+                # A view of a journal record is not promoted: the record may have been
+                # drained and its space reclaimed since it was taken above, and the
+                # memory tier must never keep such a view past the reclaim.
+                touched = tiers.index.touch(key)
+                if touched and key not in held and tiers.memory.admit(key, tenant, payload):
+                    self.events.stored(tenant, "memory", len(payload))
+                out.append(payload)
+            more = len(out) < len(keys) and keys[len(out)] in tiers.index
+        return out, more
+
+    # -- writes -----------------------------------------------------------------------
+
+    def put(
+        self, tenant: TenantId, key: StorageKey, model_tag: ModelTag, source: BlockSource
+    ) -> concurrent.futures.Future[bool]:
+        """Store a block whose bytes `source` supplies; the future is True (stored) or
+        False (already present). Refusals (quota, journal or writer backlog full) raise
+        ResourceExhausted before any byte is taken.
+
+        With the journal, the bytes go straight into their record and the future is
+        done on return: the put is acknowledged. Without, they go into a buffer the
+        memory tier keeps, and the future completes once the writer has committed the
+        block to LMDB (callers wait for all of a request's futures together, so one
+        commit acknowledges them all)."""
+        journaled = self._tiers.journaled
+        if journaled is not None:
+            return done(journaled.put(tenant, key, model_tag, source))
+        tiers = self._tiers
+        with tiers.lock:
+            if key in tiers.index:
+                tiers.index.touch(key)
+                self.events.put_outcome(tenant, "already_present", source.size)
+                source.skip()
+                return done(False)
+        payload = source.payload()
+        if payload is None:
+            # Issue 15, F6: this buffer is taken before the backlog bound is checked
+            # (Writer.submit); reserving the backlog first is the fix, here.
+            buffer = bytearray(source.size)
+            source.fill(memoryview(buffer))  # kept as filled: no further copy
+            payload = buffer
+        return self._put_through(
+            PutJob(key, tenant, self._epochs.get(tenant, 0), payload, model_tag)
+        )
+
+    def _put_through(self, job: PutJob) -> concurrent.futures.Future[bool]:
+        """Write-through (no journal): queue the block for the writer's next commit."""
+        tiers = self._tiers
+        with tiers.lock:
+            if job.key in tiers.index:
+                tiers.index.touch(job.key)
+                job.future.set_result(False)
+                self.events.put_outcome(job.tenant, "already_present", len(job.payload))
+                return job.future
+        return self._writer.submit(job)
+
+    # -- deletes, stats, shutdown -----------------------------------------------------
+
+    def delete(self, keys: Sequence[StorageKey]) -> int:
+        """Delete blocks by key; returns how many were stored. Blocking."""
+        tiers = self._tiers
+        with tiers.lock:
+            present = [k for k in keys if k in tiers.index]
+        self._forget(present)
+        for tier in tiers.behind:  # they may hold blocks this index no longer lists
+            tier.delete(keys)
+        if not present:
+            return 0
+        tiers.disk.delete(present)
+        return len(present)
+
+    def delete_tenant(self, tenant: TenantId, model_tag: ModelTag | None = None) -> int:
+        """Every block of the tenant, or (with `model_tag`) of one model of it. Blocking."""
+        tiers = self._tiers
+        with tiers.lock:
+            keys = tiers.index.keys_of(tenant, model_tag)
+        self._forget(keys)
+        if not keys:
+            return 0
+        tiers.delete_below(keys)
+        return len(keys)
+
+    def _forget(self, keys: Sequence[StorageKey]) -> None:
+        """Forget `keys`, journaled ones included, then wait until the writer has passed
+        their journal records, so that neither its next commit nor a replay after a
+        crash can bring them back. Blocking.
+
+        Issue 15, F7: the keys leave the index before the barrier, so when the barrier
+        times out (Unavailable) the caller skips the LMDB delete, a retry finds nothing
+        to delete, and a restart serves the blocks again. The fix is here and in
+        `delete`/`delete_tenant`: wait for the barrier first (or keep the keys as
+        tombstones until LMDB has deleted them), and report success only after."""
+        tiers = self._tiers
+        with tiers.lock:
+            tiers.remove_everywhere(keys)
+        self._writer.barrier()
+
+    def tenant_usage(self, tenant: TenantId) -> tuple[int, int]:
+        tiers = self._tiers
+        with tiers.lock:
+            return tiers.index.tenant_blocks(tenant), tiers.index.tenant_bytes(tenant)
+
+    def tier_usage(self) -> dict[str, tuple[int, int, int]]:
+        """name -> (blocks, bytes, budget_bytes)."""
+        tiers = self._tiers
+        memory, index = tiers.memory, tiers.index
+        with tiers.lock:
+            return {
+                "memory": (len(memory), memory.used_bytes, memory.budget_bytes),
+                "lmdb": (len(index), index.used_bytes, index.budget_bytes),
+            }
+
+    @property
+    def undrained_blocks(self) -> int:
+        """Journaled (acknowledged) blocks not yet committed to LMDB."""
+        tiers = self._tiers
+        with tiers.lock:
+            return tiers.journaled.undrained_blocks if tiers.journaled is not None else 0
+
+    @property
+    def integrity_failures(self) -> int:
+        return self._tiers.disk.integrity_failures
+
+    def close(self) -> None:
+        """Finish queued writes, then close every tier (LMDB cleanly; the journal is
+        removed when everything in it is in LMDB, so it is not needed to start again)."""
+        self._closing.set()  # a writer retrying a failed drain gives up; the journal keeps it
+        self._writer.stop()
+        if self._syncer is not None:
+            self._syncer.join()
+        self._tiers.close()

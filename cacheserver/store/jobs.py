@@ -1,0 +1,65 @@
+"""What the store's threads hand each other: put jobs, barriers, reclaim requests.
+
+Invariant: a put job's future completes exactly once, and only when the put's outcome
+is final: stored (True, the block is visible and survives a crash of the server),
+already present (False), or refused (an exception). A journaled job's future is done
+when its record is committed, before the writer ever sees the job.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import dataclass, field
+
+from cacheserver.journal import Reservation
+from cacheserver.tiers import Payload, PendingWrite
+from policy.types import ModelTag, StorageKey, TenantId
+
+
+@dataclass
+class PutJob:
+    key: StorageKey
+    tenant: TenantId
+    epoch: int
+    payload: Payload
+    model_tag: ModelTag
+    clock: int = 0
+    future: concurrent.futures.Future[bool] = field(default_factory=concurrent.futures.Future)
+    # Journaled puts only: the record (its view is `payload`), the blocks its admission
+    # evicted (deleted from LMDB by the commit that drains this job), and whether the
+    # put was given up (refused or broken off): the writer then only passes its record.
+    record: Reservation | None = None
+    evicted: tuple[StorageKey, ...] = ()
+    void: bool = False
+
+    def as_write(self) -> PendingWrite:
+        return PendingWrite(
+            self.key, self.tenant, self.epoch, self.clock, self.payload, self.model_tag
+        )
+
+
+@dataclass
+class Reclaim:
+    """Asks the writer to reuse drained journal space now (a put waits for room)."""
+
+
+@dataclass
+class Barrier:
+    """Completes once every journal record reserved before it is drained or given up."""
+
+    through_seq: int
+    future: concurrent.futures.Future[None] = field(default_factory=concurrent.futures.Future)
+
+
+Message = PutJob | Barrier | Reclaim | None  # None: stop
+
+
+def done(stored: bool) -> concurrent.futures.Future[bool]:
+    """A put's future, already complete."""
+    future: concurrent.futures.Future[bool] = concurrent.futures.Future()
+    future.set_result(stored)
+    return future
+
+
+def was_stored(job: PutJob) -> bool:
+    return job.future.done() and job.future.exception() is None and job.future.result()

@@ -1,0 +1,133 @@
+"""Start-up: the index rebuilt from LMDB, retired blocks reclaimed, the journal replayed
+and a fresh journal opened. Runs once, in `BlockStore.__init__`, before any thread of
+the store starts and before any request is served.
+
+Invariants:
+- After start-up the index lists exactly the blocks LMDB holds for current epochs of
+  configured tenants, within the disk budget: blocks of retired epochs or removed
+  tenants are deleted (crypto-shredding plus reclamation), and a lowered budget evicts
+  the least recently used blocks.
+- Nothing acknowledged is lost by a crash: the records a crash left out of LMDB are
+  replayed through the normal admission (quotas, budget, first writer wins) before the
+  fresh journal's start position replaces the old one in LMDB.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from cacheserver.config import StorageConfig
+from cacheserver.journal import Journal, default_journal_path, remove_orphans, replay
+from cacheserver.store.jobs import PutJob, was_stored
+from cacheserver.store.tiering import Tiers
+from cacheserver.store.writer import MAX_BATCH_BYTES
+from cacheserver.tiers import JournalCheckpoint, Position
+from kvcommon.errors import ConfigError
+from policy.types import StorageKey, TenantId
+
+log = logging.getLogger(__name__)
+
+
+def rebuild_index(tiers: Tiers, epochs: dict[TenantId, int]) -> int:
+    """Load the disk index; reclaim blocks of retired epochs or removed tenants and
+    evict down to the budget. Returns how many blocks were reclaimed."""
+    disk, index = tiers.disk, tiers.index
+    stale: list[StorageKey] = []
+    live = []
+    for meta in disk.scan():
+        if meta.tenant in epochs and meta.epoch == epochs[meta.tenant]:
+            live.append(meta)
+        else:
+            stale.append(meta.key)
+    for meta in sorted(live, key=lambda m: m.clock):
+        index.add(meta.key, meta.tenant, meta.size, clock=meta.clock, tag=meta.model_tag)
+    reclaimed = 0
+    if stale:
+        reclaimed = disk.delete(stale)
+        log.info("reclaimed %d blocks of retired epochs or removed tenants", len(stale))
+    if index.used_bytes > index.budget_bytes:  # the budget was lowered
+        victims = []
+        excess = index.used_bytes - index.budget_bytes
+        for key, entry in index.oldest_first():
+            if excess <= 0:
+                break
+            victims.append(key)
+            excess -= entry.size
+            tiers.events.evicted("lmdb", "budget", entry.size)
+        with tiers.lock:
+            tiers.remove_everywhere(victims)
+        disk.delete(victims)
+    return reclaimed
+
+
+def replay_journal(
+    tiers: Tiers, epochs: dict[TenantId, int], recorded: JournalCheckpoint | None
+) -> int:
+    """Commit to LMDB the journaled puts a crash left out of it; returns how many.
+
+    Runs after the index is rebuilt, so replayed blocks are admitted (quotas,
+    budget, first writer wins) like new puts. Blocks of retired epochs or removed
+    tenants are skipped, as start-up reclamation would drop them anyway."""
+    if recorded is None:
+        return 0
+    position, path = recorded
+    batch: list[PutJob] = []
+    size = replayed = 0
+    last = position
+
+    def commit() -> int:
+        tiers.commit(batch, drained=(last, path))
+        return sum(1 for job in batch if was_stored(job))
+
+    for record in replay(path, position):
+        last = Position(position.journal_id, record.seq, record.end)
+        if epochs.get(record.tenant) != record.epoch:
+            continue
+        batch.append(
+            PutJob(record.key, record.tenant, record.epoch, record.payload, record.model_tag)
+        )
+        size += len(record.payload)
+        if size >= MAX_BATCH_BYTES:
+            replayed += commit()
+            batch, size = [], 0
+    if batch or last != position:
+        replayed += commit()
+    if last != position:
+        log.info("replayed %d journaled puts into LMDB after an unclean stop", replayed)
+    return replayed
+
+
+def open_journal(
+    tiers: Tiers, data_dir: Path, storage: StorageConfig, recorded: JournalCheckpoint | None
+) -> tuple[Journal, Path] | None:
+    """Start a fresh journal, and record its start in LMDB; `recorded` is the one
+    replayed at start-up, if any. None: no tmpfs for it (puts are then acknowledged
+    after their LMDB commit).
+
+    Issue 15, F8: every failure to make or open the journal's directory and file should
+    end here as a ConfigError that says what to change (see cacheserver.journal.files)."""
+    path = default_journal_path(data_dir, storage.journal_dir)
+    if path is None:
+        log.info(
+            "no tmpfs for the put journal (set [storage] journal_dir): puts are "
+            "acknowledged after their LMDB commit"
+        )
+        return None
+    if storage.journal_dir:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        except OSError as error:
+            raise ConfigError(
+                f"cannot create journal_dir {path.parent}: {error.strerror}"
+            ) from None
+    if recorded is not None and recorded[1] != path:
+        recorded[1].unlink(missing_ok=True)  # replayed above; the journal moved
+    journal = Journal(
+        path, storage.journal_bytes, recorded[0].seq if recorded else 0, owner=data_dir
+    )
+    for orphan in remove_orphans(path.parent, keep=path):
+        log.info("removed %s: the put journal of a data dir that no longer exists", orphan)
+    # From here on a replay follows the new journal's chain, which starts empty.
+    tiers.disk.write([], [], drained=(journal.start, path))
+    return journal, path

@@ -1,0 +1,221 @@
+"""The store's one writer thread: group commits, the drain of journaled puts, barriers.
+
+Writes go through one thread that groups every queued block into one LMDB transaction
+(group commit): with `sync_writes`, one fsync acknowledges many puts. With the journal
+(the default unless `sync_writes`), puts are acknowledged already and the writer
+drains behind them (`_drain`), at whatever pace the disk allows, in smaller commits,
+each recording how far the journal's chain is covered, then frees journal space.
+
+Invariants:
+- LMDB never gets back a block the index dropped: the writer commits only journaled
+  jobs still pending (`JournaledPuts.live`), and deletes wait (`barrier`) until it has
+  passed every journal record reserved before them, so a replay after a crash cannot
+  bring a deleted block back either.
+- A drain is retried until it works: its blocks exist nowhere else but the journal.
+- The writer runs at the lowest CPU priority when puts are journaled (they are
+  acknowledged already), and waits for requests to pause unless something needs it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+
+from cacheserver.events import StoreEvents
+from cacheserver.store.backlog import WriteBacklog
+from cacheserver.store.jobs import Barrier, Message, PutJob, Reclaim
+from cacheserver.store.tiering import Tiers
+from cacheserver.store.upkeep import lower_this_threads_priority
+from kvcommon.errors import ResourceExhausted, Unavailable
+
+log = logging.getLogger(__name__)
+MAX_BATCH_BYTES = 256 << 20  # bound one commit's size so a burst cannot stall reads long
+# Journaled blocks drain in smaller commits: journal space is reclaimed after each, and
+# a put waiting for room should not wait for a quarter of a gigabyte to reach the disk.
+MAX_DRAIN_BYTES = 32 << 20
+MAX_BATCH_BLOCKS = 4096
+RETRY_DRAIN_S = 1.0  # a failed drain of journaled puts is retried after this long
+BARRIER_TIMEOUT_S = 60.0  # a delete waits at most this long for the writer
+
+
+class Writer:
+    def __init__(
+        self,
+        tiers: Tiers,
+        events: StoreEvents,
+        max_pending_bytes: int,
+        drain_idle_s: float,
+        closing: threading.Event,
+    ) -> None:
+        """`closing` is set when the store stops: a writer retrying a failed drain gives
+        up (the journal keeps those blocks for the next start)."""
+        self._tiers = tiers
+        self._queue: queue.Queue[Message] = queue.Queue()
+        self._reclaim_asked = threading.Event()
+        self._drain_now = threading.Event()  # wakes a writer waiting for a quiet moment
+        # Journaled puts move into LMDB once puts pause this long ([storage] drain_idle_ms)
+        self._drain_idle_s = drain_idle_s
+        self._barriers = 0  # deletes waiting for the writer (under tiers.lock)
+        self._closing = closing
+        self.backlog = WriteBacklog(max_pending_bytes, events, hurry=self._drain_now.set)
+        self._thread = threading.Thread(target=self._loop, name="kvshare-writer", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Finish what is queued, then stop (after `closing` is set)."""
+        self._drain_now.set()
+        self._queue.put(None)
+        self._thread.join()
+
+    # -- what the store hands the writer ---------------------------------------------
+
+    def submit(self, job: PutJob) -> concurrent.futures.Future[bool]:
+        """Write-through (no journal): queue the block for the next commit, within the
+        backlog bound; the future completes once it is committed."""
+        nbytes = len(job.payload)
+        try:
+            self.backlog.reserve(job.tenant, nbytes, 0.0)
+        except ResourceExhausted as error:
+            job.future.set_exception(error)
+            return job.future
+        job.future.add_done_callback(lambda _: self.backlog.release(nbytes))
+        self._queue.put(job)
+        return job.future
+
+    def enqueue(self, job: PutJob) -> None:
+        """A journaled job, acknowledged (or given up): drain it (or pass its record)."""
+        self._queue.put(job)
+
+    def journal_full(self) -> None:
+        """A put waits for journal room: wake the writer (drain, then reclaim)."""
+        self._drain_now.set()
+        if not self._reclaim_asked.is_set():
+            self._reclaim_asked.set()
+            self._queue.put(Reclaim())
+
+    def barrier(self) -> None:
+        """Wait until every journal record reserved so far is drained or given up.
+        Raises Unavailable after BARRIER_TIMEOUT_S."""
+        journaled = self._tiers.journaled
+        if journaled is None:
+            return
+        barrier = Barrier(journaled.journal.last_seq)
+        with self._tiers.lock:
+            self._barriers += 1
+        self._queue.put(barrier)
+        self._drain_now.set()
+        try:
+            barrier.future.result(timeout=BARRIER_TIMEOUT_S)
+        except concurrent.futures.TimeoutError:
+            raise Unavailable(
+                "the disk writer is behind or failing; retry the delete later"
+            ) from None
+        finally:
+            with self._tiers.lock:
+                self._barriers -= 1
+
+    # -- the thread ------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        if self._tiers.journaled is not None:
+            lower_this_threads_priority()
+        waiting: list[Barrier] = []
+        while True:
+            first = self._queue.get()
+            if first is None:
+                return
+            if isinstance(first, PutJob) and first.record is not None:
+                self._wait_for_quiet()
+            batch = self._gather(first)
+            jobs = [j for j in batch if isinstance(j, PutJob)]
+            if jobs and jobs[0].record is not None:
+                self._drain(jobs)
+            elif jobs:
+                self._tiers.commit(jobs)
+            waiting += [b for b in batch if isinstance(b, Barrier)]
+            self._reclaim()
+            self._settle(waiting)
+
+    def _gather(self, first: PutJob | Barrier | Reclaim) -> list[PutJob | Barrier | Reclaim]:
+        """`first` and whatever else is queued, up to one commit's worth."""
+        batch = [first]
+        size = len(first.payload) if isinstance(first, PutJob) else 0
+        limit = MAX_DRAIN_BYTES if self._tiers.journaled is not None else MAX_BATCH_BYTES
+        while size < limit and len(batch) < MAX_BATCH_BLOCKS:
+            try:
+                nxt = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if nxt is None:
+                self._queue.put(None)  # finish this batch, then stop
+                break
+            batch.append(nxt)
+            if isinstance(nxt, PutJob):
+                size += len(nxt.payload)
+        return batch
+
+    def _settle(self, waiting: list[Barrier]) -> None:
+        """Complete the barriers the journal's drained position has passed."""
+        journaled = self._tiers.journaled
+        drained = journaled.journal.drained_seq if journaled is not None else 0
+        for barrier in [b for b in waiting if b.through_seq <= drained]:
+            waiting.remove(barrier)
+            barrier.future.set_result(None)
+
+    def _drain(self, jobs: Sequence[PutJob]) -> None:
+        """Commit journaled (already acknowledged) blocks to LMDB, with how far the
+        journal's chain is now covered, then free what that covers. Retried until it
+        works: these blocks exist nowhere else but the journal."""
+        tiers, journaled = self._tiers, self._tiers.journaled
+        assert journaled is not None
+        journal = journaled.journal
+        seqs = {job.record.seq for job in jobs if job.record is not None}
+        with tiers.lock:
+            live = journaled.live(jobs)
+        deletes = [key for job in jobs for key in job.evicted]
+        writes = [job.as_write() for job in live]
+        point = journal.drain_point(seqs)
+        while writes or deletes or point is not None:
+            try:
+                checkpoint = (point, journaled.path) if point is not None else None
+                tiers.disk.write(writes, deletes, checkpoint)
+                break
+            except Exception as error:
+                reason = type(error).__name__
+                log.error("moving journaled puts into LMDB failed (%s); retrying", reason)
+                with tiers.lock:
+                    tiers.commit_failure = f"an LMDB commit failed ({reason})"
+                if self._closing.wait(RETRY_DRAIN_S):
+                    return  # stopping: the journal keeps them for the next start
+        with tiers.lock:
+            journaled.drained(live)
+        journal.finish(seqs, point)
+        self.backlog.release(sum(len(j.payload) for j in jobs))
+        if tiers.behind and writes:
+            tiers.write_behind(writes)
+
+    def _reclaim(self) -> None:
+        journaled = self._tiers.journaled
+        if journaled is None:
+            return
+        self._reclaim_asked.clear()
+        journaled.reclaim()
+
+    def _wait_for_quiet(self) -> None:
+        """Hold journaled puts back until requests pause, unless something needs them
+        now. Draining copies every byte again and faults in page-cache pages; on a small
+        host (two vCPUs here, likely one core's hyperthreads) it slowed concurrent gets
+        by a quarter or more even at nice 19, so it waits for the store to be idle."""
+        journaled = self._tiers.journaled
+        while journaled is not None and not self._closing.is_set() and not self._barriers:
+            quiet_for = time.monotonic() - self._tiers.last_activity
+            if quiet_for >= self._drain_idle_s or journaled.journal.under_pressure():
+                return
+            self._drain_now.wait(self._drain_idle_s - quiet_for)
+            self._drain_now.clear()

@@ -1,0 +1,95 @@
+"""What the store's tiers have in common, and the values that cross between them.
+
+A tier holds blocks by storage key and answers for those blocks only: it never decides
+what exists (the store's index does, see `cacheserver.store`) and never evicts on its
+own behalf except where it says so (the memory tier's LRU). Each implementation states
+its thread contract, because that is what the store's composition depends on:
+
+- in-process tiers (`MemoryTier`, the journal's `JournaledPuts`) are called under the
+  store's lock and never block;
+- lower tiers (`LmdbTier`; the Redis Cluster tier next, issue 17) do blocking I/O and
+  are called outside that lock, from executor threads or the store's writer thread.
+
+This module imports nothing of the store or of any tier, so every tier (and the
+journal, whose drain position LMDB records) can use these types without importing
+another tier.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, TypeAlias
+
+from policy.types import ModelTag, StorageKey, TenantId
+
+# A block's bytes as the store holds them: bytes from gRPC, the receive buffer itself
+# (bytearray, never written again), or a view of its record in the put journal, where
+# the bulk channel received it; no path copies.
+Payload: TypeAlias = bytes | bytearray | memoryview
+
+NO_MODEL_TAG = ModelTag(bytes(16))  # blocks written without a model tag
+
+
+@dataclass(frozen=True, slots=True)
+class Position:
+    """Where the put journal's chain continues after everything up to `seq` (inclusive)."""
+
+    journal_id: bytes
+    seq: int
+    offset: int
+
+
+# How far a journal (at this path) has been moved into a lower tier: recorded in the same
+# commit as the blocks it covers, so a replay after a crash starts exactly there.
+JournalCheckpoint: TypeAlias = tuple[Position, Path]
+
+
+@dataclass(frozen=True, slots=True)
+class PendingWrite:
+    """A block on its way into a lower tier, with what that tier must keep beside it."""
+
+    key: StorageKey
+    tenant: TenantId
+    epoch: int
+    clock: int  # the index's recency clock at admission, kept so a restart keeps the order
+    payload: Payload
+    model_tag: ModelTag = NO_MODEL_TAG
+
+
+class Tier(Protocol):
+    """A place that holds blocks by storage key (memory, put journal, LMDB, ...)."""
+
+    def read_many(self, keys: Sequence[StorageKey]) -> Sequence[Payload | None]:
+        """The payloads of `keys` held here, None for each key that is not (a tier
+        that verifies its bytes answers None for a corrupt block, and drops it)."""
+        ...
+
+    def delete(self, keys: Sequence[StorageKey]) -> int:
+        """Stop holding `keys`; returns how many of them were held. A durable tier
+        returns only once the deletion is durable."""
+        ...
+
+    def close(self) -> None:
+        """Let go of the tier's resources; called once, when the store stops."""
+        ...
+
+
+class LowerTier(Tier, Protocol):
+    """A durable tier below memory: blocking, called outside the store's lock.
+
+    The store writes blocks into its first lower tier (LMDB, which the index mirrors)
+    with one group commit at a time, and then into every further lower tier (written
+    behind: their failures never fail a put). Reads of indexed blocks fall through the
+    lower tiers in order; deletes reach every one. See `cacheserver.store`."""
+
+    def write(self, writes: Sequence[PendingWrite], deletes: Sequence[StorageKey]) -> list[bool]:
+        """Delete `deletes`, then store `writes` first-writer-wins, in one durable step.
+        Returns, per write, whether it was stored (False: the key was held already).
+        Raises when nothing was written; a partial write is never reported as done."""
+        ...
+
+    def probe(self) -> str | None:
+        """Why the tier cannot take writes now (a short reason for health), or None."""
+        ...

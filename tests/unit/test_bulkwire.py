@@ -1,0 +1,193 @@
+"""The bulk channel's framing helpers over real socket pairs (kvcommon/bulkwire.py)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from kvcommon.bulkwire import (
+    ARENA_ALIGN,
+    ERROR,
+    GIL_FREE_COPY_BYTES,
+    MAX_IOV,
+    MAX_MESSAGE_CHARS,
+    ConnectionClosed,
+    arena_offsets,
+    copy_into,
+    error_frame,
+    kernel_timeouts,
+    peer_uid,
+    recv_bytes,
+    recv_error,
+    recv_exact,
+    send_parts,
+)
+from kvcommon.errors import WIRE_ERRORS, InvalidArgument, ResourceExhausted, error_class
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+    left, right = socket.socketpair()
+    yield left, right
+    left.close()
+    right.close()
+
+
+def in_thread(work: Callable[[], object]) -> threading.Thread:
+    thread = threading.Thread(target=work, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_arena_offsets_are_back_to_back_and_page_aligned() -> None:
+    assert arena_offsets([]) == ([], 0)
+    assert arena_offsets([1]) == ([0], 1)
+    offsets, end = arena_offsets([1, ARENA_ALIGN, ARENA_ALIGN + 1, 0, 5])
+    assert offsets == [0, ARENA_ALIGN, 2 * ARENA_ALIGN, 4 * ARENA_ALIGN, 4 * ARENA_ALIGN]
+    assert end == 4 * ARENA_ALIGN + 5
+    assert all(o % ARENA_ALIGN == 0 for o in offsets)
+
+
+@pytest.mark.parametrize("cls", WIRE_ERRORS)
+def test_an_error_frame_round_trips_its_status_and_message(
+    pair: tuple[socket.socket, socket.socket], cls: type[Exception]
+) -> None:
+    left, right = pair
+    frame = error_frame(cls("raise [limits] max_block_bytes; café"))  # type: ignore[arg-type]
+    left.sendall(frame)
+    code, message = recv_error(right)
+    assert error_class(code) is cls
+    assert message == "raise [limits] max_block_bytes; café"
+
+
+def test_an_error_frame_whose_start_was_read_already(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    left, right = pair
+    frame = error_frame(ResourceExhausted("no room"))
+    for split in (1, ERROR.size, ERROR.size + 3, len(frame)):  # the head, then more
+        left.sendall(frame[split:])
+        assert recv_error(right, frame[:split]) == (ResourceExhausted.wire_code, "no room")
+
+
+def test_long_messages_are_cut_to_the_frames_limit(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    left, right = pair
+    left.sendall(error_frame(InvalidArgument("é" * MAX_MESSAGE_CHARS)))  # 2 bytes each
+    code, message = recv_error(right)
+    assert code == InvalidArgument.wire_code
+    assert message == "é" * (MAX_MESSAGE_CHARS // 2)
+    right.setblocking(False)
+    with pytest.raises(BlockingIOError):  # the frame was read whole, and nothing more
+        right.recv(1)
+
+
+@pytest.mark.parametrize("timeout", [None, 5.0], ids=["blocking", "timeout"])
+def test_recv_exact_fills_the_view_from_pieces(
+    pair: tuple[socket.socket, socket.socket], timeout: float | None
+) -> None:
+    left, right = pair
+    right.settimeout(timeout)
+    data = os.urandom(3 << 20)
+
+    def trickle() -> None:
+        for start in range(0, len(data), 700_001):
+            left.sendall(data[start : start + 700_001])
+
+    sender = in_thread(trickle)
+    buffer = bytearray(len(data))
+    recv_exact(right, memoryview(buffer))
+    sender.join()
+    assert buffer == data
+
+
+def test_a_peer_closing_mid_frame_is_connection_closed(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    left, right = pair
+    left.sendall(b"12345")
+    left.shutdown(socket.SHUT_WR)
+    with pytest.raises(ConnectionClosed):
+        recv_bytes(right, 10)
+
+
+@pytest.mark.parametrize("timeout", [None, 5.0], ids=["blocking", "timeout"])
+def test_send_parts_sends_many_parts_in_order(
+    pair: tuple[socket.socket, socket.socket], timeout: float | None
+) -> None:
+    """More parts than one sendmsg takes (MAX_IOV), several MiB in all, so sends stop
+    part-way through a part and resume there."""
+    left, right = pair
+    left.settimeout(timeout)
+    parts: list[bytes | bytearray | memoryview] = []
+    for n in range(3 * MAX_IOV + 7):
+        raw = os.urandom(n % 5000 + (1 << 20 if n % 500 == 0 else 0))
+        kinds = (
+            raw,
+            bytearray(raw),
+            memoryview(raw),
+            memoryview(bytearray(raw) + b"\0" * 3)[: len(raw)],
+        )
+        parts.append(kinds[n % 4])
+    expected = b"".join(bytes(p) for p in parts)
+    received = bytearray(len(expected))
+    reader = in_thread(lambda: recv_exact(right, memoryview(received)))
+    send_parts(left, parts)
+    reader.join(30)
+    assert bytes(received) == expected
+
+
+def test_send_parts_takes_views_of_any_format(pair: tuple[socket.socket, socket.socket]) -> None:
+    left, right = pair
+    words = memoryview(bytearray(range(16))).cast("I")  # 4 items of 4 bytes
+    send_parts(left, [words, b"!"])
+    assert recv_bytes(right, 17) == bytes(range(16)) + b"!"
+
+
+@pytest.mark.parametrize(
+    "size", [0, 1, 4096, GIL_FREE_COPY_BYTES - 1, GIL_FREE_COPY_BYTES, 3 << 20]
+)
+def test_copy_into_copies_every_kind_of_source_to_the_start_of_the_target(size: int) -> None:
+    data = os.urandom(size)
+    sources = [data, bytearray(data), memoryview(data), memoryview(bytearray(data))]
+    for source in sources:
+        target = bytearray(b"\xff" * (size + 10))
+        copy_into(memoryview(target), source)
+        assert target[:size] == data
+        assert target[size:] == b"\xff" * 10  # nothing past the source's end
+
+
+def test_copy_into_a_target_of_another_format_or_an_mmap() -> None:
+    import mmap
+
+    data = os.urandom(GIL_FREE_COPY_BYTES + 8)
+    words = memoryview(bytearray(len(data))).cast("Q")
+    copy_into(words, data)
+    assert words.tobytes() == data
+    with mmap.mmap(-1, len(data)) as mapped:
+        copy_into(memoryview(mapped), bytearray(data))
+        assert mapped[:] == data
+
+
+def test_kernel_timeouts_make_an_idle_receive_fail(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    left, right = pair
+    kernel_timeouts(right, 0.05)
+    assert right.gettimeout() is None  # blocking, so MSG_WAITALL can be used
+    with pytest.raises(OSError):
+        recv_bytes(right, 1)
+    left.sendall(b"x")
+    assert recv_bytes(right, 1) == b"x"  # positive control: data still arrives
+
+
+def test_peer_uid_names_the_user_at_the_other_end(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    left, right = pair
+    assert peer_uid(left) == peer_uid(right) == os.getuid()

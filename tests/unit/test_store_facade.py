@@ -1,0 +1,267 @@
+"""The block store through its public methods, with and without the put journal, and
+with a tier behind LMDB (a second real LMDB, in the place issue 17's cluster tier
+takes): no server, real LMDB and journal files in a temporary directory."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+from cacheserver.config import StorageConfig
+from cacheserver.lmdb_tier import LmdbTier
+from cacheserver.store import BlockStore
+from cacheserver.tiers import LowerTier
+from cacheserver.writing import BytesSource
+from kvcommon.errors import ResourceExhausted
+from policy.types import ModelTag, StorageKey, TenantId
+from tests.conftest import flip_stored_byte
+
+KiB, MiB = 1 << 10, 1 << 20
+A, B = TenantId("alpha"), TenantId("beta")
+TAG, OTHER_TAG = ModelTag(bytes(16)), ModelTag(bytes(range(16)))
+
+
+class FillSource:
+    """A source that writes its bytes into the store's target, as the bulk channel does."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.skipped = False
+
+    @property
+    def size(self) -> int:
+        return len(self.data)
+
+    def payload(self) -> None:
+        return None
+
+    def fill(self, target: memoryview) -> None:
+        target[:] = self.data
+
+    def skip(self) -> None:
+        self.skipped = True
+
+
+def keys(n: int) -> list[StorageKey]:
+    return [StorageKey(os.urandom(32)) for _ in range(n)]
+
+
+def storage(tmp_path: Path, journaled: bool, **overrides: int) -> StorageConfig:
+    settings: dict[str, int | str] = {
+        "memory_budget_bytes": 4 * MiB,
+        "disk_budget_bytes": 64 * MiB,
+        "journal_bytes": 16 * MiB if journaled else 0,
+        "journal_dir": str(tmp_path / "journal"),
+        "sync_interval_ms": 0,
+    }
+    settings.update(overrides)
+    return StorageConfig(**settings)  # type: ignore[arg-type]
+
+
+def open_store(
+    tmp_path: Path,
+    journaled: bool,
+    quotas: dict[TenantId, int] | None = None,
+    epochs: dict[TenantId, int] | None = None,
+    lower_tiers: Sequence[LowerTier] = (),
+    **overrides: int,
+) -> BlockStore:
+    return BlockStore(
+        tmp_path / "data",
+        storage(tmp_path, journaled, **overrides),
+        quotas or {},
+        epochs or {A: 0, B: 0},
+        lower_tiers=lower_tiers,
+    )
+
+
+def get(store: BlockStore, tenant: TenantId, wanted: Sequence[StorageKey]) -> list[bytes]:
+    out: list[bytes] = []
+    with store.read(tenant, wanted) as reading:
+        while (batch := reading.next_batch(64 * MiB)) is not None:
+            out += [bytes(p) for p in batch.payloads]
+    return out
+
+
+@pytest.fixture(params=[True, False], ids=["journal", "write-through"])
+def journaled(request: pytest.FixtureRequest) -> bool:
+    return bool(request.param)
+
+
+@pytest.fixture
+def store(tmp_path: Path, journaled: bool) -> Iterator[BlockStore]:
+    s = open_store(tmp_path, journaled)
+    yield s
+    s.close()
+
+
+def test_put_lookup_read_round_trip_and_first_writer_wins(store: BlockStore) -> None:
+    ks = keys(4)
+    payloads = [os.urandom(size) for size in (1, 4 * KiB, MiB, 3 * MiB + 1)]
+    futures = [
+        store.put(A, k, TAG, BytesSource(p) if i % 2 else FillSource(p))
+        for i, (k, p) in enumerate(zip(ks, payloads, strict=True))
+    ]
+    assert [f.result(timeout=30) for f in futures] == [True] * 4
+    assert store.lookup(A, ks) == 4
+    assert get(store, A, ks) == payloads
+    again = FillSource(b"other")
+    assert store.put(A, ks[0], TAG, again).result(timeout=30) is False
+    assert again.skipped  # its bytes were not wanted
+    assert get(store, A, ks[:1]) == payloads[:1]
+    # reads and lookups stop at the first missing key
+    missing = keys(1)
+    assert store.lookup(A, [*ks[:2], *missing, *ks[2:]]) == 2
+    assert get(store, A, [*ks[:2], *missing, *ks[2:]]) == payloads[:2]
+    assert store.lookup(A, [*missing, *ks]) == 0
+    assert get(store, A, [*missing, *ks]) == []
+    assert store.tenant_usage(A) == (4, sum(map(len, payloads)))
+
+
+def test_deletes_by_key_and_by_model_namespace(store: BlockStore) -> None:
+    ks = keys(6)
+    for i, k in enumerate(ks):
+        store.put(A, k, OTHER_TAG if i >= 4 else TAG, BytesSource(bytes([i]) * KiB)).result(30)
+    assert store.delete([ks[1], *keys(1)]) == 1
+    assert store.lookup(A, ks) == 1
+    assert get(store, A, ks[2:]) == [bytes([i]) * KiB for i in range(2, 6)]
+    assert store.delete([ks[1]]) == 0  # already gone
+    assert store.delete_tenant(A, OTHER_TAG) == 2  # one model of the tenant
+    assert store.lookup(A, ks[4:]) == 0
+    assert store.lookup(A, ks[2:4]) == 2
+    assert store.delete_tenant(A) == 3  # the rest of it
+    assert store.tenant_usage(A) == (0, 0)
+    assert store.undrained_blocks == 0  # the deletes waited for the writer
+
+
+def test_blocks_survive_a_clean_restart(tmp_path: Path, journaled: bool) -> None:
+    ks, payloads = keys(3), [os.urandom(200 * KiB) for _ in range(3)]
+    s = open_store(tmp_path, journaled)
+    for k, p in zip(ks, payloads, strict=True):
+        assert s.put(A, k, TAG, BytesSource(p)).result(30)
+    s.close()
+    assert not list((tmp_path / "journal").glob("*.journal"))  # drained, then removed
+    s = open_store(tmp_path, journaled)
+    try:
+        assert (s.replayed_at_start, s.reclaimed_at_start) == (0, 0)
+        assert get(s, A, ks) == payloads
+    finally:
+        s.close()
+
+
+def test_a_tenant_over_its_quota_evicts_its_own_blocks_only(
+    tmp_path: Path, journaled: bool
+) -> None:
+    s = open_store(tmp_path, journaled, quotas={A: 4 * 100 * KiB, B: 4 * 100 * KiB})
+    try:
+        theirs = keys(2)
+        for k in theirs:
+            s.put(B, k, TAG, BytesSource(b"b" * 100 * KiB)).result(30)
+        mine = keys(8)
+        for k in mine:  # twice alpha's quota
+            assert s.put(A, k, TAG, BytesSource(b"a" * 100 * KiB)).result(30) is True
+        assert s.lookup(A, mine[4:]) == 4  # the most recent four
+        assert [s.lookup(A, [k]) for k in mine[:4]] == [0, 0, 0, 0]
+        assert s.tenant_usage(A) == (4, 400 * KiB)
+        assert s.lookup(B, theirs) == 2  # beta, within its quota, lost nothing
+        with pytest.raises(ResourceExhausted, match="quota_bytes"):
+            s.put(A, keys(1)[0], TAG, BytesSource(b"x" * 500 * KiB)).result(30)
+    finally:
+        s.close()
+
+
+def test_an_epoch_bump_reclaims_the_tenants_blocks_at_start(tmp_path: Path) -> None:
+    s = open_store(tmp_path, journaled=True)
+    mine, theirs = keys(3), keys(1)
+    for k in mine:
+        s.put(A, k, TAG, BytesSource(b"a" * KiB)).result(30)
+    s.put(B, theirs[0], TAG, BytesSource(b"b" * KiB)).result(30)
+    s.close()
+    s = open_store(tmp_path, journaled=True, epochs={A: 1, B: 0})
+    try:
+        assert s.reclaimed_at_start == 3
+        assert s.lookup(A, mine) == 0
+        assert get(s, B, theirs) == [b"b" * KiB]
+    finally:
+        s.close()
+
+
+def test_usage_and_health_figures(store: BlockStore) -> None:
+    for k in keys(3):
+        store.put(A, k, TAG, BytesSource(b"x" * MiB)).result(30)
+    usage = store.tier_usage()
+    assert usage["lmdb"] == (3, 3 * MiB, 64 * MiB)
+    assert usage["memory"] == (3, 3 * MiB, 4 * MiB)
+    assert store.probe() is None
+    assert store.integrity_failures == 0
+
+
+# -- a lower tier behind LMDB --------------------------------------------------------
+
+
+def behind_at(tmp_path: Path, map_bytes: int = 64 * MiB) -> LmdbTier:
+    return LmdbTier(tmp_path / "behind", map_bytes=map_bytes, sync_writes=False)
+
+
+def test_a_tier_behind_lmdb_gets_every_block_and_every_delete(
+    tmp_path: Path, journaled: bool
+) -> None:
+    ks, payloads = keys(3), [os.urandom(100 * KiB) for _ in range(3)]
+    s = open_store(tmp_path, journaled, lower_tiers=[behind_at(tmp_path)])
+    for k, p in zip(ks, payloads, strict=True):
+        assert s.put(A, k, TAG, BytesSource(p)).result(30)
+    s.close()  # the writer finishes its work; the tier behind is closed with the store
+    behind = behind_at(tmp_path)
+    assert behind.read_many(ks) == payloads  # written behind the local commits
+    s = open_store(tmp_path, journaled, lower_tiers=[behind])
+    try:
+        assert s.delete(ks[:1]) == 1
+        assert behind.read_many(ks) == [None, *payloads[1:]]
+        assert s.delete_tenant(A) == 2
+        assert behind.read_many(ks) == [None, None, None]
+    finally:
+        s.close()
+
+
+def test_reads_fall_through_to_the_tier_behind_when_the_local_copy_is_corrupt(
+    tmp_path: Path,
+) -> None:
+    ks, payloads = keys(2), [os.urandom(64 * KiB) for _ in range(2)]
+    s = open_store(tmp_path, journaled=False, lower_tiers=[behind_at(tmp_path)])
+    for k, p in zip(ks, payloads, strict=True):
+        s.put(A, k, TAG, BytesSource(p)).result(30)
+    s.close()
+    flip_stored_byte(tmp_path / "data" / "lmdb" / "data.mdb", payloads[1][:4096], 100)
+    s = open_store(tmp_path, journaled=False, lower_tiers=[behind_at(tmp_path)])
+    try:
+        assert get(s, A, ks) == payloads  # the corrupt copy was not served; the one behind was
+        assert s.integrity_failures == 1
+    finally:
+        s.close()
+    s = open_store(tmp_path, journaled=False)  # control: without the tier behind, a miss
+    try:
+        assert get(s, A, ks) == payloads[:1]
+    finally:
+        s.close()
+
+
+def test_a_failing_tier_behind_fails_no_put(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    ks = keys(2)
+    full = behind_at(tmp_path, map_bytes=MiB)  # too small for what is written behind
+    s = open_store(tmp_path, journaled=False, lower_tiers=[full])
+    with caplog.at_level(logging.ERROR, logger="cacheserver.store"):
+        assert [s.put(A, k, TAG, BytesSource(b"z" * MiB)).result(30) for k in ks] == [True] * 2
+        assert get(s, A, ks) == [b"z" * MiB] * 2
+        s.close()  # the writer has tried to write behind every commit
+    assert "writing behind to LmdbTier failed (ResourceExhausted)" in caplog.text
+    s = open_store(tmp_path, journaled=False)
+    try:
+        assert get(s, A, ks) == [b"z" * MiB] * 2  # stored all the same
+    finally:
+        s.close()

@@ -89,6 +89,7 @@ class SimCuda:
         self.violations: list[str] = []
         self.errors: list[BaseException] = []
         self.kept_alive = 0
+        self.peak_device_bytes = 0  # high-water mark; tests may reset it
         self.host_bytes = 0
         self._closed = False
         self._engine = threading.Thread(target=self._run, name="sim-copy-engine", daemon=True)
@@ -189,6 +190,8 @@ class SimCuda:
         pointer = array.ctypes.data
         with self._changed:
             self._device_storages[pointer] = (device, nbytes)
+            total = sum(size for _, size in self._device_storages.values())
+            self.peak_device_bytes = max(self.peak_device_bytes, total)
         weakref.finalize(array, self._freed, pointer)
         return torch.from_numpy(array)[:nbytes].view(dtype).view(tuple(shape))
 

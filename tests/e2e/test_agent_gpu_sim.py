@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -53,6 +54,16 @@ def stored(client: BlockClient, tenant: str, digests: list[bytes]) -> list[torch
     return [decode_block(SMALL, p) for p in client.get(tenant, SMALL.wire_model(), digests)]
 
 
+@pytest.fixture
+def frequent_thread_switches() -> Iterator[None]:
+    """Python switches threads every 5 ms by default; races need finer interleaving."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    yield
+    sys.setswitchinterval(before)
+
+
+@pytest.mark.usefixtures("frequent_thread_switches")
 @pytest.mark.parametrize("threads", [2, 4])
 def test_threads_of_different_tenants_on_one_agent_get_only_their_own_blocks(
     tenant_server: Running, sim: SimCuda, threads: int

@@ -154,7 +154,7 @@ def test_running_out_of_device_memory_is_a_miss(sim: SimCuda) -> None:
     payloads = [encode_block(SMALL, b) for b in blocks_of(SMALL, 8, seed=4)]
     out, restored = restorer.restore(iter(payloads), 8)
     assert (restored.blocks, restored.stopped_by, out.shape[0]) == (0, "out_of_memory", 0)
-    small, restored = restorer.restore(iter(payloads[:3]), 3)  # a restore that fits works
+    _, restored = restorer.restore(iter(payloads[:3]), 3)  # a restore that fits works
     assert restored.blocks == 3 and restored.stopped_by is None
 
 
@@ -173,7 +173,7 @@ def test_no_copies_are_queued_while_the_caller_captures_a_graph(sim: SimCuda) ->
     restorer = BlockRestorer(SMALL, "cuda", ops=sim)
     payloads = [encode_block(SMALL, b) for b in blocks_of(SMALL, 2, seed=6)]
     with sim.capture():
-        out, restored = restorer.restore(iter(payloads), 2)
+        _, restored = restorer.restore(iter(payloads), 2)
     assert (restored.blocks, restored.stopped_by) == (0, "capturing")
     assert restorer.staging is not None and restorer.staging.rings_made == 0
 

@@ -19,6 +19,7 @@ from replica_agent.adapters.hf import (
 )
 from replica_agent.agent import ReplicaAgent
 from tests.conftest import Running
+from tests.gpu_hf_check import restored_matches_recompute
 
 BLOCK = 8
 
@@ -91,3 +92,12 @@ def test_cache_from_blocks_puts_each_layer_on_its_device(model: LlamaForCausalLM
     assert [layer.keys.device for layer in cache.layers] == devices  # type: ignore[union-attr]
     with pytest.raises(ValueError, match="one per layer"):
         cache_from_blocks(blocks, spec, model.config, devices=devices[:1])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_gpu_checks_adapter_scenario_passes_on_the_cpu(dtype: str) -> None:
+    """The scenario scripts/gpu_check.py runs on a GPU, proven here on the CPU."""
+    result = restored_matches_recompute(dtype, "cpu")
+    assert result["blocks"] == result["asked"] == 4 and result["tokens_equal"], result
+    if dtype == "float32":
+        assert result["max_logit_diff"] < 1e-4

@@ -67,6 +67,8 @@ class SimStream:
 
 
 class SimCuda:
+    device = DEVICE  # the rig's device, as CudaRig has
+
     def __init__(
         self,
         *,

@@ -16,7 +16,9 @@ models, because that is what makes a missing wait visible:
   out: someone's old bytes), counted, with an optional limit that raises
   `torch.OutOfMemoryError`; `device_of` knows which tensors are "device" tensors;
 - `capture()` marks a thread as capturing a CUDA graph in global mode: any operation
-  from another thread meanwhile is recorded in `violations` and raises, as CUDA would.
+  from another thread meanwhile, or from the capturing thread other than asking whether
+  it captures, is recorded in `violations` and raises (CUDA would refuse it, or put it
+  into the engine's graph).
 
 Not modelled: the caching allocator's reuse of freed blocks (`record_stream` is only
 counted), bandwidth, several copy engines. The helpers `launch`, `stall`, `read` and
@@ -105,14 +107,14 @@ class SimCuda:
             return DEVICE
         return resolved
 
-    def device_of(self, tensor: torch.Tensor) -> torch.device:
+    def device_of(self, tensor: torch.Tensor) -> torch.device:  # no device call
         found = self._device_storages.get(tensor.untyped_storage().data_ptr())
         return found[0] if found else tensor.device
 
     def empty(
         self, shape: Sequence[int], dtype: torch.dtype, device: torch.device, stream: Stream
     ) -> torch.Tensor:
-        self._note_call()
+        self._note_call(during_own_capture=0 in shape)  # no bytes: no allocation
         return self.device_tensor(shape, dtype, device)
 
     def empty_host(self, nbytes: int, device: torch.device) -> torch.Tensor:
@@ -128,7 +130,7 @@ class SimCuda:
         return stream
 
     def current_stream(self, device: torch.device) -> Stream:
-        self._note_call()
+        self._note_call(during_own_capture=True)  # a lookup, allowed in a capture
         stack: list[SimStream] = getattr(self._local, "streams", [])
         for stream in reversed(stack):
             if stream.device == device:
@@ -167,7 +169,7 @@ class SimCuda:
         self.kept_alive += 1  # the queued copy's closure holds the tensor until it runs
 
     def is_capturing(self, device: torch.device) -> bool:
-        self._note_call()
+        self._note_call(during_own_capture=True)
         return threading.get_ident() in self._capturing
 
     # -- playing the engine ---------------------------------------------------------------
@@ -261,14 +263,20 @@ class SimCuda:
 
     # -- the engine -----------------------------------------------------------------------
 
-    def _note_call(self) -> None:
+    def _note_call(self, *, during_own_capture: bool = False) -> None:
+        """Record the caller; a call CUDA would refuse (or capture into the graph) while
+        a capture is underway is recorded in `violations` and raises."""
         me = threading.get_ident()
-        self.callers.add(threading.current_thread().name)
-        others = self._capturing - {me}
-        if others:
-            message = f"{threading.current_thread().name} called the device during a capture"
-            self.violations.append(message)
-            raise RuntimeError(f"operation not permitted when stream is capturing ({message})")
+        name = threading.current_thread().name
+        self.callers.add(name)
+        if self._capturing - {me}:
+            message = f"{name} called the device during another thread's capture"
+        elif me in self._capturing and not during_own_capture:
+            message = f"{name} called the device while capturing a graph"
+        else:
+            return
+        self.violations.append(message)
+        raise RuntimeError(f"operation not permitted when stream is capturing ({message})")
 
     def _queue(self, stream: Stream, op: _Op) -> None:
         assert isinstance(stream, SimStream)

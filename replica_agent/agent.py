@@ -157,7 +157,7 @@ class ReplicaAgent:
     def match(self, tenant: str, digests: Sequence[bytes], *, first_block: int = 0) -> PrefixMatch:
         """How many leading blocks the store holds; blocks before `first_block` are
         assumed present locally and not asked for (every TP rank passes the same)."""
-        self._writer.collect()
+        self._collect()
         found = 0
         with self.telemetry.span("kvshare.agent.match", tenant) as span:
             if first_block < len(digests) and self._allow():
@@ -214,11 +214,12 @@ class ReplicaAgent:
         first_block: int,
         run: Callable[[Iterator[bytes | memoryview], int], Restored],
     ) -> int:
-        self._writer.collect()
+        capturing = self._restorer.is_capturing()
+        self._collect(capturing)
         wanted = match.digests[first_block : match.blocks]
         with self.telemetry.span("kvshare.agent.load", match.tenant) as span:
             started = time.perf_counter()
-            if self._restorer.is_capturing():  # before the breaker: no trial call wasted
+            if capturing:  # before the breaker: no trial call wasted
                 run(iter(()), 0)
                 restored = Restored(0, "capturing")
             elif not wanted or not self._allow():
@@ -283,7 +284,7 @@ class ReplicaAgent:
             raise ValueError(f"{len(digests)} digests for {len(blocks)} blocks; pass one each")
         if not digests:
             return True
-        self._writer.collect()
+        self._collect()
         if not self._writer.reserve():
             self._drop("queue_full")
             return False
@@ -332,6 +333,14 @@ class ReplicaAgent:
                 self.telemetry.saved(span, job.tenant, len(payloads))
             except KvshareError as error:
                 self._store_failed("put", error)
+
+    def _collect(self, capturing: bool | None = None) -> None:
+        """Hand saves whose copies finished to the saver; never during a capture (an
+        event query there would break the engine's graph)."""
+        if capturing is None:
+            capturing = self._restorer.is_capturing()
+        if not capturing:
+            self._writer.collect()
 
     def _save_failed(self) -> None:
         self._drop("error")

@@ -305,3 +305,16 @@ def test_a_thread_calling_the_device_during_another_threads_capture_is_caught(
     release.set()
     capturer.join()
     assert sim.violations
+
+
+def test_every_staging_reuse_overwrites_the_whole_buffer(sim: SimCuda) -> None:
+    """LeftoverLocals: after tenant B's restore, no byte of tenant A's block is left in
+    the pinned staging B's restore used (decode writes all of a buffer, or nothing)."""
+    restorer = BlockRestorer(SMALL, "cuda", ops=sim)
+    alpha, beta = blocks_of(SMALL, 2, seed=12), blocks_of(SMALL, 2, seed=13)
+    restorer.restore(iter([encode_block(SMALL, b) for b in alpha]), 2)
+    restorer.restore(iter([encode_block(SMALL, b) for b in beta]), 2)
+    sim.drain()
+    assert restorer.staging is not None and restorer.staging.rings_made == 1
+    staged = [slot.buffer for slot in restorer.staging._free[0].slots]
+    assert all(any(torch.equal(s, b) for b in beta) for s in staged)

@@ -6,7 +6,8 @@ Needs torch with CUDA; the server's dependencies (grpc, lmdb, cryptography) only
 checks that start a store (they are reported as skipped where absent). Prints one JSON
 document: per check `ok` and its figures. Exit status 0 when every check that ran
 passed, 1 when one failed. Without a CUDA device it prints `{"status": "no_cuda", ...}`,
-says so on stderr and exits 0: nothing was checked. About 3-6 minutes on one H100/H200.
+says so on stderr and exits 0: nothing was checked. Estimated 3-6 minutes on one
+H100/H200 (not yet measured: no GPU was lent to the task that wrote it).
 
 Checks (docs/gpu.md says what each proves):
   exactness          stalled consumer stream, reused network buffer, bf16 and fp32 blocks

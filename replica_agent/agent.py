@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_SAVE_QUEUE_JOBS = 64
 DEFAULT_SAVE_BUFFER_BYTES = 256 << 20  # host memory for blocks waiting to be stored
+# (pinned on CUDA; at least 4 blocks' worth when blocks are larger than 64 MiB)
 
 
 @dataclass
@@ -97,7 +98,7 @@ class ReplicaAgent:
         device: torch.device | str = "cpu",
         breaker: CircuitBreaker | None = None,
         save_queue_jobs: int = DEFAULT_SAVE_QUEUE_JOBS,
-        save_buffer_bytes: int = DEFAULT_SAVE_BUFFER_BYTES,
+        save_buffer_bytes: int | None = None,
         tp_agree: Callable[[int], int] | None = None,
         device_ops: DeviceOps | None = None,
         telemetry: AgentTelemetry | None = None,
@@ -124,6 +125,8 @@ class ReplicaAgent:
         self._tp_agree = tp_agree
         self._restorer = BlockRestorer(spec, device, ops=device_ops)
         self.device = self._restorer.device
+        if save_buffer_bytes is None:  # the default, but room for a few blocks at least
+            save_buffer_bytes = max(DEFAULT_SAVE_BUFFER_BYTES, 4 * spec.block_payload_bytes)
         pool = HostPool(spec, self._restorer.ops, self.device, save_buffer_bytes)
         self._snapshots = Snapshotter(spec, self._restorer.ops, pool)
         self._hashers: dict[bytes, BlockHasher] = {}

@@ -38,6 +38,7 @@ from kvcommon.memtune import tune_allocator
 from policy.sealing import BlockSealer, SealError
 from replica_agent.breaker import CircuitBreaker
 from replica_agent.client import BlockClient, ClientTls
+from replica_agent.codec import HEADER_BYTES
 from replica_agent.device import BlockRestorer, Restored, Targets
 from replica_agent.device_snapshot import HostPool, Snapshotter
 from replica_agent.hashing import BlockHasher
@@ -126,7 +127,8 @@ class ReplicaAgent:
         self._restorer = BlockRestorer(spec, device, ops=device_ops)
         self.device = self._restorer.device
         if save_buffer_bytes is None:  # the default, but room for a few blocks at least
-            save_buffer_bytes = max(DEFAULT_SAVE_BUFFER_BYTES, 4 * spec.block_payload_bytes)
+            block_bytes = HEADER_BYTES + spec.block_payload_bytes
+            save_buffer_bytes = max(DEFAULT_SAVE_BUFFER_BYTES, 4 * block_bytes)
         pool = HostPool(spec, self._restorer.ops, self.device, save_buffer_bytes)
         self._snapshots = Snapshotter(spec, self._restorer.ops, pool)
         self._hashers: dict[bytes, BlockHasher] = {}

@@ -1,7 +1,8 @@
 """`ReplicaAgent`: what runs on each inference replica.
 
     agent = ReplicaAgent.connect("127.0.0.1:50051", token, spec, sealer=sealer)
-    m = agent.match(tenant, token_ids)          # PrefixMatch: blocks/tokens the store holds
+    digests = agent.digests(token_ids)          # per full block, chained
+    m = agent.match(tenant, digests)            # PrefixMatch: blocks/tokens the store holds
     kv = agent.load(m, first_block=k)           # [n, *spec.block_shape] on the device
     agent.save(tenant, digests[i:j], blocks)    # write-behind; never blocks inference
 
@@ -13,33 +14,48 @@ With a sealer, payloads are sealed before they leave the replica and opened befo
 they are decoded: a block that fails to open is a miss plus a counter and never
 becomes a tensor. `AgentStats` counts for this agent; `AgentTelemetry` records the same
 events as OpenTelemetry metrics and spans (replica_agent/telemetry.py).
+
+Threads and devices: `load` may be called from several threads at once (each restore
+borrows its own staging, replica_agent/device.py). On CUDA `load` returns before the
+copies finish; the caller's current stream waits for them. `save` copies the blocks out
+of device memory at call time, ordered after the calling thread's current stream, into
+a host pool bounded in bytes (replica_agent/device_snapshot.py); the saver thread seals
+and stores from there and never touches the device. With tensor parallelism every rank
+must agree on how many blocks it uses: pass `tp_agree` (e.g. `min_across_ranks`).
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvcommon.errors import KvshareError
 from kvcommon.memtune import tune_allocator
 from policy.sealing import BlockSealer, SealError
 from replica_agent.breaker import CircuitBreaker
 from replica_agent.client import BlockClient, ClientTls
-from replica_agent.codec import encode_block
-from replica_agent.device import BlockRestorer
+from replica_agent.codec import HEADER_BYTES
+from replica_agent.device import BlockRestorer, Restored, Targets
+from replica_agent.device_snapshot import HostPool, Snapshotter
 from replica_agent.hashing import BlockHasher
+from replica_agent.saver import SaveJob, WriteBehind
 from replica_agent.spec import ModelSpec
-from replica_agent.telemetry import AgentTelemetry, Context
+from replica_agent.telemetry import AgentTelemetry, DropReason
+
+if TYPE_CHECKING:
+    import torch
+
+    from replica_agent.device_ops import DeviceOps, Stream
 
 log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_SAVE_QUEUE_JOBS = 64
+DEFAULT_SAVE_BUFFER_BYTES = 256 << 20  # host memory for blocks waiting to be stored
+# (pinned on CUDA; at least 4 blocks' worth when blocks are larger than 64 MiB)
 
 
 @dataclass
@@ -50,10 +66,12 @@ class AgentStats:
     bytes_restored: int = 0
     open_failures: int = 0  # sealed blocks that failed to open (tampered, moved, retired key)
     format_errors: int = 0  # opened blocks whose layout did not match the model spec
+    oom_misses: int = 0  # restores cut short: device memory ran out
+    capture_skips: int = 0  # loads and saves skipped: the thread was capturing a CUDA graph
     store_errors: int = 0  # failed or timed-out store calls
     skipped_breaker_open: int = 0  # store calls not made because the breaker was open
     saves_queued: int = 0
-    saves_dropped: int = 0  # save jobs dropped: queue full or breaker open
+    saves_dropped: int = 0  # save jobs dropped: queue or buffers full, breaker open, error
     blocks_saved: int = 0
 
 
@@ -71,14 +89,6 @@ class PrefixMatch:
         return self.blocks * self.block_tokens
 
 
-@dataclass(frozen=True)
-class _SaveJob:
-    tenant: str
-    digests: tuple[bytes, ...]
-    blocks: tuple[torch.Tensor, ...]
-    parent: Context | None = None  # the trace context of the `save` call
-
-
 class ReplicaAgent:
     def __init__(
         self,
@@ -89,8 +99,20 @@ class ReplicaAgent:
         device: torch.device | str = "cpu",
         breaker: CircuitBreaker | None = None,
         save_queue_jobs: int = DEFAULT_SAVE_QUEUE_JOBS,
+        save_buffer_bytes: int | None = None,
+        tp_agree: Callable[[int], int] | None = None,
+        device_ops: DeviceOps | None = None,
         telemetry: AgentTelemetry | None = None,
     ) -> None:
+        """`device`: where restored blocks go; `"cuda"` means the calling thread's
+        current device, resolved now. `device_ops`: tests run the CUDA path against a
+        simulated copy engine through it; leave it None."""
+        if spec.tp_size > 1 and tp_agree is None:
+            raise ValueError(
+                f"spec has tp_size {spec.tp_size}: ranks must use the same number of "
+                "restored blocks; pass tp_agree=min_across_ranks(tp_group) "
+                "(replica_agent.device_ops)"
+            )
         tune_allocator()  # block-sized buffers come and go: keep them in the heap
         self.client = client
         self.spec = spec
@@ -98,13 +120,19 @@ class ReplicaAgent:
         self.sealer = sealer
         self.breaker = breaker or CircuitBreaker()
         self.stats = AgentStats()
+        self._stats_lock = threading.Lock()
         self.telemetry = telemetry or AgentTelemetry()
         self.telemetry.watch_breaker(self.breaker)
-        self._restorer = BlockRestorer(spec, device)
+        self._tp_agree = tp_agree
+        self._restorer = BlockRestorer(spec, device, ops=device_ops)
+        self.device = self._restorer.device
+        if save_buffer_bytes is None:  # the default, but room for a few blocks at least
+            block_bytes = HEADER_BYTES + spec.block_payload_bytes
+            save_buffer_bytes = max(DEFAULT_SAVE_BUFFER_BYTES, 4 * block_bytes)
+        pool = HostPool(spec, self._restorer.ops, self.device, save_buffer_bytes)
+        self._snapshots = Snapshotter(spec, self._restorer.ops, pool)
         self._hashers: dict[bytes, BlockHasher] = {}
-        self._saves: queue.Queue[_SaveJob | None] = queue.Queue(maxsize=save_queue_jobs)
-        self._saver = threading.Thread(target=self._save_loop, name="kvshare-saver", daemon=True)
-        self._saver.start()
+        self._writer = WriteBehind(self._save_now, self._save_failed, save_queue_jobs)
 
     @classmethod
     def connect(
@@ -133,7 +161,8 @@ class ReplicaAgent:
 
     def match(self, tenant: str, digests: Sequence[bytes], *, first_block: int = 0) -> PrefixMatch:
         """How many leading blocks the store holds; blocks before `first_block` are
-        assumed present locally and not asked for."""
+        assumed present locally and not asked for (every TP rank passes the same)."""
+        self._collect()
         found = 0
         with self.telemetry.span("kvshare.agent.match", tenant) as span:
             if first_block < len(digests) and self._allow():
@@ -142,40 +171,75 @@ class ReplicaAgent:
                     self.breaker.record_success()
                 except KvshareError as error:
                     self._store_failed("lookup", error)
+            found = self._agree(found)
             asked = max(len(digests) - first_block, 0)
             self.telemetry.matched(span, tenant, asked, found, self.spec.block_tokens)
-        self.stats.lookups += 1
-        self.stats.blocks_matched += found
+        self._count(lookups=1, blocks_matched=found)
         return PrefixMatch(tenant, tuple(digests), first_block + found, self.spec.block_tokens)
 
     def load(self, match: PrefixMatch, *, first_block: int = 0) -> torch.Tensor:
         """Blocks `first_block .. match.blocks-1` as `[n, *block_shape]` on the device.
 
         n may be smaller than asked (evicted meanwhile, store failure, a block that fails
-        to open or decode): the caller recomputes from block `first_block + n`.
+        to open or decode, device memory full): the caller recomputes from block
+        `first_block + n`. On CUDA the tensor is ready for work on the current stream.
         """
+        held: list[torch.Tensor] = []
+
+        def restore(payloads: Iterator[bytes | memoryview], wanted: int) -> Restored:
+            blocks, restored = self._restorer.restore(payloads, wanted)
+            held.append(blocks)
+            return restored
+
+        count = self._restore(match, first_block, restore)
+        return self._restorer.leading(held[0], count)
+
+    def load_into(
+        self,
+        match: PrefixMatch,
+        targets: Targets,
+        *,
+        first_block: int = 0,
+        stream: Stream | None = None,
+    ) -> int:
+        """Like `load`, into the caller's destinations (engine adapters): block
+        `first_block + i` goes to `targets(i)` (see BlockRestorer.restore_into). Returns
+        how many leading blocks the caller may use; `stream` waits for them."""
+        return self._restore(
+            match,
+            first_block,
+            lambda payloads, wanted: self._restorer.restore_into(
+                payloads, targets, wanted, stream=stream
+            ),
+        )
+
+    def _restore(
+        self,
+        match: PrefixMatch,
+        first_block: int,
+        run: Callable[[Iterator[bytes | memoryview], int], Restored],
+    ) -> int:
+        capturing = self._restorer.is_capturing()
+        self._collect(capturing)
         wanted = match.digests[first_block : match.blocks]
         with self.telemetry.span("kvshare.agent.load", match.tenant) as span:
             started = time.perf_counter()
-            if not wanted or not self._allow():
-                blocks = self._restorer.restore(iter(()), 0)
+            if capturing:  # before the breaker: no trial call wasted
+                run(iter(()), 0)
+                restored = Restored(0, "capturing")
+            elif not wanted or not self._allow():
+                restored = run(iter(()), 0)
             else:
-                errors_before = self._restorer.format_errors
-                blocks = self._restorer.restore(self._opened(match.tenant, wanted), len(wanted))
-                self.stats.format_errors += self._restorer.format_errors - errors_before
-            nbytes = blocks.numel() * blocks.element_size()
+                restored = run(self._opened(match.tenant, wanted), len(wanted))
+            self._note_stop(restored)
+            count = self._agree(restored.blocks)
+            nbytes = count * self.spec.block_payload_bytes
+            seconds = time.perf_counter() - started
             self.telemetry.loaded(
-                span,
-                match.tenant,
-                len(wanted),
-                len(blocks),
-                nbytes,
-                time.perf_counter() - started,
-                self.spec.block_tokens,
+                span, match.tenant, len(wanted), count, nbytes, seconds, self.spec.block_tokens
             )
-        self.stats.blocks_restored += len(blocks)
-        self.stats.bytes_restored += nbytes
-        return blocks
+        self._count(blocks_restored=count, bytes_restored=nbytes)
+        return count
 
     def _opened(self, tenant: str, digests: Sequence[bytes]) -> Iterator[bytes | memoryview]:
         try:
@@ -186,7 +250,7 @@ class ReplicaAgent:
                     try:
                         payload = self.sealer.open(tenant, self.model, digest, payload)
                     except SealError:
-                        self.stats.open_failures += 1
+                        self._count(open_failures=1)
                         self.telemetry.open_failure()
                         log.warning("a block failed to open; treating it as a miss")
                         return
@@ -195,84 +259,128 @@ class ReplicaAgent:
         except KvshareError as error:
             self._store_failed("get", error)
 
+    def _note_stop(self, restored: Restored) -> None:
+        if restored.stopped_by is None:
+            return
+        self.telemetry.restore_stopped(restored.stopped_by)
+        if restored.stopped_by == "format_error":
+            self._count(format_errors=1)
+        elif restored.stopped_by == "out_of_memory":
+            self._count(oom_misses=1)
+            log.warning("device memory ran out during a restore; serving a shorter prefix")
+        else:
+            self._count(capture_skips=1)
+
+    def _agree(self, count: int) -> int:
+        """Tensor parallelism: every rank uses the smallest count of any rank."""
+        if self._tp_agree is None:
+            return count
+        return min(count, self._tp_agree(count))
+
     # -- save (write-behind) ------------------------------------------------------------
 
     def save(self, tenant: str, digests: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> bool:
-        """Queue blocks for the store; False (and counted) when the queue is full.
+        """Queue blocks for the store; False (and counted) when they cannot be queued.
 
-        `blocks` must not alias memory the engine will overwrite (see blocks_from_cache).
+        The blocks' bytes are copied out when this is called (on CUDA: queued after the
+        current stream's work), so the caller may reuse or free them at once.
         """
         if len(digests) != len(blocks):
             raise ValueError(f"{len(digests)} digests for {len(blocks)} blocks; pass one each")
         if not digests:
             return True
-        job = _SaveJob(tenant, tuple(digests), tuple(blocks), self.telemetry.current_context())
-        try:
-            self._saves.put_nowait(job)
-        except queue.Full:
-            self.stats.saves_dropped += 1
-            self.telemetry.save_dropped("queue_full")
+        self._collect()
+        if not self._writer.reserve():
+            self._drop("queue_full")
             return False
-        self.stats.saves_queued += 1
+        try:
+            snapshot = self._snapshots.take(blocks)
+        except BaseException:
+            self._writer.cancel()
+            raise
+        if isinstance(snapshot, str):
+            self._writer.cancel()
+            self._drop(snapshot)
+            return False
+        pool, snapshots = self._snapshots.pool, self._snapshots
+        self._writer.submit(
+            SaveJob(
+                tenant,
+                tuple(digests),
+                snapshot.encoded(),
+                self.telemetry.current_context(),
+                is_copied=lambda: snapshots.is_done(snapshot),
+                wait_copied=lambda: snapshots.wait(snapshot),
+                release=lambda: pool.give_back(snapshot.buffers),
+            )
+        )
+        self._count(saves_queued=1)
         return True
 
-    def _save_loop(self) -> None:
-        while True:
-            job = self._saves.get()
-            try:
-                if job is None:
-                    return
-                self._save_now(job)
-            except Exception:  # a bug must not kill the saver: later saves still run
-                self.stats.saves_dropped += 1
-                self.telemetry.save_dropped("error")
-                log.exception("save failed unexpectedly; dropped")
-            finally:
-                self._saves.task_done()
-
-    def _save_now(self, job: _SaveJob) -> None:
+    def _save_now(self, job: SaveJob) -> None:
+        """On the saver thread: seal and store one job (no device calls here)."""
         if not self._allow():
-            self.stats.saves_dropped += 1
-            self.telemetry.save_dropped("breaker_open")
+            self._drop("breaker_open")
             return
         with self.telemetry.span("kvshare.agent.save", job.tenant, job.parent) as span:
-            payloads = []
-            for digest, block in zip(job.digests, job.blocks, strict=True):
-                payload = encode_block(self.spec, block)
+            payloads: list[bytes | memoryview] = []
+            for digest, encoded in zip(job.digests, job.encoded, strict=True):
                 if self.sealer is not None:
-                    payload = self.sealer.seal(job.tenant, self.model, digest, payload)
-                payloads.append(payload)
+                    # seal reads any buffer (AESGCM takes the buffer protocol): no copy first
+                    sealed = self.sealer.seal(job.tenant, self.model, digest, encoded)  # type: ignore[arg-type]
+                    payloads.append(sealed)
+                else:
+                    payloads.append(encoded)
             try:
                 self.client.put(job.tenant, self.model, job.digests, payloads)
                 self.breaker.record_success()
-                self.stats.blocks_saved += len(payloads)
+                self._count(blocks_saved=len(payloads))
                 self.telemetry.saved(span, job.tenant, len(payloads))
             except KvshareError as error:
                 self._store_failed("put", error)
 
+    def _collect(self, capturing: bool | None = None) -> None:
+        """Hand saves whose copies finished to the saver; never during a capture (an
+        event query there would break the engine's graph)."""
+        if capturing is None:
+            capturing = self._restorer.is_capturing()
+        if not capturing:
+            self._writer.collect()
+
+    def _save_failed(self) -> None:
+        self._drop("error")
+
     def flush(self) -> None:
         """Wait until every queued save has been attempted (tests, demo, shutdown)."""
-        self._saves.join()
+        self._writer.flush()
 
     # -- failure handling -----------------------------------------------------------------
 
     def _allow(self) -> bool:
         if self.breaker.allow():
             return True
-        self.stats.skipped_breaker_open += 1
+        self._count(skipped_breaker_open=1)
         self.telemetry.breaker_skip()
         return False
 
+    def _drop(self, reason: DropReason) -> None:
+        self._count(saves_dropped=1, capture_skips=int(reason == "capturing"))
+        self.telemetry.save_dropped(reason)
+
     def _store_failed(self, operation: str, error: KvshareError) -> None:
-        self.stats.store_errors += 1
+        self._count(store_errors=1)
         self.telemetry.store_error(operation)
         self.breaker.record_failure()
         code = getattr(error, "code", None)
         status = code().name if callable(code) else type(error).__name__
         log.warning("store %s failed (%s); serving a miss", operation, status)
 
+    def _count(self, **deltas: int) -> None:
+        """Add to `stats` (several threads load and save at once)."""
+        with self._stats_lock:
+            for name, delta in deltas.items():
+                setattr(self.stats, name, getattr(self.stats, name) + delta)
+
     def close(self) -> None:
-        self.flush()
-        self._saves.put(None)
-        self._saver.join()
+        self._writer.close()
         self.client.close()

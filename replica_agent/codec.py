@@ -119,8 +119,8 @@ def parse_header(data: bytes | bytearray | memoryview) -> BlockHeader:
     return header
 
 
-def encode_block(spec: ModelSpec, kv: torch.Tensor) -> bytes:
-    """Header plus the bytes of `kv`, shaped `spec.block_shape` with `spec`'s dtype."""
+def check_block(spec: ModelSpec, kv: torch.Tensor) -> None:
+    """ValueError unless `kv` is one block of `spec`: `spec.block_shape`, `spec`'s dtype."""
     if tuple(kv.shape) != spec.block_shape:
         raise ValueError(
             f"kv has shape {tuple(kv.shape)}; a block of this spec is {spec.block_shape} "
@@ -128,6 +128,11 @@ def encode_block(spec: ModelSpec, kv: torch.Tensor) -> bytes:
         )
     if kv.dtype != torch_dtype(spec):
         raise ValueError(f"kv has dtype {kv.dtype}; the spec says {spec.dtype}, convert first")
+
+
+def encode_block(spec: ModelSpec, kv: torch.Tensor) -> bytes:
+    """Header plus the bytes of `kv`, shaped `spec.block_shape` with `spec`'s dtype."""
+    check_block(spec, kv)
     # One copy when kv is already contiguous on the CPU: straight into the joined bytes.
     host = kv.detach().to("cpu").contiguous()
     payload = _uint8_numpy(host).data

@@ -1,77 +1,297 @@
-"""Moving decoded blocks into device memory: reused staging, non-blocking copies.
+"""Moving opened blocks into device memory, in order, without mixing callers' bytes.
 
-On a CUDA device each block is decoded into one of a small ring of pinned host
-buffers and copied with `non_blocking=True`; an event per buffer says when the copy
-has finished reading it, so block i+1 is decoded (and fetched, by the caller's
-streaming iterator) while block i is still being copied. Buffers are reused across
-calls and tenants; every reuse overwrites the whole buffer (decode writes all of it),
-so nothing of one tenant's block is left for another (the LeftoverLocals lesson).
-On the CPU the block is decoded straight into its slot of the output.
+On a CUDA device each block is decoded into a pinned staging buffer and copied with a
+non-blocking copy on a dedicated copy stream, so block i+1 is fetched and decoded while
+block i is still being copied. Invariants:
+
+- A staging ring (two pinned buffers, a copy stream, an event per buffer) belongs to
+  one restore at a time: concurrent restores on one agent take different rings from a
+  bounded pool, so one caller's decode never overwrites a buffer another caller's
+  queued copy has yet to read (the bug that put one tenant's blocks in another's
+  restore). A buffer is rewritten only after the event of the copy that last read it.
+- The copy stream starts after the caller's stream has reached the point where the
+  destination was allocated, and the caller's stream waits for the copies by an event:
+  no host synchronisation, and a miss costs no device work at all.
+- Every reuse of a staging buffer overwrites all of it, so nothing of one tenant's block
+  is left for another (the LeftoverLocals lesson).
+- Device memory is allocated when the first block has arrived and decoded; running out
+  of it ends the restore as a miss (`Restored.stopped_by`), never as an exception; a
+  partial restore returns a tensor of the blocks it holds and releases the rest.
+
+On the CPU a block is decoded straight into its destination. `restore_into` is the
+primitive for engine adapters: the caller names, per block, where its parts go.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Literal, TypeAlias
 
 import torch
 
 from replica_agent.codec import BlockFormatError, decode_block, torch_dtype
+from replica_agent.device_ops import CudaOps, DeviceOps, Event, Stream, resolve_device
 from replica_agent.spec import ModelSpec
 
 STAGING_BUFFERS = 2  # double buffering: decode one while the other is in flight
+StopReason: TypeAlias = Literal["format_error", "out_of_memory", "capturing"]
+STAGING_RINGS = 4  # restores at once per agent; more wait for a ring (pinned memory bound)
+# Where one part of a block goes: (destination tensor, index into the block tensor),
+# e.g. `(out[i], ())` for a whole block or `(keys[l][0, :, a:b], (l, 0))` for layer l's K.
+Placement: TypeAlias = tuple[torch.Tensor, tuple[int, ...]]
+Targets: TypeAlias = Callable[[int], Sequence[Placement]]
+
+
+@dataclass(frozen=True)
+class Restored:
+    blocks: int  # leading blocks now in place (ordered before the caller's later work)
+    stopped_by: StopReason | None = None  # why fewer than offered, when not a short source
+
+
+@dataclass
+class _Slot:
+    buffer: torch.Tensor  # pinned, `spec.block_shape`
+    read_by: Event | None = None  # the copy that last read this buffer
+
+
+class _Ring:
+    """Staging owned by one restore at a time: buffers, their events, a copy stream."""
+
+    def __init__(self, ops: DeviceOps, device: torch.device, spec: ModelSpec) -> None:
+        self.stream = ops.new_stream(device)
+        self.slots = [
+            _Slot(
+                ops.empty_host(spec.block_payload_bytes, device)
+                .view(torch_dtype(spec))
+                .view(spec.block_shape)
+            )
+            for _ in range(STAGING_BUFFERS)
+        ]
+        self._next = 0
+
+    def next_slot(self) -> _Slot:
+        slot = self.slots[self._next]
+        self._next = (self._next + 1) % len(self.slots)
+        return slot
+
+
+class StagingPool:
+    """At most `max_rings` rings, made on first need and kept; a restore borrows one."""
+
+    def __init__(
+        self, ops: DeviceOps, device: torch.device, spec: ModelSpec, max_rings: int
+    ) -> None:
+        if max_rings < 1:
+            raise ValueError(f"max_rings is {max_rings}; allow at least one restore at a time")
+        self._ops, self._device, self._spec = ops, device, spec
+        self.max_rings = max_rings
+        self._free: list[_Ring] = []
+        self._made = 0
+        self._changed = threading.Condition()
+
+    @contextmanager
+    def ring(self) -> Iterator[_Ring]:
+        with self._changed:
+            while not self._free and self._made >= self.max_rings:
+                self._changed.wait()
+            ring = self._free.pop() if self._free else None
+            if ring is None:
+                self._made += 1
+        if ring is None:
+            try:
+                ring = _Ring(self._ops, self._device, self._spec)
+            except BaseException:
+                with self._changed:
+                    self._made -= 1
+                    self._changed.notify()
+                raise
+        try:
+            yield ring
+        finally:
+            with self._changed:
+                self._free.append(ring)
+                self._changed.notify()
+
+    @property
+    def rings_made(self) -> int:
+        return self._made
 
 
 class BlockRestorer:
-    def __init__(self, spec: ModelSpec, device: torch.device | str = "cpu") -> None:
-        self.spec = spec
-        self.device = torch.device(device)
-        self._staging: list[torch.Tensor] = []
-        self._events: list[torch.cuda.Event | None] = []
-        self.format_errors = 0
-        if self.device.type == "cuda":
-            for _ in range(STAGING_BUFFERS):
-                self._staging.append(
-                    torch.empty(spec.block_shape, dtype=torch_dtype(spec), pin_memory=True)
-                )
-                self._events.append(None)
+    """Restores blocks of `spec` into memory of `device` (explicit index on CUDA)."""
 
-    def restore(self, payloads: Iterator[bytes | memoryview], max_blocks: int) -> torch.Tensor:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        device: torch.device | str = "cpu",
+        *,
+        ops: DeviceOps | None = None,
+        max_concurrent: int = STAGING_RINGS,
+    ) -> None:
+        self.spec = spec
+        self.ops: DeviceOps = ops or CudaOps()
+        self.device = resolve_device(device, self.ops)
+        self.staging = (
+            StagingPool(self.ops, self.device, spec, max_concurrent)
+            if self.device.type == "cuda"
+            else None
+        )
+
+    def restore(
+        self,
+        payloads: Iterable[bytes | memoryview],
+        max_blocks: int,
+        *,
+        stream: Stream | None = None,
+    ) -> tuple[torch.Tensor, Restored]:
         """Blocks `[n, *block_shape]` on the device, n <= max_blocks, in order.
 
-        `payloads` yields plaintext block bytes and may stop early (a miss, or a block
-        that failed to open). A block that fails to decode ends the restore too
-        (counted in `format_errors`): the result holds only the blocks before it, and
-        the bad bytes never become a tensor the model sees.
+        `payloads` yields plaintext block bytes and may stop early (a miss, a block that
+        failed to open). A block that fails to decode ends the restore (the bad bytes
+        never become a tensor the model sees). On CUDA the result is ready for work
+        queued on `stream` (default: the caller's current stream) after this returns.
         """
-        out = torch.empty(
-            (max_blocks, *self.spec.block_shape), dtype=torch_dtype(self.spec), device=self.device
-        )
-        count = 0
+        stream = self._consumer(stream)
+        held: list[torch.Tensor] = []
+
+        def whole_blocks(index: int) -> Sequence[Placement]:
+            if not held:
+                held.append(self._empty((max_blocks, *self.spec.block_shape), stream))
+            return [(held[0][index], ())]
+
+        restored = self.restore_into(payloads, whole_blocks, max_blocks, stream=stream)
+        if not held:
+            return self._empty((0, *self.spec.block_shape), stream), restored
+        return self.leading(held[0], restored.blocks, stream=stream), restored
+
+    def restore_into(
+        self,
+        payloads: Iterable[bytes | memoryview],
+        targets: Targets,
+        max_blocks: int,
+        *,
+        stream: Stream | None = None,
+    ) -> Restored:
+        """Each decoded block i goes to `targets(i)`'s destinations (engine adapters).
+
+        Destinations live on this restorer's device; `targets` allocates them at its
+        first call at the latest (allocation raising `torch.OutOfMemoryError` ends the
+        restore as a miss). On CUDA the copies run on a copy stream and `stream`
+        (default: the current stream) waits for them; the host does not.
+        """
+        if self.staging is None:
+            return self._restore_on_host(payloads, targets, max_blocks)
+        if max_blocks <= 0:
+            return Restored(0)
+        consumer = self._consumer(stream)
+        assert consumer is not None
+        if self.ops.is_capturing(self.device):
+            return Restored(0, "capturing")  # never queue copies into an engine's graph
+        with self.staging.ring() as ring:
+            return self._restore_via_ring(ring, payloads, targets, max_blocks, consumer)
+
+    def _restore_via_ring(
+        self,
+        ring: _Ring,
+        payloads: Iterable[bytes | memoryview],
+        targets: Targets,
+        max_blocks: int,
+        consumer: Stream,
+    ) -> Restored:
+        ops, count = self.ops, 0
+        stopped: StopReason | None = None
+        try:
+            for payload in payloads:
+                if count == max_blocks:
+                    break
+                slot = ring.next_slot()
+                if slot.read_by is not None:
+                    ops.synchronize(slot.read_by)  # the copy that last read it has run
+                try:
+                    decode_block(self.spec, payload, out=slot.buffer)
+                    parts = self._placements(targets, count)
+                except BlockFormatError:
+                    stopped = "format_error"
+                    break
+                except torch.OutOfMemoryError:
+                    stopped = "out_of_memory"
+                    break
+                if count == 0:  # after the destinations exist: their memory is free
+                    ops.wait(ring.stream, ops.record(consumer))
+                for destination, index in parts:
+                    ops.copy(destination, slot.buffer[index], ring.stream)
+                slot.read_by = ops.record(ring.stream)
+                count += 1
+        finally:
+            if count:
+                ops.wait(consumer, ops.record(ring.stream))
+        return Restored(count, stopped)
+
+    def _restore_on_host(
+        self, payloads: Iterable[bytes | memoryview], targets: Targets, max_blocks: int
+    ) -> Restored:
+        count, scratch = 0, None
         for payload in payloads:
             if count == max_blocks:
                 break
             try:
-                if self.device.type == "cuda":
-                    self._copy_via_staging(payload, out[count], count)
+                parts = self._placements(targets, count)
+                if len(parts) == 1 and parts[0][1] == () and parts[0][0].is_contiguous():
+                    decode_block(self.spec, payload, out=parts[0][0])  # straight in
                 else:
-                    decode_block(self.spec, payload, out=out[count])
+                    scratch = decode_block(self.spec, payload, out=scratch)
+                    for destination, index in parts:
+                        destination.copy_(scratch[index])
             except BlockFormatError:
-                self.format_errors += 1
-                break
+                return Restored(count, "format_error")
+            except torch.OutOfMemoryError:
+                return Restored(count, "out_of_memory")
             count += 1
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        return out[:count]
+        return Restored(count)
 
-    def _copy_via_staging(
-        self, payload: bytes | memoryview, target: torch.Tensor, count: int
-    ) -> None:
-        slot = count % len(self._staging)
-        event = self._events[slot]
-        if event is not None:
-            event.synchronize()  # the copy that last read this buffer is done
-        decode_block(self.spec, payload, out=self._staging[slot])
-        target.copy_(self._staging[slot], non_blocking=True)
-        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        done.record(torch.cuda.current_stream(self.device))
-        self._events[slot] = done
+    def _placements(self, targets: Targets, index: int) -> Sequence[Placement]:
+        parts = targets(index)
+        for destination, _ in parts:
+            if self.ops.device_of(destination) != self.device:
+                raise ValueError(
+                    f"a destination is on {self.ops.device_of(destination)}; this restorer "
+                    f"copies to {self.device}: use a restorer per device"
+                )
+        return parts
+
+    def _consumer(self, stream: Stream | None) -> Stream | None:
+        if stream is not None or self.staging is None:
+            return stream  # None on the CPU: no streams there
+        return self.ops.current_stream(self.device)
+
+    def _empty(self, shape: tuple[int, ...], stream: Stream | None) -> torch.Tensor:
+        dtype = torch_dtype(self.spec)
+        if stream is None:
+            return torch.empty(shape, dtype=dtype)
+        return self.ops.empty(shape, dtype, self.device, stream)
+
+    def is_capturing(self) -> bool:
+        """Whether the calling thread is capturing a CUDA graph on this device."""
+        return self.staging is not None and self.ops.is_capturing(self.device)
+
+    def leading(
+        self, blocks: torch.Tensor, count: int, *, stream: Stream | None = None
+    ) -> torch.Tensor:
+        """The first `count` of `blocks` in memory of their own: a partial restore must
+        not keep the whole allocation alive through a view. On CUDA the copy is queued
+        on `stream` (default: the current stream), which is where `blocks` is ready."""
+        if count >= blocks.shape[0]:
+            return blocks
+        stream = self._consumer(stream)
+        try:
+            kept = self._empty((count, *self.spec.block_shape), stream)
+        except torch.OutOfMemoryError:
+            return blocks[:count]  # correct, only larger than it needs to be
+        if count and stream is None:
+            kept.copy_(blocks[:count])
+        elif count and stream is not None:
+            self.ops.copy(kept, blocks[:count], stream)
+        return kept

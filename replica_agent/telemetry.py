@@ -19,7 +19,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Literal, TypeAlias
+from typing import TYPE_CHECKING, Literal, TypeAlias
 
 from opentelemetry import context as otel_context
 from opentelemetry import metrics, trace
@@ -27,8 +27,11 @@ from opentelemetry.metrics import CallbackOptions, Observation
 
 from replica_agent.breaker import BreakerState, CircuitBreaker
 
+if TYPE_CHECKING:
+    from replica_agent.device import StopReason
+
 SCOPE = "kvshare.agent"
-DropReason: TypeAlias = Literal["queue_full", "breaker_open", "error"]
+DropReason: TypeAlias = Literal["queue_full", "buffer_full", "capturing", "breaker_open", "error"]
 Span: TypeAlias = trace.Span
 Context: TypeAlias = otel_context.Context
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -68,6 +71,11 @@ class _Instruments:
         )
         self.open_failures = meter.create_counter(
             "kvshare.agent.open.failures", "{block}", "sealed blocks that failed to open"
+        )
+        self.restore_stops = meter.create_counter(
+            "kvshare.agent.restore.stops",
+            "{load}",
+            "loads cut short on the replica, by reason (bad layout, device memory, capture)",
         )
         self.breaker_skips = meter.create_counter(
             "kvshare.agent.breaker.skips", "{call}", "store calls skipped: breaker open"
@@ -168,6 +176,9 @@ class AgentTelemetry:
 
     def open_failure(self) -> None:
         self._m.open_failures.add(1)
+
+    def restore_stopped(self, reason: StopReason) -> None:
+        self._m.restore_stops.add(1, {"reason": reason})
 
     def breaker_skip(self) -> None:
         self._m.breaker_skips.add(1)

@@ -8,20 +8,29 @@ full recompute (bit-identical restore; fp32 logits agree within ~1e-6 on CPU).
 A forward pass extends a `DynamicCache` in place, so a cache is single-use: rebuild
 it from blocks for every request. Only full-attention models are supported: a
 sliding-window layer keeps only a window and cannot be rebuilt from prefix blocks.
+
+Device memory: `restore_cache` writes restored blocks straight into the cache's
+per-layer tensors (about 1x the prefix's KV bytes on the device); `cache_from_blocks`
+builds a cache from blocks the caller already holds (2x while both live). Each layer's
+KV goes to that layer's device (`layer_devices`), so `device_map="auto"` models work.
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedConfig, PreTrainedModel
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from replica_agent.codec import TORCH_DTYPES, torch_dtype
+from replica_agent.device import Placement
 from replica_agent.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from replica_agent.agent import PrefixMatch, ReplicaAgent
 
 _CACHE_KEYWORDS: dict[type[PreTrainedModel], str] = {}
 
@@ -119,23 +128,32 @@ def blocks_from_cache(
     if num_blocks == 0:
         return []
     kv_per_layer = [_layer_kv(layer, spec) for layer in layers]
+    device = kv_per_layer[0][0].device  # layers may sit on several devices (device_map)
     blocks = []
     for block in range(first_block, first_block + num_blocks):
         start = block * spec.block_tokens
         end = start + spec.block_tokens
         # stack copies, so a block never aliases the cache a later forward extends.
-        per_layer = [torch.stack((k[0, :, start:end], v[0, :, start:end])) for k, v in kv_per_layer]
+        per_layer = [
+            torch.stack((k[0, :, start:end], v[0, :, start:end])).to(device)
+            for k, v in kv_per_layer
+        ]
         blocks.append(torch.stack(per_layer))
     return blocks
 
 
 def cache_from_blocks(
-    blocks: Sequence[torch.Tensor] | torch.Tensor, spec: ModelSpec, config: PreTrainedConfig
+    blocks: Sequence[torch.Tensor] | torch.Tensor,
+    spec: ModelSpec,
+    config: PreTrainedConfig,
+    *,
+    devices: Sequence[torch.device] | None = None,
 ) -> DynamicCache:
     """A fresh `DynamicCache` holding exactly the prefix the blocks cover.
 
     `blocks` is a sequence of `spec.block_shape` tensors or one tensor
-    `[num_blocks, *spec.block_shape]`; put them on the model's device first.
+    `[num_blocks, *spec.block_shape]`. `devices`: where each layer's KV goes
+    (`layer_devices(model)`); default: where the blocks are.
     """
     block_list = list(blocks.unbind(0)) if isinstance(blocks, torch.Tensor) else list(blocks)
     for index, block in enumerate(block_list):
@@ -148,11 +166,77 @@ def cache_from_blocks(
     layers = _full_attention_layers(cache, spec)
     if not block_list:
         return cache
-    for layer_index in range(len(layers)):
+    if devices is not None and len(devices) != len(layers):
+        raise ValueError(f"{len(devices)} devices for {len(layers)} layers; pass one per layer")
+    for layer_index, layer in enumerate(layers):
         # [2, heads, tokens, dim] per block -> [2, heads, all tokens, dim], then batch 1.
         kv = torch.cat([block[layer_index] for block in block_list], dim=2).unsqueeze(1)
-        cache.update(kv[0], kv[1], layer_index)
+        if devices is not None:
+            kv = kv.to(devices[layer_index])
+        _fill_layer(layer, kv[0], kv[1])
     return cache
+
+
+def restore_cache(
+    agent: ReplicaAgent, match: PrefixMatch, model: PreTrainedModel, *, first_block: int = 0
+) -> tuple[DynamicCache, int]:
+    """Blocks `first_block ..` of `match` restored straight into a fresh cache's layers,
+    and how many blocks it holds (the caller recomputes from there).
+
+    The cache holds only the restored blocks (pass `prefix_tokens=n * block_tokens` to
+    `prefill`); it is ready for work on the current stream. A model whose layers sit
+    on devices other than the agent's is restored through `load` + `cache_from_blocks`.
+    """
+    spec = agent.spec
+    devices = layer_devices(model)
+    if any(device != agent.device for device in devices):
+        blocks = agent.load(match, first_block=first_block)
+        return cache_from_blocks(blocks, spec, model.config, devices=devices), len(blocks)
+    wanted = max(match.blocks - first_block, 0)
+    shape = (1, spec.num_kv_heads, wanted * spec.block_tokens, spec.head_dim)
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+
+    def targets(index: int) -> list[Placement]:
+        if not keys:  # at the first block: nothing is allocated for a miss
+            for _ in range(spec.num_layers):
+                keys.append(torch.empty(shape, dtype=torch_dtype(spec), device=agent.device))
+                values.append(torch.empty(shape, dtype=torch_dtype(spec), device=agent.device))
+        tokens = slice(index * spec.block_tokens, (index + 1) * spec.block_tokens)
+        return [
+            part
+            for layer in range(spec.num_layers)
+            for part in (
+                (keys[layer][0, :, tokens], (layer, 0)),
+                (values[layer][0, :, tokens], (layer, 1)),
+            )
+        ]
+
+    count = agent.load_into(match, targets, first_block=first_block)
+    cache = DynamicCache(config=model.config)
+    layers = _full_attention_layers(cache, spec)
+    if count:
+        end = count * spec.block_tokens
+        for layer, k, v in zip(layers, keys, values, strict=True):
+            if count < wanted:  # copies of their own: a view would hold the whole buffer
+                k, v = k[:, :, :end].clone(), v[:, :, :end].clone()
+            _fill_layer(layer, k, v)
+    return cache, count
+
+
+def layer_devices(model: PreTrainedModel) -> list[torch.device]:
+    """The device of each decoder layer (several with `device_map="auto"`)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    count = int(model.config.num_hidden_layers)
+    if layers is None or len(layers) != count:
+        return [model.device] * count
+    return [next(layer.parameters()).device for layer in layers]
+
+
+def _fill_layer(layer: DynamicLayer, keys: torch.Tensor, values: torch.Tensor) -> None:
+    # Not `update`: it concatenates onto an empty tensor, one more copy of the prefix.
+    layer.lazy_initialization(keys, values)
+    layer.keys, layer.values = keys, values
 
 
 def prefill(

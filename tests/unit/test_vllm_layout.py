@@ -1,0 +1,151 @@
+"""vLLM paged-cache layouts: `read` returns what the attention backend itself reads.
+
+Each reference below slices a synthetic cache the way the backend's kernel wrapper
+does in vLLM 0.32 (CPU_ATTN: `view(B, H, 2N, D).chunk(2, dim=2)`; FlashAttention and
+the other GPU backends: `transpose(1, 2).split(D, dim=-1)`) or as older releases laid
+it out, so a layout that reads keys where the backend keeps values fails here. NHD and
+HND tensors are the same logical view with different strides; both are checked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from kvcommon.errors import ConfigError
+from replica_agent.adapters.vllm_layout import (
+    BlockFirst,
+    ConcatLastDim,
+    KVFirst,
+    PagedLayout,
+    SplitPages,
+    detect_layout,
+    kernel_block_ids,
+    to_kernel_blocks,
+    to_store_blocks,
+)
+
+B, H, N, D = 7, 2, 16, 8
+IDS = torch.tensor([5, 1, 3])
+Reference = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]  # -> K, V [H,N,D]
+
+
+def _cpu_attn(kv: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    keys, values = kv.view(B, H, 2 * N, D).chunk(2, dim=2)
+    return keys[b], values[b]
+
+
+def _gpu_concat(kv: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    keys, values = kv.transpose(1, 2).split(D, dim=-1)  # [B, N, H, D] each
+    return keys[b].transpose(0, 1), values[b].transpose(0, 1)
+
+
+def _kv_first(kv: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return kv[0, b].transpose(0, 1), kv[1, b].transpose(0, 1)
+
+
+def _block_first_nhd(kv: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return kv[b, 0].transpose(0, 1), kv[b, 1].transpose(0, 1)
+
+
+def _block_first_hnd(kv: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return kv[b, 0], kv[b, 1]
+
+
+CASES: dict[str, tuple[Callable[[], torch.Tensor], PagedLayout, Reference]] = {
+    "cpu_attn": (lambda: torch.randn(B, H, N, 2 * D), SplitPages(N, H, D), _cpu_attn),
+    "gpu_hnd": (lambda: torch.randn(B, H, N, 2 * D), ConcatLastDim(N, H, D), _gpu_concat),
+    "gpu_nhd": (
+        lambda: torch.randn(B, N, H, 2 * D).transpose(1, 2),
+        ConcatLastDim(N, H, D),
+        _gpu_concat,
+    ),
+    "kv_first": (lambda: torch.randn(2, B, N, H, D), KVFirst(N, H, D), _kv_first),
+    "block_first_nhd": (
+        lambda: torch.randn(B, 2, N, H, D),
+        BlockFirst(N, H, D, tokens_first=True),
+        _block_first_nhd,
+    ),
+    "block_first_hnd": (
+        lambda: torch.randn(B, 2, H, N, D),
+        BlockFirst(N, H, D, tokens_first=False),
+        _block_first_hnd,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_read_returns_the_keys_and_values_the_backend_reads(case: str) -> None:
+    make, layout, reference = CASES[case]
+    kv = make()
+    blocks = layout.read(kv, IDS)
+    assert blocks.shape == (len(IDS), 2, H, N, D)
+    for row, b in enumerate(IDS.tolist()):
+        keys, values = reference(kv, b)
+        assert torch.equal(blocks[row, 0], keys)
+        assert torch.equal(blocks[row, 1], values)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_write_fills_exactly_the_named_blocks(case: str) -> None:
+    make, layout, reference = CASES[case]
+    kv = make()
+    before = kv.clone()
+    data = torch.randn(len(IDS), 2, H, N, D)
+    layout.write(kv, IDS, data)
+    assert torch.equal(layout.read(kv, IDS), data)
+    for b in range(B):
+        keys, values = reference(kv, b)
+        old_keys, old_values = reference(before, b)
+        if b not in IDS.tolist():
+            assert torch.equal(keys, old_keys) and torch.equal(values, old_values)
+        else:
+            row = IDS.tolist().index(b)
+            assert torch.equal(keys, data[row, 0]) and torch.equal(values, data[row, 1])
+
+
+def test_detect_layout_by_backend_and_shape() -> None:
+    cache = torch.zeros(B, H, N, 2 * D)
+    assert isinstance(
+        detect_layout(cache, num_kv_heads=H, head_dim=D, backend_name="CPU_ATTN"), SplitPages
+    )
+    assert isinstance(
+        detect_layout(cache, num_kv_heads=H, head_dim=D, backend_name="FLASH_ATTN"), ConcatLastDim
+    )
+    assert detect_layout(
+        torch.zeros(2, B, N, H, D), num_kv_heads=H, head_dim=D, backend_name="FLASH_ATTN"
+    ) == KVFirst(N, H, D)
+    assert detect_layout(
+        torch.zeros(B, 2, N, H, D), num_kv_heads=H, head_dim=D, backend_name="FLASHINFER"
+    ) == BlockFirst(N, H, D, tokens_first=True)
+    assert detect_layout(
+        torch.zeros(B, 2, H, N, D), num_kv_heads=H, head_dim=D, backend_name="FLASHINFER"
+    ) == BlockFirst(N, H, D, tokens_first=False)
+
+
+def test_an_unknown_layout_is_refused_with_what_was_found() -> None:
+    with pytest.raises(ConfigError, match=r"shape \(7, 576\).*not a layout kvshare knows"):
+        detect_layout(torch.zeros(B, 576), num_kv_heads=1, head_dim=576, backend_name="MLA")
+    with pytest.raises(ConfigError, match="not contiguous"):
+        detect_layout(
+            torch.zeros(B, N, H, 2 * D).transpose(1, 2),
+            num_kv_heads=H,
+            head_dim=D,
+            backend_name="CPU_ATTN",
+        )
+
+
+def test_kernel_blocks_of_manager_blocks() -> None:
+    assert kernel_block_ids([3, 5], 1, "cpu").tolist() == [3, 5]
+    assert kernel_block_ids([3, 5], 2, "cpu").tolist() == [6, 7, 10, 11]
+
+
+def test_store_blocks_and_kernel_blocks_are_inverse() -> None:
+    kernel = torch.randn(6, 2, H, N, D)  # 3 store blocks of 2 kernel blocks each
+    store = to_store_blocks(kernel, 2)
+    assert store.shape == (3, 2, H, 2 * N, D)
+    assert torch.equal(store[1, :, :, N:], kernel[3])  # token order kept
+    for index in range(3):
+        assert torch.equal(to_kernel_blocks(store[index], N), kernel[2 * index : 2 * index + 2])

@@ -98,7 +98,14 @@ class EngineProcess:
             env=child_env,
         )
         self.log: list[str] = []
-        self.started_s = self._reply()["started_s"]
+        self._started_s: float | None = None
+
+    @property
+    def started_s(self) -> float:
+        """Seconds vLLM took to start; waits for it (engines start in parallel until then)."""
+        if self._started_s is None:
+            self._started_s = float(self._reply()["started_s"])
+        return self._started_s
 
     def _reply(self) -> dict[str, Any]:
         assert self.proc.stdout is not None
@@ -114,6 +121,7 @@ class EngineProcess:
 
     def _ask(self, **message: Any) -> dict[str, Any]:
         assert self.proc.stdin is not None
+        _ = self.started_s
         self.proc.stdin.write(json.dumps(message) + "\n")
         self.proc.stdin.flush()
         return self._reply()

@@ -36,7 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvcommon.errors import ConfigError
 from replica_agent.adapters.settings import parse_store_settings
-from replica_agent.adapters.vllm_layout import CPU_BACKEND_NAMES, detect_layout
+from replica_agent.adapters.vllm_layout import PagedLayout, detect_layout, learn_page_layout
 from replica_agent.adapters.vllm_plan import (
     ENGINE_KEYS,
     LoadPlan,
@@ -218,12 +218,7 @@ class KVShareConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 f"{self.spec.num_layers}: models that share or skip KV layers are not supported"
             )
         first = kv_caches[names[0]]
-        layout = detect_layout(
-            first,
-            num_kv_heads=self.spec.num_kv_heads,
-            head_dim=self.spec.head_dim,
-            backend_name=self._backend_name(names[0]),
-        )
+        layout = self._layout(names[0], first)
         if any(kv_caches[n].shape != first.shape for n in names):
             raise ConfigError("KV cache layers differ in shape; not supported by KVShareConnector")
         if self.vllm_block_tokens % layout.block_tokens:
@@ -243,15 +238,34 @@ class KVShareConnector(KVConnectorBase_V1):  # type: ignore[misc]
             save_queue_bytes=self.options.save_queue_bytes,
         )
 
-    def _backend_name(self, layer_name: str) -> str:
-        context = self._vllm_config.compilation_config.static_forward_context
-        layer = context.get(layer_name)
-        backend = getattr(layer, "attn_backend", None)
-        if backend is not None:
-            return str(backend.get_name())
-        from vllm.platforms import current_platform
+    def _layout(self, layer_name: str, kv: torch.Tensor) -> PagedLayout:
+        """Learnt from the attention backend's own cache writer where it has one (the CPU
+        backend's key order is decided in its kernels), else read from the shape."""
+        by_shape = detect_layout(
+            kv, num_kv_heads=self.spec.num_kv_heads, head_dim=self.spec.head_dim
+        )
+        layer = self._vllm_config.compilation_config.static_forward_context.get(layer_name)
+        update = getattr(getattr(layer, "impl", None), "do_kv_cache_update", None)
+        if update is None:
+            return by_shape
 
-        return next(iter(CPU_BACKEND_NAMES)) if current_platform.is_cpu() else "unknown"
+        def write(key: torch.Tensor, value: torch.Tensor, block: torch.Tensor) -> None:
+            slots = torch.arange(key.shape[0], device=block.device)
+            update(layer, key, value, block, slots)
+
+        try:
+            return learn_page_layout(
+                kv,
+                write,
+                num_kv_heads=self.spec.num_kv_heads,
+                head_dim=self.spec.head_dim,
+                block_tokens=by_shape.block_tokens,
+            )
+        except ConfigError:
+            raise
+        except Exception as error:  # a writer with another signature: trust the shape
+            log.warning("could not run the backend's cache writer (%s); using the shape", error)
+            return by_shape
 
     @staticmethod
     def _tp_rank() -> int:

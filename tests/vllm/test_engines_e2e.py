@@ -49,6 +49,13 @@ class Cluster:
     model_dir: Path
     a: EngineProcess
     b: EngineProcess
+    store_stopped: bool = False
+
+    def stop_store(self) -> None:
+        # EmbeddedServer.stop is not idempotent (a second call raises): stop it once.
+        if not self.store_stopped:
+            self.store_stopped = True
+            self.server.stop()
 
     def client(self) -> BlockClient:
         return BlockClient(self.store.address, self.store.tokens["engine"])
@@ -85,13 +92,14 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         "timeout_s": 2.0,
     }
     a, b = EngineProcess(model_dir, connector), EngineProcess(model_dir, connector)
+    cluster = Cluster(server, store, model_dir, a, b)
     try:
-        yield Cluster(server, store, model_dir, a, b)
+        yield cluster
     finally:
         for engine in (a, b):
             if engine.proc.poll() is None:
                 engine.close()
-        server.stop()
+        cluster.stop_store()
 
 
 def run(engine: EngineProcess, prompt: list[int], tenant: str | None = None) -> Output:
@@ -193,7 +201,7 @@ def test_an_engine_that_exits_leaves_its_blocks(cluster: Cluster) -> None:
 def test_the_store_down_fails_no_request(cluster: Cluster) -> None:
     prompts = [tokens(300), tokens(700)]
     expected = baseline(cluster.b, *prompts)
-    cluster.server.stop()
+    cluster.stop_store()
     for prompt, want in zip(prompts, expected, strict=True):
         assert run(cluster.b, prompt, "alpha").token_ids == want
     stats = cluster.b.stats()

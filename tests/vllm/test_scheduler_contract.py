@@ -64,7 +64,9 @@ def make_scheduler(store: Store | Path, **extra: Any) -> Scheduler:
         model_config=model,
         cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
         scheduler_config=SchedulerConfig(
-            max_num_seqs=4, max_num_batched_tokens=1024, max_model_len=1024,
+            max_num_seqs=4,
+            max_num_batched_tokens=1024,
+            max_model_len=1024,
             is_encoder_decoder=False,
         ),
         device_config=DeviceConfig("cpu"),
@@ -110,7 +112,9 @@ def connector(scheduler: Scheduler) -> KVShareConnector:
     return scheduler.connector
 
 
-def put_blocks(store: Store, scheduler: Scheduler, tokens: list[int], count: int, tenant: str = "alpha") -> list[bytes]:
+def put_blocks(
+    store: Store, scheduler: Scheduler, tokens: list[int], count: int, tenant: str = "alpha"
+) -> list[bytes]:
     conn = connector(scheduler)
     digests = BlockHasher(conn.namespace, STORE_BLOCK).digests(tokens)
     client = store_client(store)

@@ -164,6 +164,7 @@ class PlannerStats:
     lookups: int = 0
     blocks_matched: int = 0
     requests_skipped: int = 0  # no tenant, malformed tenant, or nothing hashable
+    tokens_planned: int = 0  # tokens put in load plans (a failed load is recomputed)
 
 
 Lookup = Callable[[str, Sequence[bytes]], int]
@@ -257,6 +258,7 @@ class SchedulerPlanner:
         count, state.pending_load_tokens = state.pending_load_tokens, 0
         if count <= 0:
             return
+        self.stats.tokens_planned += count
         start, end = num_computed - count, num_computed
         first, last = start // self.block_tokens, end // self.block_tokens
         vllm_ids = state.block_ids[start // self.vllm_block_tokens : end // self.vllm_block_tokens]

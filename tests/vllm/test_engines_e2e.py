@@ -206,3 +206,36 @@ def test_the_store_down_fails_no_request(cluster: Cluster) -> None:
         assert run(cluster.b, prompt, "alpha").token_ids == want
     stats = cluster.b.stats()
     assert stats["scheduler"]["lookups_failed"] == 2
+
+
+def test_kvshare_demo_on_vllm_engines() -> None:
+    """`kvshare demo --engine vllm --json`: the contract keys, the store supplying tokens
+    in the second run, and the same greedy tokens in both runs."""
+    import json
+    import subprocess
+    import sys
+
+    completed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvshare.cli",
+            "demo",
+            "--engine",
+            "vllm",
+            "--json",
+            "--replicas",
+            "2",
+            "--requests",
+            "10",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=800,
+        check=True,
+    )
+    report = json.loads(completed.stdout)
+    shared = report["runs"]["shared_store"]
+    assert report["engine"] == "vllm" and report["outputs_identical"] is True
+    assert shared["store_hit_rate"] > 0
+    assert shared["prefill_tokens"] < report["runs"]["local_only"]["prefill_tokens"]

@@ -112,11 +112,12 @@ class RequestKey:
     lora_id: str | None = None
 
 
+# Plans cross into vLLM's metadata, which vLLM may log: digests stay out of every repr.
 @dataclass(frozen=True)
 class LoadPlan:
     request_id: str
     tenant: str
-    digests: tuple[bytes, ...]  # the store blocks to fetch, in order
+    digests: tuple[bytes, ...] = field(repr=False)  # the store blocks to fetch, in order
     skip_tokens: int  # leading tokens of the first store block vLLM already holds
     block_ids: tuple[int, ...]  # the vLLM blocks that receive the tokens after those
 
@@ -125,14 +126,14 @@ class LoadPlan:
 class SavePlan:
     request_id: str
     tenant: str
-    digests: tuple[bytes, ...]
+    digests: tuple[bytes, ...] = field(repr=False)
     block_ids: tuple[int, ...]  # the vLLM blocks that hold these store blocks' tokens
 
 
 @dataclass
 class RequestState:
     tenant: str
-    digests: tuple[bytes, ...]  # every full store block of the prompt
+    digests: tuple[bytes, ...] = field(repr=False)  # every full store block of the prompt
     prompt_tokens: int
     store_blocks: int  # leading blocks the store held when asked
     saved_blocks: int  # blocks before this one are in the store or planned for it

@@ -152,3 +152,11 @@ def test_a_resumed_request_gets_its_new_block_table_and_load() -> None:
     plan.after_alloc("r", 64)  # preempted, then allocated again
     loads, _ = plan.build([], [RunningStep("r", [7, 8, 9, 10, 11], True, 64, 6)])
     assert [p.block_ids for p in loads] == [(7, 8, 9, 10)]
+
+
+def test_plans_never_show_digests_in_their_repr() -> None:
+    """Plans travel in vLLM's step metadata, which vLLM may log (C23: no digests in logs)."""
+    load = LoadPlan("r", "alpha", (b"\x01" * 32,), 0, (1,))
+    save = SavePlan("r", "alpha", (b"\x01" * 32,), (1, 2))
+    for plan in (load, save):
+        assert "digests" not in repr(plan) and "\\x01" not in repr(plan)

@@ -3,8 +3,9 @@
 Engines A and B are separate processes (two replicas behind a round-robin balancer)
 running the same random-weight Llama with KVShareConnector; the server requires
 sealed blocks and the engines seal with a keyring. Engine starts are expensive on this
-machine, so one pair serves the whole module and the tests run in file order: the last
-two shut engine A down and stop the server.
+machine, so one pair serves the module and the tests run in file order: the two before
+the last shut engine A down and stop the server; the last runs `kvshare demo --engine
+vllm`, which starts its own engines and store.
 
 A request's tenant is set the way a gateway sets it (`kv_transfer_params`); engines run
 with `require_request_tenant`, so a request without one skips the connector entirely:

@@ -26,6 +26,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="workload and model seed")
     parser.add_argument(
+        "--engine",
+        choices=("transformers", "vllm"),
+        default="transformers",
+        help="replica engine: transformers (default) or vllm (needs vLLM installed: "
+        "scripts/setup_vllm_venv.sh builds .venv-vllm)",
+    )
+    parser.add_argument(
         "--no-seal",
         action="store_true",
         help="store blocks unsealed (to measure what sealing costs)",
@@ -72,8 +79,9 @@ def format_table(report: dict[str, Any]) -> str:
         ),
         ("prefill tokens", f"{local['prefill_tokens']:,}", f"{shared['prefill_tokens']:,}"),
     ]
+    engine = " vLLM" if report.get("engine") == "vllm" else ""
     lines = [
-        f"kvshare demo: {report['replicas']} replicas behind round robin, "
+        f"kvshare demo: {report['replicas']}{engine} replicas behind round robin, "
         f"{report['requests']} requests",
         "",
         f"{'':<22}{'local caches only':>20}{'with shared store':>20}",
@@ -94,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
     if args.replicas < 1 or args.requests < 1:
         print("kvshare demo: error: --replicas and --requests must be at least 1", file=sys.stderr)
         return 2
+    if args.engine == "vllm":
+        return _run_vllm(args)
     options = DemoOptions(
         replicas=args.replicas, requests=args.requests, seed=args.seed, seal=not args.no_seal
     )
@@ -103,5 +113,28 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     report = run_demo(options, progress=_Progress()).report()
+    print(json.dumps(report) if args.json else format_table(report))
+    return 0
+
+
+def _run_vllm(args: argparse.Namespace) -> int:
+    from kvshare.demo.vllm_runner import run_vllm_demo, vllm_available
+
+    if not vllm_available():
+        print(
+            "kvshare demo: error: --engine vllm needs vLLM; build its venv with "
+            "scripts/setup_vllm_venv.sh and run .venv-vllm/bin/python -m kvshare demo "
+            "--engine vllm",
+            file=sys.stderr,
+        )
+        return 2
+    print(
+        f"kvshare demo: starting a store and {args.replicas} vLLM engine processes "
+        "(small random-weight Llama, vLLM's CPU backend)...",
+        file=sys.stderr,
+    )
+    report = run_vllm_demo(
+        args.replicas, args.requests, args.seed, seal=not args.no_seal, progress=_Progress()
+    )
     print(json.dumps(report) if args.json else format_table(report))
     return 0

@@ -1,0 +1,312 @@
+"""`KVShareConnector`: kvshare as a vLLM v1 KV-transfer connector (DESIGN §7).
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KVShareConnector",
+      "kv_connector_module_path": "replica_agent.adapters.vllm", "kv_role": "kv_both",
+      "kv_connector_extra_config": {"target": "HOST:PORT", "token_file": "PATH",
+                                    "tenant": "ID", "keyring_file": "PATH"}}'
+
+vLLM builds one instance in its scheduler and one in each worker. The scheduler side
+(`replica_agent.adapters.vllm_plan`) hashes prompts with kvshare's digest chain, asks
+the store once per request how many leading blocks it holds, and puts the step's load
+and save plans in the connector metadata. The worker side (`vllm_store`) fills vLLM's
+paged cache from the store before the forward pass and copies new blocks out after it
+for the write-behind saver; a block that fails to open or decode is reported through
+`get_block_ids_with_load_errors` and recomputed by vLLM. The store down or slow opens
+a breaker: requests are served by recompute, none fails.
+
+This module imports vLLM; nothing else in kvshare imports it, so the agent installs and
+runs without vLLM. Block namespace: the served model (or the `model` key), its revision,
+dtype, layers, KV heads, head dim, store block size and tensor-parallel rank/size, so
+blocks of different layouts never mix.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvcommon.errors import ConfigError
+from replica_agent.adapters.settings import parse_store_settings
+from replica_agent.adapters.vllm_layout import PagedLayout, detect_layout, learn_page_layout
+from replica_agent.adapters.vllm_plan import (
+    ENGINE_KEYS,
+    LoadPlan,
+    NewStep,
+    RequestKey,
+    RunningStep,
+    SavePlan,
+    SchedulerPlanner,
+    parse_vllm_options,
+    request_tenant,
+    store_block_tokens,
+)
+from replica_agent.adapters.vllm_store import PagedCache, StoreGate, StoreStats, WorkerStore
+from replica_agent.breaker import CircuitBreaker
+from replica_agent.spec import ModelSpec
+from replica_agent.telemetry import AgentTelemetry
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+log = logging.getLogger(__name__)
+SOURCE = "kv_connector_extra_config"
+_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_NOT_ID_CHARS = re.compile(r"[^A-Za-z0-9._/:+-]")
+_LAYER_INDEX = re.compile(r"\d+")
+
+
+@dataclass
+class KVShareMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """Scheduler -> workers, once per step: what to load before and save after it."""
+
+    loads: list[LoadPlan] = field(default_factory=list)
+    saves: list[SavePlan] = field(default_factory=list)
+
+
+def engine_spec(
+    vllm_config: VllmConfig, model_name: str, block_tokens: int, tp_rank: int = 0
+) -> ModelSpec:
+    """The block layout of this engine's KV cache (one tensor-parallel rank)."""
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    if parallel.pipeline_parallel_size > 1:
+        raise ConfigError("KVShareConnector does not support pipeline parallelism yet")
+    if vllm_config.cache_config.cache_dtype not in ("auto", None):
+        raise ConfigError(
+            f"KVShareConnector stores float KV only; kv_cache_dtype "
+            f"{vllm_config.cache_config.cache_dtype!r} is not supported: leave it 'auto'"
+        )
+    if model.dtype not in _DTYPES:
+        raise ConfigError(f"model dtype {model.dtype} is not supported; use {list(_DTYPES)}")
+    served = model.served_model_name
+    name = model_name or (served[0] if isinstance(served, list) else served) or model.model
+    return ModelSpec(
+        model_id=_NOT_ID_CHARS.sub("-", name)[:256],
+        revision=_NOT_ID_CHARS.sub("-", model.revision or "main")[:128],
+        num_layers=model.get_num_layers(parallel),
+        num_kv_heads=model.get_num_kv_heads(parallel),
+        head_dim=model.get_head_size(),
+        dtype=_DTYPES[model.dtype],
+        block_tokens=block_tokens,
+        tp_rank=tp_rank,
+        tp_size=parallel.tensor_parallel_size,
+    )
+
+
+class KVShareConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        raw = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.settings = parse_store_settings(raw, source=SOURCE, engine_keys=ENGINE_KEYS)
+        self.options = parse_vllm_options(raw, source=SOURCE)
+        self.vllm_block_tokens = int(vllm_config.cache_config.block_size)
+        self.block_tokens = store_block_tokens(self.vllm_block_tokens, self.options.block_tokens)
+        self.spec = engine_spec(vllm_config, self.settings.model, self.block_tokens)
+        self.namespace = self.spec.wire_model()  # the chain's model; rank 0's store namespace
+        self.stats = StoreStats()
+        self._sealer = self.settings.sealer()
+        self._gate = StoreGate(CircuitBreaker(), AgentTelemetry(), self.stats)
+        self._client = self.settings.connect()
+        self._planner: SchedulerPlanner | None = None
+        self._store: WorkerStore | None = None
+        self._cache: PagedCache | None = None
+        self._load_errors: set[int] = set()
+        if role == KVConnectorRole.SCHEDULER:
+            self._adopt_recompute_policy()
+            self._planner = SchedulerPlanner(
+                self.namespace, self.block_tokens, self.vllm_block_tokens, self._lookup
+            )
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a save that never happens is a future miss, nothing more
+
+    def _adopt_recompute_policy(self) -> None:
+        """A block that fails to load must be recomputed, never fail its request: vLLM's
+        default policy is "fail", so the connector sets "recompute" (read by the scheduler
+        right after it builds the connector) unless the deployer set it already."""
+        config = self._kv_transfer_config
+        if getattr(config, "kv_load_failure_policy", "recompute") != "recompute":
+            log.info("KVShareConnector: kv_load_failure_policy set to 'recompute'")
+            config.kv_load_failure_policy = "recompute"
+
+    # -- scheduler side -------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        assert self._planner is not None
+        tokens = self._planner.new_matched_tokens(
+            request.request_id, num_computed_tokens, lambda: self._request_key(request)
+        )
+        return tokens, False
+
+    def _request_key(self, request: Any) -> RequestKey | None:
+        tenant = request_tenant(
+            request.kv_transfer_params,
+            self.settings.tenant,
+            require_request_tenant=self.options.require_request_tenant,
+        )
+        if tenant is None or request.prompt_token_ids is None or request.mm_features:
+            return None  # no tenant; prompt embeddings or media: not hashable from tokens
+        if self._sealer is not None and tenant not in self._sealer.keyring.tenants():
+            log.warning("no data key for a request's tenant in the keyring; it skips the cache")
+            return None
+        salt = request.cache_salt.encode("utf-8") if request.cache_salt else b""
+        lora = request.lora_request.lora_name if request.lora_request is not None else None
+        return RequestKey(tenant, request.prompt_token_ids, salt, lora)
+
+    def _lookup(self, tenant: str, digests: Any) -> int:
+        found = self._gate.call(
+            "lookup", lambda: self._client.lookup(tenant, self.namespace, digests)
+        )
+        if found is None:
+            self.stats.lookups_failed += 1
+        return found or 0
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self._planner is not None
+        self._planner.after_alloc(request.request_id, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVShareMetadata:
+        assert self._planner is not None
+        scheduled = scheduler_output.num_scheduled_tokens
+        new = [
+            NewStep(r.req_id, r.block_ids[0], r.num_computed_tokens, scheduled[r.req_id])
+            for r in scheduler_output.scheduled_new_reqs
+        ]
+        cached = scheduler_output.scheduled_cached_reqs
+        running = [
+            RunningStep(
+                req_id,
+                cached.new_block_ids[i][0] if cached.new_block_ids[i] is not None else None,
+                req_id in cached.resumed_req_ids,
+                cached.num_computed_tokens[i],
+                scheduled[req_id],
+            )
+            for i, req_id in enumerate(cached.req_ids)
+        ]
+        loads, saves = self._planner.build(new, running)
+        return KVShareMetadata(loads, saves)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
+        if self._planner is not None:
+            self._planner.finished(request.request_id)
+        return False, None  # saves copy their blocks out first: vLLM may free them now
+
+    @property
+    def tracked_requests(self) -> int:
+        return self._planner.tracked_requests if self._planner is not None else 0
+
+    # -- worker side ----------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        names = sorted(kv_caches, key=lambda n: [int(x) for x in _LAYER_INDEX.findall(n)])
+        if len(names) != self.spec.num_layers:
+            raise ConfigError(
+                f"vLLM registered {len(names)} KV cache layers; the model has "
+                f"{self.spec.num_layers}: models that share or skip KV layers are not supported"
+            )
+        first = kv_caches[names[0]]
+        layout = self._layout(names[0], first)
+        if any(kv_caches[n].shape != first.shape for n in names):
+            raise ConfigError("KV cache layers differ in shape; not supported by KVShareConnector")
+        if self.vllm_block_tokens % layout.block_tokens:
+            raise ConfigError(
+                f"vLLM's block size {self.vllm_block_tokens} is not a multiple of the "
+                f"attention kernel's {layout.block_tokens}"
+            )
+        self._cache = PagedCache(tuple(kv_caches[n] for n in names), layout, self.vllm_block_tokens)
+        spec = engine_spec(
+            self._vllm_config, self.settings.model, self.block_tokens, self._tp_rank()
+        )
+        self._store = WorkerStore(
+            self._client,
+            spec,
+            sealer=self._sealer,
+            gate=self._gate,
+            save_queue_bytes=self.options.save_queue_bytes,
+        )
+
+    def _layout(self, layer_name: str, kv: torch.Tensor) -> PagedLayout:
+        """Learnt from the attention backend's own cache writer where it has one (the CPU
+        backend's key order is decided in its kernels), else read from the shape."""
+        by_shape = detect_layout(
+            kv, num_kv_heads=self.spec.num_kv_heads, head_dim=self.spec.head_dim
+        )
+        layer = self._vllm_config.compilation_config.static_forward_context.get(layer_name)
+        update = getattr(getattr(layer, "impl", None), "do_kv_cache_update", None)
+        if update is None:
+            return by_shape
+
+        def write(key: torch.Tensor, value: torch.Tensor, block: torch.Tensor) -> None:
+            slots = torch.arange(key.shape[0], device=block.device)
+            update(layer, key, value, block, slots)
+
+        try:
+            return learn_page_layout(
+                kv,
+                write,
+                num_kv_heads=self.spec.num_kv_heads,
+                head_dim=self.spec.head_dim,
+                block_tokens=by_shape.block_tokens,
+            )
+        except ConfigError:
+            raise
+        except Exception as error:  # a writer with another signature: trust the shape
+            log.warning("could not run the backend's cache writer (%s); using the shape", error)
+            return by_shape
+
+    @staticmethod
+    def _tp_rank() -> int:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Synchronous: every planned block is in the cache (or reported) on return."""
+        metadata = self._get_connector_metadata()
+        if self._store is None or self._cache is None or not isinstance(metadata, KVShareMetadata):
+            return
+        for plan in metadata.loads:
+            self._load_errors.update(self._store.load(self._cache, plan))
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads finish in start_load_kv (a store block carries every layer)
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return  # blocks are copied out once per step, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        metadata = self._get_connector_metadata()
+        if self._store is None or self._cache is None or not isinstance(metadata, KVShareMetadata):
+            return
+        for plan in metadata.saves:
+            try:
+                self._store.save(self._cache, plan)
+            except Exception:  # a bug in the copy must not fail the step: drop the save
+                self.stats.blocks_dropped += len(plan.digests)
+                log.exception("copying blocks out for a save failed; dropped")
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        if self._store is not None:
+            self._store.close(self.options.flush_timeout_s)
+            self._store = None
+        else:
+            self._client.close()

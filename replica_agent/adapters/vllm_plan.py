@@ -1,0 +1,293 @@
+"""The scheduler side of the vLLM connector, without vLLM: what to load and what to save.
+
+vLLM asks the connector, per waiting request, how many tokens beyond its own prefix
+cache it can supply; later, per step, it hands over the blocks it allocated and the
+tokens it scheduled. `SchedulerPlanner` answers from kvshare's digest chain:
+
+- The first question about a request hashes its prompt (`replica_agent.hashing`, with
+  the request's tenant, `cache_salt` and LoRA adapter) and asks the store once how
+  many leading blocks it holds; the answer is kept per request, so vLLM's repeated
+  questions (it asks again while a request waits for cache space) cost nothing and
+  change nothing. The state goes when vLLM reports the request finished or aborted.
+- The answer is whole store blocks, never the last prompt token (vLLM must compute at
+  least one token to sample from), minus what vLLM already holds locally. Store blocks
+  are a multiple of vLLM's block size, so the count is block-aligned for vLLM too.
+- Each step's plans: a `LoadPlan` for a request whose external tokens were allocated
+  (the store blocks and the vLLM blocks they go to) and a `SavePlan` for each request
+  whose prefill completed new full store blocks that the store does not already hold.
+
+Tenancy: a request's tenant comes from `kv_transfer_params["kvshare_tenant"]`, set by
+the deployer's gateway after it authenticated the end user; without one the request
+uses the configured default tenant, or skips the cache (`require_request_tenant`). A
+malformed tenant skips the cache and never falls back to the default. The store still
+checks every tenant against the engine's principal (PERMISSION_DENIED is a miss).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvcommon.errors import ConfigError
+from policy.types import is_valid_tenant_id
+from replica_agent.hashing import BlockHasher
+
+log = logging.getLogger(__name__)
+
+TENANT_PARAM = "kvshare_tenant"  # the key in a request's kv_transfer_params
+DEFAULT_STORE_BLOCK_TOKENS = 256
+DEFAULT_SAVE_QUEUE_BYTES = 256 << 20
+DEFAULT_FLUSH_TIMEOUT_S = 10.0
+# vLLM normally reports every finished request; the bound only stops a leak if not.
+MAX_TRACKED_REQUESTS = 65536
+ENGINE_KEYS = frozenset(
+    {"block_tokens", "require_request_tenant", "save_queue_bytes", "flush_timeout_s"}
+)
+
+
+@dataclass(frozen=True)
+class VllmOptions:
+    """The vLLM-only keys of `kv_connector_extra_config` (the rest: adapters.settings)."""
+
+    block_tokens: int | None = None  # None: the smallest multiple of vLLM's block >= 256
+    require_request_tenant: bool = False
+    save_queue_bytes: int = DEFAULT_SAVE_QUEUE_BYTES
+    flush_timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S
+
+
+def parse_vllm_options(raw: Mapping[str, Any], *, source: str) -> VllmOptions:
+    block_tokens = raw.get("block_tokens")
+    if block_tokens is not None and (
+        isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1
+    ):
+        raise ConfigError(f"{source}: block_tokens must be a positive integer")
+    require = raw.get("require_request_tenant", False)
+    if not isinstance(require, bool):
+        raise ConfigError(f"{source}: require_request_tenant must be true or false")
+    queue_bytes = raw.get("save_queue_bytes", DEFAULT_SAVE_QUEUE_BYTES)
+    if isinstance(queue_bytes, bool) or not isinstance(queue_bytes, int) or queue_bytes < 0:
+        raise ConfigError(f"{source}: save_queue_bytes must be an integer >= 0 (0: no saves)")
+    flush = raw.get("flush_timeout_s", DEFAULT_FLUSH_TIMEOUT_S)
+    if isinstance(flush, bool) or not isinstance(flush, int | float) or flush < 0:
+        raise ConfigError(f"{source}: flush_timeout_s must be a number of seconds >= 0")
+    return VllmOptions(block_tokens, require, queue_bytes, float(flush))
+
+
+def store_block_tokens(vllm_block_tokens: int, configured: int | None) -> int:
+    """Tokens per store block: a multiple of vLLM's block size (so loads and saves move
+    whole vLLM blocks), by default the smallest one of at least 256 tokens."""
+    if configured is None:
+        return -(-DEFAULT_STORE_BLOCK_TOKENS // vllm_block_tokens) * vllm_block_tokens
+    if configured % vllm_block_tokens:
+        nearest = vllm_block_tokens * max(1, configured // vllm_block_tokens)
+        raise ConfigError(
+            f"block_tokens {configured} is not a multiple of vLLM's block size "
+            f"{vllm_block_tokens}; use {nearest}"
+        )
+    return configured
+
+
+def request_tenant(
+    params: Mapping[str, Any] | None, default_tenant: str, *, require_request_tenant: bool
+) -> str | None:
+    """The tenant a request's blocks belong to, or None: the request skips the cache."""
+    value = params.get(TENANT_PARAM) if params else None
+    if value is None:
+        return None if require_request_tenant else default_tenant
+    if not isinstance(value, str) or not is_valid_tenant_id(value):
+        log.warning("a request's %s is not a valid tenant id; it skips the cache", TENANT_PARAM)
+        return None
+    return value
+
+
+@dataclass(frozen=True)
+class RequestKey:
+    """What names a request's blocks besides the model: tenant, prompt, salt, adapter."""
+
+    tenant: str
+    token_ids: Sequence[int]
+    salt: bytes = b""
+    lora_id: str | None = None
+
+
+# Plans cross into vLLM's metadata, which vLLM may log: digests stay out of every repr.
+@dataclass(frozen=True)
+class LoadPlan:
+    request_id: str
+    tenant: str
+    digests: tuple[bytes, ...] = field(repr=False)  # the store blocks to fetch, in order
+    skip_tokens: int  # leading tokens of the first store block vLLM already holds
+    block_ids: tuple[int, ...]  # the vLLM blocks that receive the tokens after those
+
+
+@dataclass(frozen=True)
+class SavePlan:
+    request_id: str
+    tenant: str
+    digests: tuple[bytes, ...] = field(repr=False)
+    block_ids: tuple[int, ...]  # the vLLM blocks that hold these store blocks' tokens
+
+
+@dataclass
+class RequestState:
+    tenant: str
+    digests: tuple[bytes, ...] = field(repr=False)  # every full store block of the prompt
+    prompt_tokens: int
+    store_blocks: int  # leading blocks the store held when asked
+    saved_blocks: int  # blocks before this one are in the store or planned for it
+    block_ids: list[int] = field(default_factory=list)
+    pending_load_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class NewStep:
+    """A request scheduled for the first time (or again after preemption)."""
+
+    request_id: str
+    block_ids: Sequence[int]
+    num_computed_tokens: int  # local prefix hits plus the tokens the connector loads
+    num_scheduled_tokens: int
+
+
+@dataclass(frozen=True)
+class RunningStep:
+    request_id: str
+    new_block_ids: Sequence[int] | None
+    resumed: bool  # after preemption: new_block_ids is the whole block table
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+
+
+@dataclass
+class PlannerStats:
+    lookups: int = 0
+    blocks_matched: int = 0
+    requests_skipped: int = 0  # no tenant, malformed tenant, or nothing hashable
+    tokens_planned: int = 0  # tokens put in load plans (a failed load is recomputed)
+
+
+Lookup = Callable[[str, Sequence[bytes]], int]
+
+
+class SchedulerPlanner:
+    def __init__(
+        self, chain_model: str, store_block_tokens: int, vllm_block_tokens: int, lookup: Lookup
+    ) -> None:
+        if store_block_tokens % vllm_block_tokens:
+            raise ConfigError("store block tokens must be a multiple of vLLM's block size")
+        self.chain_model = chain_model
+        self.block_tokens = store_block_tokens
+        self.vllm_block_tokens = vllm_block_tokens
+        self.vllm_blocks_per_block = store_block_tokens // vllm_block_tokens
+        self._lookup = lookup
+        self._hashers: dict[tuple[bytes, str | None], BlockHasher] = {}
+        self._states: dict[str, RequestState | None] = {}
+        self.stats = PlannerStats()
+
+    @property
+    def tracked_requests(self) -> int:
+        return len(self._states)
+
+    def new_matched_tokens(
+        self, request_id: str, num_computed_tokens: int, describe: Callable[[], RequestKey | None]
+    ) -> int:
+        """Tokens the store can supply after `num_computed_tokens` (0 when none)."""
+        if request_id not in self._states:
+            if len(self._states) >= MAX_TRACKED_REQUESTS:
+                self._states.pop(next(iter(self._states)))
+            self._states[request_id] = self._first_look(describe())
+        state = self._states[request_id]
+        if state is None:
+            return 0
+        loadable = min(state.store_blocks, (state.prompt_tokens - 1) // self.block_tokens)
+        return max(0, loadable * self.block_tokens - num_computed_tokens)
+
+    def _first_look(self, key: RequestKey | None) -> RequestState | None:
+        if key is None:
+            self.stats.requests_skipped += 1
+            return None
+        hasher = self._hashers.get((key.salt, key.lora_id))
+        if hasher is None:
+            hasher = BlockHasher(self.chain_model, self.block_tokens, key.salt, key.lora_id)
+            self._hashers[(key.salt, key.lora_id)] = hasher
+        digests = tuple(hasher.digests(key.token_ids))
+        if not digests:
+            return None
+        found = self._lookup(key.tenant, digests)
+        self.stats.lookups += 1
+        self.stats.blocks_matched += found
+        return RequestState(key.tenant, digests, len(key.token_ids), found, found)
+
+    def after_alloc(self, request_id: str, num_external_tokens: int) -> None:
+        state = self._states.get(request_id)
+        if state is not None:
+            state.pending_load_tokens = num_external_tokens
+
+    def finished(self, request_id: str) -> None:
+        self._states.pop(request_id, None)
+
+    def build(
+        self, new: Iterable[NewStep], running: Iterable[RunningStep]
+    ) -> tuple[list[LoadPlan], list[SavePlan]]:
+        """This step's plans; vLLM calls it once per step, after scheduling."""
+        loads: list[LoadPlan] = []
+        saves: list[SavePlan] = []
+        for step in new:
+            state = self._states.get(step.request_id)
+            if state is not None:
+                state.block_ids = list(step.block_ids)
+                self._plan(step.request_id, state, step.num_computed_tokens, loads)
+                self._plan_save(step, state, saves)
+        for cont in running:
+            state = self._states.get(cont.request_id)
+            if state is None:
+                continue
+            if cont.resumed:
+                state.block_ids = list(cont.new_block_ids or ())
+            elif cont.new_block_ids:
+                state.block_ids.extend(cont.new_block_ids)
+            self._plan(cont.request_id, state, cont.num_computed_tokens, loads)
+            self._plan_save(cont, state, saves)
+        return loads, saves
+
+    def _plan(
+        self, request_id: str, state: RequestState, num_computed: int, loads: list[LoadPlan]
+    ) -> None:
+        """A load of the `pending_load_tokens` that end at `num_computed`, if any."""
+        count, state.pending_load_tokens = state.pending_load_tokens, 0
+        if count <= 0:
+            return
+        self.stats.tokens_planned += count
+        start, end = num_computed - count, num_computed
+        first, last = start // self.block_tokens, end // self.block_tokens
+        vllm_ids = state.block_ids[start // self.vllm_block_tokens : end // self.vllm_block_tokens]
+        loads.append(
+            LoadPlan(
+                request_id,
+                state.tenant,
+                state.digests[first:last],
+                start - first * self.block_tokens,
+                tuple(vllm_ids),
+            )
+        )
+
+    def _plan_save(
+        self, step: NewStep | RunningStep, state: RequestState, saves: list[SavePlan]
+    ) -> None:
+        computed = min(step.num_computed_tokens + step.num_scheduled_tokens, state.prompt_tokens)
+        upto = min(computed // self.block_tokens, len(state.digests))
+        per = self.vllm_blocks_per_block
+        if upto <= state.saved_blocks or len(state.block_ids) < upto * per:
+            return
+        first = state.saved_blocks
+        saves.append(
+            SavePlan(
+                step.request_id,
+                state.tenant,
+                state.digests[first:upto],
+                tuple(state.block_ids[first * per : upto * per]),
+            )
+        )
+        state.saved_blocks = upto

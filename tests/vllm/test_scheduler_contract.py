@@ -1,0 +1,273 @@
+"""KVShareConnector on a real vLLM `Scheduler` and a real kvshare server (no model run).
+
+As vLLM's own connector unit tests do: a `VllmConfig` with `DeviceConfig("cpu")`, the
+committed tiny config.json, `skip_tokenizer_init=True`, and a `Scheduler` that builds
+the connector from `--kv-transfer-config`'s fields. vLLM blocks of 16 tokens, store
+blocks of 32. Blocks are put in the store under the digests the connector computes,
+then the scheduler is driven through hits, misses, partial hits, a dead store, and a
+finished and an aborted request.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from vllm import SamplingParams
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
+
+from replica_agent.adapters.vllm import KVShareConnector, KVShareMetadata
+from replica_agent.hashing import BlockHasher
+from tests.vllm.conftest import CONFIG_DIR, Store
+
+BLOCK, STORE_BLOCK, PROMPT = 16, 32, 100  # 3 full store blocks; 96 tokens loadable
+
+
+def make_scheduler(store: Store | Path, **extra: Any) -> Scheduler:
+    """A scheduler whose connector uses `store`, or a dead address (a token in a dir)."""
+    if isinstance(store, Path):
+        token_file = store / "engine.token"
+        token_file.write_text("token")
+        token_file.chmod(0o600)
+        target = _dead_address()
+    else:
+        token_file, target = store.token_files["engine"], store.address
+    connector_config = {
+        "target": target,
+        "token_file": str(token_file),
+        "tenant": "alpha",
+        "block_tokens": STORE_BLOCK,
+        "timeout_s": 1.0,
+        **extra,
+    }
+    model = ModelConfig(
+        model=str(CONFIG_DIR), skip_tokenizer_init=True, dtype="float32", max_model_len=1024
+    )
+    config = VllmConfig(
+        model_config=model,
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=4,
+            max_num_batched_tokens=1024,
+            max_model_len=1024,
+            is_encoder_decoder=False,
+        ),
+        device_config=DeviceConfig("cpu"),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KVShareConnector",
+            kv_connector_module_path="replica_agent.adapters.vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config=connector_config,
+        ),
+    )
+    config.cache_config.num_gpu_blocks = 200
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    cache = KVCacheConfig(
+        num_blocks=200, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)]
+    )
+    return Scheduler(
+        vllm_config=config,
+        kv_cache_config=cache,
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=BLOCK,
+        log_stats=True,
+    )
+
+
+def _dead_address() -> str:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{probe.getsockname()[1]}"
+
+
+init_none_hash(sha256)
+HASHER = get_request_block_hasher(BLOCK, sha256)
+
+
+def request(request_id: str, tokens: list[int], **params: Any) -> Request:
+    extra = {"kv_transfer_params": params} if params else None
+    sampling = SamplingParams(max_tokens=1, temperature=0.0, extra_args=extra)
+    return Request(request_id, tokens, sampling, None, block_hasher=HASHER)
+
+
+def connector(scheduler: Scheduler) -> KVShareConnector:
+    assert isinstance(scheduler.connector, KVShareConnector)
+    return scheduler.connector
+
+
+def put_blocks(
+    store: Store, scheduler: Scheduler, tokens: list[int], count: int, tenant: str = "alpha"
+) -> list[bytes]:
+    conn = connector(scheduler)
+    digests = BlockHasher(conn.namespace, STORE_BLOCK).digests(tokens)
+    client = store_client(store)
+    client.put(tenant, conn.namespace, digests[:count], [b"block"] * count)
+    client.close()
+    return digests
+
+
+def store_client(store: Store) -> Any:
+    from replica_agent.client import BlockClient
+
+    return BlockClient(store.address, store.tokens["engine"])
+
+
+def step(scheduler: Scheduler) -> tuple[Any, KVShareMetadata]:
+    output = scheduler.schedule()
+    metadata = output.kv_connector_metadata
+    assert isinstance(metadata, KVShareMetadata)
+    return output, metadata
+
+
+def finish_step(scheduler: Scheduler, output: Any, token: int = 7) -> None:
+    ids = list(output.num_scheduled_tokens)
+    result = ModelRunnerOutput(
+        req_ids=ids,
+        req_id_to_index={r: i for i, r in enumerate(ids)},
+        sampled_token_ids=[[token] for _ in ids],
+    )
+    scheduler.update_from_output(output, result)
+
+
+TOKENS = list(range(1000, 1000 + PROMPT))
+
+
+def test_the_connector_makes_block_load_failures_recompute(store: Store) -> None:
+    scheduler = make_scheduler(store)
+    assert scheduler.recompute_kv_load_failures  # a bad block is recomputed, never fatal
+    assert connector(scheduler).namespace.endswith(";fp32;L4;H2;D64;B32;tp0/1")
+
+
+def test_hit_loads_every_block_but_the_last_token(store: Store) -> None:
+    scheduler = make_scheduler(store)
+    digests = put_blocks(store, scheduler, TOKENS, 3)
+    scheduler.add_request(request("r1", TOKENS))
+    output, metadata = step(scheduler)
+    (load,) = metadata.loads
+    assert load.tenant == "alpha" and load.digests == tuple(digests) and load.skip_tokens == 0
+    block_table = output.scheduled_new_reqs[0].block_ids[0]
+    assert load.block_ids == tuple(block_table[:6])
+    assert output.scheduled_new_reqs[0].num_computed_tokens == 96
+    assert output.num_scheduled_tokens["r1"] == PROMPT - 96
+    assert metadata.saves == []  # the store holds every full block already
+
+
+def test_repeated_questions_cost_one_lookup(store: Store) -> None:
+    scheduler = make_scheduler(store)
+    put_blocks(store, scheduler, TOKENS, 2)
+    conn, pending = connector(scheduler), request("r1", TOKENS)
+    answers = {conn.get_num_new_matched_tokens(pending, 0) for _ in range(4)}
+    assert answers == {(64, False)}  # partial hit: blocks 0 and 1
+    assert conn.get_num_new_matched_tokens(pending, 32) == (32, False)
+    client = store_client(store)
+    (alpha,) = [t for t in client.stats().tenants if t.tenant == "alpha"]
+    client.close()
+    assert alpha.lookups == 1
+
+
+def test_a_miss_loads_nothing_and_saves_what_prefill_completes(store: Store) -> None:
+    scheduler = make_scheduler(store)
+    scheduler.add_request(request("r1", TOKENS))
+    output, metadata = step(scheduler)
+    assert metadata.loads == [] and output.num_scheduled_tokens["r1"] == PROMPT
+    (save,) = metadata.saves
+    digests = BlockHasher(connector(scheduler).namespace, STORE_BLOCK).digests(TOKENS)
+    assert save.digests == tuple(digests)
+    assert save.block_ids == tuple(output.scheduled_new_reqs[0].block_ids[0][:6])
+
+
+def test_local_hits_come_first_and_the_store_supplies_the_rest(store: Store) -> None:
+    scheduler = make_scheduler(store)
+    put_blocks(store, scheduler, TOKENS, 3)
+    first = TOKENS[:24] + [5] * 76  # shares vLLM block 0 (16 tokens) with TOKENS
+    scheduler.add_request(request("warm", first))
+    output, _ = step(scheduler)
+    finish_step(scheduler, output)
+    scheduler.add_request(request("r2", TOKENS))
+    output, metadata = step(scheduler)
+    (load,) = metadata.loads
+    new = next(r for r in output.scheduled_new_reqs if r.req_id == "r2")
+    assert new.num_computed_tokens == 96
+    # Store block 0 is half in vLLM's cache: only its second vLLM block is filled.
+    assert load.skip_tokens == 16 and len(load.digests) == 3
+    assert load.block_ids == tuple(new.block_ids[0][1:6])
+
+
+def test_a_dead_store_means_misses_and_no_failed_request(tmp_path: Path) -> None:
+    scheduler = make_scheduler(tmp_path)
+    for index in range(4):
+        scheduler.add_request(request(f"r{index}", [index, *TOKENS[1:]]))  # no local hits
+        output, metadata = step(scheduler)
+        assert metadata.loads == []
+        assert output.num_scheduled_tokens[f"r{index}"] == PROMPT
+        finish_step(scheduler, output)
+    stats = connector(scheduler).stats
+    assert stats.store_errors == 3 and stats.skipped_breaker_open == 1  # breaker opened
+
+
+def test_tenant_from_kv_transfer_params_and_cache_salt_name_the_blocks(store: Store) -> None:
+    scheduler = make_scheduler(store)
+    put_blocks(store, scheduler, TOKENS, 3)  # alpha's blocks
+    conn = connector(scheduler)
+    assert conn.get_num_new_matched_tokens(request("b", TOKENS, kvshare_tenant="beta"), 0) == (
+        0,
+        False,
+    )
+    assert conn.get_num_new_matched_tokens(request("a", TOKENS, kvshare_tenant="alpha"), 0) == (
+        96,
+        False,
+    )  # positive control: the owner's tenant hits
+    salted = request("s", TOKENS)
+    salted.cache_salt = "user-7"
+    assert conn.get_num_new_matched_tokens(salted, 0) == (0, False)
+
+
+def test_require_request_tenant_skips_requests_without_one(store: Store) -> None:
+    scheduler = make_scheduler(store, require_request_tenant=True)
+    put_blocks(store, scheduler, TOKENS, 3)
+    conn = connector(scheduler)
+    assert conn.get_num_new_matched_tokens(request("none", TOKENS), 0) == (0, False)
+    tagged = request("t", TOKENS, kvshare_tenant="alpha")
+    assert conn.get_num_new_matched_tokens(tagged, 0) == (96, False)
+
+
+def test_finished_and_aborted_requests_leave_no_state(store: Store) -> None:
+    scheduler = make_scheduler(store)
+    put_blocks(store, scheduler, TOKENS, 3)
+    scheduler.add_request(request("done", TOKENS))
+    scheduler.add_request(request("aborted", [9] * 70))
+    output, _ = step(scheduler)
+    assert connector(scheduler).tracked_requests == 2
+    scheduler.finish_requests("aborted", RequestStatus.FINISHED_ABORTED)
+    finish_step(scheduler, output)  # max_tokens=1: "done" finishes
+    assert connector(scheduler).tracked_requests == 0
+    waiting = request("waiting", TOKENS)
+    connector(scheduler).get_num_new_matched_tokens(waiting, 0)
+    scheduler.add_request(waiting)
+    scheduler.finish_requests("waiting", RequestStatus.FINISHED_ABORTED)  # never scheduled
+    assert connector(scheduler).tracked_requests == 0
+
+
+@pytest.mark.parametrize("bad", [{"block_tokens": 40}, {"keyring": "x"}])
+def test_bad_extra_config_fails_at_start_naming_the_key(store: Store, bad: dict[str, Any]) -> None:
+    from kvcommon.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=next(iter(bad))):
+        make_scheduler(store, **bad)

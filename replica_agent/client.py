@@ -29,6 +29,7 @@ from typing import Any
 import grpc
 
 from kvcommon import errors
+from kvcommon.hostport import bulk_dial_address
 from kvcommon.tracing import outgoing_metadata
 from kvcommon.v1 import kvshare_pb2 as pb
 from kvcommon.v1 import kvshare_pb2_grpc as pb_grpc
@@ -146,6 +147,7 @@ class BlockClient:
         else:
             self._channel = grpc.insecure_channel(address, channel_options)
         self._stub = pb_grpc.BlockStoreStub(self._channel)
+        self._target = address  # a wildcard bulk address means this host (kvcommon.hostport)
         self._metadata = (("authorization", f"Bearer {token}"),)
         self.timeout_s = timeout_s
         self.frame_bytes = frame_bytes
@@ -192,7 +194,7 @@ class BlockClient:
             raise _raise(error) from None
         return Ticket(
             response.ticket,
-            response.address,
+            bulk_dial_address(response.address, self._target),
             response.trace_context,
             response.local_address,
             response.local_namespace,

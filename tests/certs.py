@@ -111,10 +111,7 @@ class TestCA:
         """For 127.0.0.1, ::1 and localhost, and `ips` (a server on another host)."""
         sans: list[x509.GeneralName] = [
             x509.DNSName("localhost"),
-            *(
-                x509.IPAddress(ipaddress.ip_address(ip))
-                for ip in ("127.0.0.1", "::1", *ips)
-            ),
+            *(x509.IPAddress(ipaddress.ip_address(ip)) for ip in ("127.0.0.1", "::1", *ips)),
         ]
         return self._issue(stem, "localhost", sans, ExtendedKeyUsageOID.SERVER_AUTH)
 

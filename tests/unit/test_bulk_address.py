@@ -118,9 +118,7 @@ def test_the_bulk_table_sets_listen_and_advertise(tmp_path: Path) -> None:
         ("listen = 6000", r"bulk\.listen: must be str"),
     ],
 )
-def test_bad_bulk_addresses_name_the_key_and_line(
-    tmp_path: Path, table: str, message: str
-) -> None:
+def test_bad_bulk_addresses_name_the_key_and_line(tmp_path: Path, table: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load(tmp_path, MINIMAL + "[bulk]\n" + table + "\n")
 

@@ -55,6 +55,7 @@ def test_json_contract_for_the_tcp_ceiling() -> None:
         assert row["value_bytes"] == 16 * 1024 or row["system"] == "tcp-batch"
         assert row["clients"] == 1
         assert row["ratio_to_tcp"] == 1.0
+        assert row["topology"] == "loopback"  # DESIGN §8: every row says where it ran
     assert rows[("tcp-batch", "get")]["blocks_per_call"] == 4
     assert document["failed"] == {}
 

@@ -17,6 +17,13 @@ system with options, so their ratio to a base within a round is the cost of an o
 - `kvshare-nosync`: `--no-sync-writes` (PUT acknowledged before fsync). Opt-in.
 - `kvshare-grpc`: the client's bulk channel off, payloads over gRPC streams only (the
   fallback path). Opt-in.
+
+Across two hosts (`--two-host`) the server listens on the wildcard address, as a store
+beside a pool of replica hosts does (`--listen 0.0.0.0:0`, so the bulk listener is on
+0.0.0.0 too and OpenBulk announces a wildcard: clients dial the server's address).
+There the client's same-host transport finds another network namespace and uses TCP,
+so `kvshare` measures what `kvshare-tcp` does, and `kvshare-sealed` is sealing over TCP
+without TLS.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from kvshare.bench.peers.base import BenchError, ServerProcess
+from kvshare.bench.placement import LOOPBACK, Placement
 
 TENANT = "dev"  # the tenant dev mode creates, with read+write for the token in dev.token
 MODEL = "kvshare-bench"
@@ -108,7 +116,9 @@ class KvshareSystem:
         sync_writes: bool = True,
         bulk: bool = True,
         same_host: bool = True,
+        placement: Placement = LOOPBACK,
     ) -> None:
+        self._at = placement
         self._same_host = same_host and not tls and bulk
         suffix = "-tcp" if bulk and not tls and not same_host else ""
         suffix += ("-tls" if tls else "") + ("-sealed" if sealed else "")
@@ -139,18 +149,22 @@ class KvshareSystem:
             "--data-dir",
             str(data_dir),
             "--listen",
-            "127.0.0.1:0",
+            "0.0.0.0:0" if self._at.is_two_host else "127.0.0.1:0",
         ]
+        if self._at.is_two_host and not self._tls:
+            argv.append("--allow-insecure-listen")  # the veth is the benchmark's own
         root_ca = None
         if self._tls:
             from kvshare.bench.tls import write_self_signed
 
-            cert_path, key_path = write_self_signed(workdir)
+            cert_path, key_path = write_self_signed(workdir, self._at.server_host)
             argv += ["--tls-cert", str(cert_path), "--tls-key", str(key_path)]
             root_ca = str(cert_path)
         if not self._sync_writes:
             argv.append("--no-sync-writes")
-        self._server = ServerProcess.launch(argv, workdir / f"{self.name}-server.log")
+        self._server = ServerProcess.launch(
+            self._at.server_command(argv), workdir / f"{self.name}-server.log"
+        )
         try:
             match = self._server.wait_for_line(SERVING_LINE)
             token = (data_dir / "dev.token").read_text().strip()
@@ -158,8 +172,9 @@ class KvshareSystem:
             self.stop()
             raise BenchError(f"kvshare serve did not start: {error}") from error
         data_key = secrets.token_bytes(DATA_KEY_BYTES) if self._sealed else None
+        host = self._at.server_host if self._at.is_two_host else match.group(1)
         return KvshareClientSpec(
-            f"{match.group(1)}:{match.group(2)}",
+            f"{host}:{match.group(2)}",
             token,
             root_ca,
             data_key,

@@ -31,6 +31,7 @@ from __future__ import annotations
 import importlib.util
 import secrets
 import sys
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,7 @@ from kvshare.bench.placement import LOOPBACK, Placement
 TENANT = "dev"  # the tenant dev mode creates, with read+write for the token in dev.token
 MODEL = "kvshare-bench"
 SERVING_LINE = r"serving on (\S+):(\d+)"
+METRICS_LINE = r"metrics on (\S+) "
 DATA_KEY_BYTES = 32
 
 
@@ -129,6 +131,7 @@ class KvshareSystem:
         self._sealed = sealed
         self._sync_writes = sync_writes
         self._server: ServerProcess | None = None
+        self._metrics = ""  # the server's Prometheus endpoint (HOST:PORT)
 
     def unavailable_reason(self) -> str | None:
         needed = [("cacheserver.cli", "the server"), ("replica_agent.client", "BlockClient")]
@@ -162,11 +165,13 @@ class KvshareSystem:
             root_ca = str(cert_path)
         if not self._sync_writes:
             argv.append("--no-sync-writes")
+        argv += ["--metrics-listen", f"{self._at.server_host}:0"]  # where the harness can reach
         self._server = ServerProcess.launch(
             self._at.server_command(argv), workdir / f"{self.name}-server.log"
         )
         try:
             match = self._server.wait_for_line(SERVING_LINE)
+            self._metrics = self._server.wait_for_line(METRICS_LINE).group(1)
             token = (data_dir / "dev.token").read_text().strip()
         except (BenchError, OSError) as error:
             self.stop()
@@ -186,7 +191,31 @@ class KvshareSystem:
         pass
 
     def clear(self) -> bool:
-        return False  # each client would have to delete its own keys; a fresh server per round
+        """Called after each value size's cells: nothing is dropped (each client would
+        have to delete its own keys; a fresh server per round), but the cells are checked
+        to have measured the transport they are named after."""
+        self._check_no_grpc_fallback()
+        return False
+
+    def _check_no_grpc_fallback(self) -> None:
+        """With the bulk channel on, payloads must never have gone over gRPC: a client
+        that fell back (unreachable bulk address, TLS failure) measures the fallback."""
+        if not self._bulk or not self._metrics:
+            return
+        with urllib.request.urlopen(f"http://{self._metrics}/metrics", timeout=10) as response:
+            text = response.read().decode("utf-8")
+        fallbacks = sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("kvshare_rpc_requests_total{")
+            and ('method="kvshare.v1.BlockStore/Get"' in line
+                 or 'method="kvshare.v1.BlockStore/Put"' in line)
+        )  # fmt: skip
+        if fallbacks:
+            raise BenchError(
+                f"{self.name}: {fallbacks:.0f} gets/puts went over gRPC, not the bulk channel "
+                "(see the server log): its figures would be the fallback's"
+            )
 
     def stop(self) -> None:
         if self._server is not None:

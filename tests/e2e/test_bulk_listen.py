@@ -13,7 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from replica_agent.client import BlockClient
+from cacheserver.config import ServerConfig
+from cacheserver.embedded import EmbeddedServer
+from cacheserver.server import TlsFiles
+from replica_agent.client import BlockClient, ClientTls
+from tests.certs import TestCA
 from tests.conftest import ServerProcess, run_cli
 from tests.e2e.test_serve_cli import one_line_error
 from tests.observability.scrape import Samples, parse, scrape_text, value
@@ -140,3 +144,23 @@ def test_bad_bulk_addresses_and_plaintext_off_loopback_are_one_line_errors(
     # Refused before anything binds: no traffic leaves loopback.
     line = one_line_error(run_cli("serve", "--bulk-listen", "198.18.0.1:0", *data))
     assert "non-loopback 198.18.0.1:0 for the bulk channel without TLS" in line
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="replica_agent/bulk.py BulkChannel._connect passes the announced host with its "
+    "IPv6 brackets as TLS server_hostname ('[::1]'), so certificate verification fails and "
+    "every call falls back to gRPC; left to the client refactor (strip the brackets)",
+)
+def test_the_tls_bulk_channel_reaches_an_ipv6_literal(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    ca = TestCA(tmp_path / "ca")
+    cert = ca.server_cert()  # names ::1
+    config = ServerConfig(listen="[::1]:0", data_dir=tmp_path / "data")
+    with EmbeddedServer(config, TlsFiles(cert.cert, cert.key)) as server:
+        token = (tmp_path / "data" / "dev.token").read_text().strip()
+        tls = ClientTls(root_ca=ca.cert_path)
+        with BlockClient(server.address, token, tls=tls, same_host=False) as client:
+            assert client.put("dev", MODEL, [os.urandom(32)], [b"x" * 1000]) == [True]
+    assert "bulk channel failed" not in caplog.text

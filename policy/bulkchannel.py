@@ -7,8 +7,9 @@ goes. This channel runs over plain TCP and protects everything *but* the sealed
 payload bytes, under per-connection keys agreed through the TLS-protected OpenBulk:
 
 - `OpenBulk` (gRPC over TLS) hands the client a fresh 32-byte secret with its ticket;
-  each direction's key is HKDF-SHA256(secret, salt = ticket id, info = direction).
-- The client proves it holds the secret when it presents the ticket id (`hello_proof`),
+  each direction's key is HKDF-SHA256(secret, salt = ticket, info = direction). The
+  ticket crosses the plain connection; the secret never does.
+- The client proves it holds the secret when it presents the ticket (`hello_proof`),
   and the server answers with its own proof, so neither side talks to an impostor.
 - Every header (a request's op, model, digests and sizes; a reply block's index and
   size; the end of a reply) is AES-256-GCM-encrypted with a nonce made of a counter
@@ -36,9 +37,9 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from kvcommon.encoding import enc
+from policy.tickets import TICKET_BYTES
 
 SECRET_BYTES = 32
-TICKET_ID_BYTES = 16
 TAG_BYTES = 16
 LABEL = "kvshare/bulk/v2"
 CLIENT_TO_SERVER = "c2s"
@@ -59,10 +60,11 @@ def new_channel_secret() -> bytes:
     return secrets.token_bytes(SECRET_BYTES)
 
 
-def direction_key(secret: bytes, ticket_id: bytes, direction: str) -> bytes:
-    if len(secret) != SECRET_BYTES or len(ticket_id) != TICKET_ID_BYTES:
-        raise ChannelError("channel secret or ticket id of the wrong size")
-    kdf = HKDF(hashes.SHA256(), 32, salt=ticket_id, info=enc(LABEL, "key", direction))
+def direction_key(secret: bytes, ticket: bytes, direction: str) -> bytes:
+    """HKDF-SHA256(secret, salt = the connection's one-time ticket, info = direction)."""
+    if len(secret) != SECRET_BYTES or len(ticket) != TICKET_BYTES:
+        raise ChannelError("channel secret or ticket of the wrong size")
+    kdf = HKDF(hashes.SHA256(), 32, salt=ticket, info=enc(LABEL, "key", direction))
     return kdf.derive(secret)
 
 
@@ -73,10 +75,10 @@ def _nonce(counter: int, index: int) -> bytes:
 class _Direction:
     """One direction of one connection: its key, its label and its header counter."""
 
-    def __init__(self, secret: bytes, ticket_id: bytes, direction: str) -> None:
-        self._key = direction_key(secret, ticket_id, direction)
+    def __init__(self, secret: bytes, ticket: bytes, direction: str) -> None:
+        self._key = direction_key(secret, ticket, direction)
         self._aead = AESGCM(self._key)
-        self._ticket_id = ticket_id
+        self._ticket = ticket
         self._label = direction
         self.counter = HELLO_COUNTER
         self.header_tag = b""  # the last header's tag: what its payload tags bind to
@@ -88,7 +90,7 @@ class _Direction:
         return self.counter
 
     def _aad(self, what: str) -> bytes:
-        return enc(LABEL, what, self._label, self._ticket_id)
+        return enc(LABEL, what, self._label, self._ticket)
 
     def _gmac(self, nonce: bytes, parts: Iterable[Buffer]) -> bytes:
         """GMAC: AES-GCM over `parts` as associated data, nothing encrypted."""
@@ -148,15 +150,15 @@ class Receiver(_Direction):
         self._check_gmac(_nonce(self.counter, index + 1), [self.header_tag, payload], tag)
 
 
-def client_side(secret: bytes, ticket_id: bytes) -> tuple[Sender, Receiver]:
+def client_side(secret: bytes, ticket: bytes) -> tuple[Sender, Receiver]:
     return (
-        Sender(secret, ticket_id, CLIENT_TO_SERVER),
-        Receiver(secret, ticket_id, SERVER_TO_CLIENT),
+        Sender(secret, ticket, CLIENT_TO_SERVER),
+        Receiver(secret, ticket, SERVER_TO_CLIENT),
     )
 
 
-def server_side(secret: bytes, ticket_id: bytes) -> tuple[Sender, Receiver]:
+def server_side(secret: bytes, ticket: bytes) -> tuple[Sender, Receiver]:
     return (
-        Sender(secret, ticket_id, SERVER_TO_CLIENT),
-        Receiver(secret, ticket_id, CLIENT_TO_SERVER),
+        Sender(secret, ticket, SERVER_TO_CLIENT),
+        Receiver(secret, ticket, CLIENT_TO_SERVER),
     )

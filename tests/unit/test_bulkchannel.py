@@ -17,7 +17,7 @@ from policy.bulkchannel import (
     server_side,
 )
 
-TICKET = os.urandom(16)
+TICKET = os.urandom(32)  # policy.tickets.TICKET_BYTES
 
 
 Side = tuple[Sender, Receiver]
@@ -86,7 +86,7 @@ def test_a_frame_from_another_connection_is_refused() -> None:
     (_, other_server_in) = server_side(new_channel_secret(), TICKET)
     with pytest.raises(ChannelError):
         other_server_in.open_header(client_out.seal_header(b"request"))
-    (_, other_ticket_in) = server_side(new_channel_secret(), os.urandom(16))
+    (_, other_ticket_in) = server_side(new_channel_secret(), os.urandom(32))
     with pytest.raises(ChannelError):  # a proof for another ticket
         other_ticket_in.check_hello(client_out.hello_proof())
 

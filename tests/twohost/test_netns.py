@@ -88,3 +88,11 @@ def test_leftovers_of_a_killed_run_are_removed_and_live_rigs_kept(rig: TwoHosts)
     assert left <= set(netns.remove_leftovers())
     assert not left & namespaces()
     assert {rig.server.namespace, rig.client.namespace} <= namespaces()  # ours: alive
+
+
+def test_without_root_or_iproute2_the_reason_is_said(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+    assert netns._probe() == "network namespaces need root (CAP_NET_ADMIN); CI runs as root"
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(netns.shutil, "which", lambda _name: None)
+    assert "apt-get install -y iproute2" in (netns._probe() or "")

@@ -1,6 +1,7 @@
-"""Turn one `kvshare bench --json` document into the tables of docs/benchmarks.md.
+"""Turn `kvshare bench --json` documents into the tables of docs/benchmarks.md.
 
     kvshare bench --json > run.json && python benchmarks/bench_to_markdown.py run.json
+    python benchmarks/bench_to_markdown.py two-host.json loopback.json   # both, headed
 
 Every figure in the doc's results section comes from one run through this script, so
 the doc can be regenerated rather than edited by hand.
@@ -111,44 +112,64 @@ def checks_table(checks: list[dict[str, Any]]) -> str:
     return table(["", "target", "clients", "measured", "threshold"], rows)
 
 
-def main() -> None:
-    with open(sys.argv[1], encoding="utf-8") as f:
-        doc = json.load(f)
+TOPOLOGY_TITLES = {
+    "two-host": "Across two hosts (servers in one network namespace, clients in another, "
+    "joined by a veth pair): what a replica on another host gets",
+    "loopback": "On one host (loopback)",
+}
+
+
+def render(doc: dict[str, Any]) -> str:
+    """The tables of one run; a two-host run has no same-host rows, so fewer tables."""
     results = doc["results"]
-    variants = sorted(
-        {
-            r["system"]
-            for r in results
-            if r["system"].startswith("kvshare-") and not r["system"].endswith("-batch")
-        }
-    )
-    print(throughput_tables(results))
-    print("\nBatched GET (one call for many 64 KiB blocks):\n\n" + batch_table(results))
-    print("\nTargets:\n\n" + checks_table(doc["checks"]))
+    systems = {r["system"] for r in results}
+    variants = sorted(s for s in systems if s.startswith("kvshare-") and not s.endswith("-batch"))
+    parts = [
+        throughput_tables(results),
+        "Batched GET (one call for many 64 KiB blocks):\n\n" + batch_table(results),
+        "Targets:\n\n" + checks_table(doc["checks"]),
+    ]
     over_tcp = [v for v in variants if v.startswith(("kvshare-tls", "kvshare-grpc"))]
-    print(
-        "\nSame-host variants (sealing; TCP instead of the arena): ratio to plain `kvshare` "
-        "in the same round:\n\n"
-        + ratio_table(results, [v for v in variants if v not in over_tcp], "kvshare")
-    )
-    if over_tcp:
-        print(
-            "\nCost of TLS (and of the gRPC-only path) over TCP: ratio to `kvshare-tcp` in "
+    same_host = [v for v in variants if v not in over_tcp]
+    if "kvshare" in systems and same_host:
+        parts.append(
+            "Same-host variants (sealing; TCP instead of the arena): ratio to plain "
+            "`kvshare` in the same round:\n\n" + ratio_table(results, same_host, "kvshare")
+        )
+    if over_tcp and "kvshare-tcp" in systems:
+        parts.append(
+            "Cost of TLS (and of the gRPC-only path) over TCP: ratio to `kvshare-tcp` in "
             "the same round:\n\n" + ratio_table(results, over_tcp, "kvshare-tcp")
         )
-    print(
-        "\nEach transport against its Redis peer: `kvshare` (same-host arena) / `redis-unix`, "
-        "`kvshare-tcp` / `redis` (loopback TCP):\n\n"
-        + ratio_table(results, ["kvshare"], "redis-unix")
-        + "\n\n"
-        + ratio_table(results, ["kvshare-tcp"], "redis")
-    )
-    if any(r.get("ratio_to_lmcache") is not None for r in results):
-        print(
-            "\nkvshare against LMCache's server: ratio in the same round:\n\n"
-            + ratio_table(results, ["kvshare", "kvshare-tcp", "kvshare-tls-sealed"], "lmcache")
+    peers = []
+    if "redis-unix" in systems and "kvshare" in systems:
+        peers.append(ratio_table(results, ["kvshare"], "redis-unix"))
+    if "redis" in systems and "kvshare-tcp" in systems:
+        peers.append(ratio_table(results, ["kvshare-tcp"], "redis"))
+    if peers:
+        parts.append(
+            "Each transport against its Redis peer: `kvshare` (same-host arena) / "
+            "`redis-unix`, `kvshare-tcp` / `redis` (TCP):\n\n" + "\n\n".join(peers)
         )
-    print(f"\nSettings: {json.dumps(doc['settings'])}; skipped: {doc['skipped'] or 'none'}")
+    if any(r.get("ratio_to_lmcache") is not None for r in results):
+        mine = [s for s in ("kvshare", "kvshare-tcp", "kvshare-tls-sealed") if s in systems]
+        parts.append(
+            "kvshare against LMCache's server: ratio in the same round:\n\n"
+            + ratio_table(results, mine, "lmcache")
+        )
+    parts.append(f"Settings: {json.dumps(doc['settings'])}; skipped: {doc['skipped'] or 'none'}")
+    return "\n\n".join(parts)
+
+
+def main() -> None:
+    """Each file given (e.g. a two-host run, then a loopback run) under its own heading."""
+    for path in sys.argv[1:]:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+        topology = doc["settings"].get("topology", "loopback")
+        if len(sys.argv) > 2:
+            print(f"### {TOPOLOGY_TITLES.get(topology, topology)}\n")
+        print(render(doc) + "\n")
 
 
 if __name__ == "__main__":

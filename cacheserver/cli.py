@@ -9,7 +9,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from cacheserver.config import ServerConfig, check_telemetry, load_config
+from cacheserver.config import ServerConfig, check_bulk_address, check_telemetry, load_config
 from kvcommon.errors import ConfigError
 from kvcommon.memtune import tune_allocator
 
@@ -33,6 +33,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="HOST:PORT",
         help="address to serve on (default 127.0.0.1:50051; port 0 picks a "
         "free port, printed in the 'serving on' line)",
+    )
+    parser.add_argument(
+        "--bulk-listen",
+        metavar="HOST:PORT",
+        help="the bulk channel's TCP/TLS listener (overrides [bulk] listen; default: the "
+        "--listen host at its port + 1; port 0 picks a free port)",
+    )
+    parser.add_argument(
+        "--bulk-advertise",
+        metavar="HOST:PORT",
+        help="the bulk address OpenBulk announces to clients (overrides [bulk] advertise; "
+        "default: the bound one; a wildcard host means the host clients dialed for gRPC)",
     )
     parser.add_argument(
         "--data-dir",
@@ -127,6 +139,13 @@ def _config_from(args: argparse.Namespace) -> ServerConfig:
         log_format=args.log_format or config.telemetry.log_format,
     )
     check_telemetry(telemetry, "telemetry")
+    check_bulk_address(args.bulk_listen or "", "listen", "--bulk-listen")
+    check_bulk_address(args.bulk_advertise or "", "advertise", "--bulk-advertise")
+    bulk = replace(
+        config.bulk,
+        listen=args.bulk_listen or config.bulk.listen,
+        advertise=args.bulk_advertise or config.bulk.advertise,
+    )
     return replace(
         config,
         listen=args.listen or config.listen,
@@ -134,6 +153,7 @@ def _config_from(args: argparse.Namespace) -> ServerConfig:
         allow_insecure_listen=args.allow_insecure_listen or config.allow_insecure_listen,
         storage=storage,
         telemetry=telemetry,
+        bulk=bulk,
     )
 
 

@@ -9,6 +9,7 @@ and its line.
 
 from __future__ import annotations
 
+import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcommon.errors import ConfigError, InvalidArgument
+from kvcommon.hostport import HostPort, parse_host_port
 from policy.audit import AUDIT_FILE
 from policy.config import AccessConfig, line_of, parse_access
 from policy.naming import SECRET_FILE
@@ -117,8 +119,16 @@ class LimitsConfig:
 
 @dataclass(frozen=True)
 class BulkConfig:
-    """The bulk channel's same-host transport (cacheserver/bulk.py)."""
+    """The bulk channel's listeners (cacheserver/bulk.py): TCP/TLS, and same-host."""
 
+    # HOST:PORT of the TCP/TLS listener (DESIGN §8). "": the gRPC listen host at the
+    # gRPC port + 1 (port 0 stays 0: a free port, as in tests). A fixed port is one a
+    # firewall rule or a Kubernetes Service can name.
+    listen: str = ""
+    # HOST:PORT that OpenBulk announces. "": the bound address. Clients told a wildcard
+    # host (0.0.0.0, [::]) dial the host they dialed for gRPC at the announced port;
+    # behind NAT or a Service, name what replicas reach instead.
+    advertise: str = ""
     # Offer clients on this host (and network namespace) a Unix socket on which
     # payloads move through a shared-memory arena, not TCP: one copy each way instead
     # of two, no TLS (the bytes never leave the host's kernel). Off: TCP/TLS only.
@@ -329,4 +339,70 @@ def _parse_bulk(raw: Mapping[str, Any], source: str, text: str) -> BulkConfig:
             f"{source}:{line_of(text, 'arena_bytes')}: bulk.arena_bytes: "
             "must be at least 1048576 (1 MiB)"
         )
+    for key in ("listen", "advertise"):
+        if key in raw:
+            line = _line_in_table(text, "bulk", key)
+            check_bulk_address(raw[key], key, f"{source}:{line}: bulk.{key}")
     return bulk
+
+
+def _line_in_table(text: str, table: str, key: str) -> int:
+    """1-based line of `key = ...` after the `[table]` header (`listen` is also a
+    top-level key, so the first match in the file may be the wrong one)."""
+    header = re.search(rf"^[ \t]*\[\s*{re.escape(table)}\s*\]", text, re.MULTILINE)
+    start = header.end() if header else 0
+    found = re.compile(rf"^[ \t]*{re.escape(key)}\s*=", re.MULTILINE).search(text, start)
+    return text.count("\n", 0, found.start()) + 1 if found else 0
+
+
+def check_bulk_address(value: str, key: str, where: str) -> None:
+    """`[bulk] listen` / `advertise` (or their flags): HOST:PORT; an advertised
+    address names a real port. Checked the same way for the file and the flags."""
+    if not value:
+        return
+    try:
+        address = parse_host_port(value, what=key)
+    except ValueError as error:
+        raise ConfigError(f"{where}: {error}") from None
+    if key == "advertise" and address.port == 0:
+        raise ConfigError(
+            f"{where}: advertise {value!r}: port 0 is not a port clients can reach; "
+            "give the port replicas connect to"
+        )
+
+
+def bulk_listen_address(config: ServerConfig) -> HostPort:
+    """Where the bulk channel's TCP/TLS listener binds: `[bulk] listen`, else the gRPC
+    listen host at the gRPC port + 1 (0 stays 0)."""
+    if config.bulk.listen:
+        return parse_host_port(config.bulk.listen)
+    try:
+        grpc = parse_host_port(config.listen, what="listen")
+    except ValueError as error:
+        raise ConfigError(f"{error}; pick another --listen") from None
+    if grpc.port == 65535:
+        raise ConfigError(
+            f"listen {config.listen}: the bulk channel's default port (the gRPC port + 1) "
+            "does not exist; set [bulk] listen or --bulk-listen"
+        )
+    return HostPort(grpc.host, grpc.port + 1 if grpc.port else 0)
+
+
+def check_bulk_plaintext(config: ServerConfig, has_tls: bool) -> None:
+    """The bulk listener's own address follows the gRPC rule: plaintext only on
+    loopback unless allowed (its default address is the gRPC host's, checked there)."""
+    if has_tls or config.allow_insecure_listen or not config.bulk.listen:
+        return
+    address = parse_host_port(config.bulk.listen)
+    if not address.is_loopback:
+        raise ConfigError(
+            f"refusing to listen on non-loopback {address} for the bulk channel without "
+            "TLS; give --tls-cert/--tls-key (or [tls]), or --allow-insecure-listen on a "
+            "trusted network"
+        )
+
+
+def bulk_announced_address(config: ServerConfig, bound: str) -> str:
+    """What OpenBulk tells clients: `[bulk] advertise`, else the bound address (a
+    wildcard host there means: the host you dialed for gRPC)."""
+    return config.bulk.advertise or bound

@@ -26,7 +26,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from cacheserver.bulk import BulkServer, server_tls_context
-from cacheserver.config import ServerConfig, TlsFiles
+from cacheserver.config import (
+    ServerConfig,
+    TlsFiles,
+    bulk_announced_address,
+    bulk_listen_address,
+    check_bulk_plaintext,
+)
 from cacheserver.events import FanOut, TenantCounters
 from cacheserver.health import HealthMonitor
 from cacheserver.requests import BulkEndpoint, RequestCore
@@ -137,6 +143,7 @@ def check_tls(config: ServerConfig, tls: TlsFiles | None) -> None:
             f"refusing to listen on non-loopback {config.listen} without TLS; give "
             "--tls-cert/--tls-key (or [tls]), or --allow-insecure-listen on a trusted network"
         )
+    check_bulk_plaintext(config, tls is not None)
     certs = config.access.cert_credentials if config.access else ()
     if certs and (tls is None or tls.client_ca is None):
         name = certs[0].principal.name
@@ -194,6 +201,7 @@ class Server:
         )
         self.tickets = TicketBook()
         self.bulk: BulkServer | None = None
+        self.bulk_announced = ""  # what OpenBulk tells clients (config.bulk_announced_address)
         self._server: grpc.aio.Server | None = None
         self.address = ""
         self.metrics_address = ""
@@ -213,19 +221,24 @@ class Server:
             ],
         )
         host = self.config.listen.rsplit(":", 1)[0]
+        check_can_bind(self.config.listen)  # first: a second server's error names --listen
+        bulk_listen = bulk_listen_address(self.config)
         core = RequestCore(self.store, self.policy, self.config.limits, self.counters)
         self.bulk = bulk = BulkServer(
-            host,
+            bulk_listen.bracketed_host,
             core,
             self.tickets,
             _bulk_tls(self._tls),
             telemetry=self.telemetry,
             bulk=self.config.bulk,
+            port=bulk_listen.port,
         )
+        self.bulk_announced = bulk_announced_address(self.config, bulk.address)
         self.telemetry.watch_bulk(lambda: bulk.arenas)
+        bulk.start()
         core.bulk = BulkEndpoint(
             self.tickets,
-            bulk.start(),
+            self.bulk_announced,
             bulk.local_address,
             bulk.local_namespace,
             bulk.local_uid,
@@ -321,6 +334,11 @@ async def serve(config: ServerConfig, tls: TlsFiles | None = None) -> None:
     if server.metrics_address:
         print(f"kvshare metrics on {server.metrics_address} (/metrics)", flush=True)
     print(f"kvshare serving on {address}{mode}", flush=True)
+    if server.bulk is not None:
+        print(
+            f"kvshare bulk on {server.bulk.address} (announced: {server.bulk_announced})",
+            flush=True,
+        )
     await stopping.wait()
     log.info("draining in-flight RPCs (grace %.0f s)", SHUTDOWN_GRACE_S)
     await server.stop()

@@ -43,7 +43,6 @@ class BulkChannel:
     def __init__(
         self,
         open_ticket: OpenTicket,
-        dialed_host: str,
         tls: ssl.SSLContext | None = None,
         server_name: str | None = None,
         timeout_s: float | None = 30.0,
@@ -55,7 +54,6 @@ class BulkChannel:
         """`local_allowed`/`local_failed`: the client's backoff for the same-host
         transport (after it failed, TCP is used for a while)."""
         self._open_ticket = open_ticket
-        self._dialed_host = dialed_host
         self._tls = tls
         self._server_name = server_name
         self._timeout_s = timeout_s
@@ -88,7 +86,7 @@ class BulkChannel:
             self._local_failed()
             if ticket_spent:
                 ticket = self._open_ticket(tenant)
-        return connect_tcp(ticket, self._dialed_host, self._tls, self._server_name, self._timeout_s)
+        return connect_tcp(ticket, self._tls, self._server_name, self._timeout_s)
 
     def _drop(self, tenant: str, *, tcp: bool) -> None:
         """Close a connection left out of step (an error mid-frame): never reused."""

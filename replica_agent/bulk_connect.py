@@ -5,7 +5,7 @@ ticket names a same-host listener in this very network namespace, owned by the
 server's user), the connection gets a shared-memory arena from the server; anywhere
 else, or when the server has no arena to spare, it is a TCP (or TLS) connection to the
 address OpenBulk announced — or, when that address names no host (a wildcard), to the
-host this client dialed for gRPC.
+host this client dialed for gRPC (kvcommon.hostport, applied when the ticket is read).
 
 Each connection keeps page-aligned receive buffers that grow to the largest reply seen,
 so steady-state transfers touch no fresh memory (a fresh buffer per call caps near
@@ -32,7 +32,6 @@ from replica_agent.grpc_calls import Ticket
 log = logging.getLogger(__name__)
 PAGE = mmap.PAGESIZE
 FIRST_BUFFER_BYTES = 1 << 20
-WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]", "*"})
 
 
 class Buffers:
@@ -96,16 +95,10 @@ class Connection:
 
 
 def connect_tcp(
-    ticket: Ticket,
-    dialed_host: str,
-    tls: ssl.SSLContext | None,
-    server_name: str | None,
-    timeout_s: float | None,
+    ticket: Ticket, tls: ssl.SSLContext | None, server_name: str | None, timeout_s: float | None
 ) -> Connection:
     host, _, port = ticket.address.rpartition(":")
-    if host in WILDCARD_HOSTS:
-        host = dialed_host  # the server listens on every address: the one we reached
-    host = host.strip("[]")
+    host = host.strip("[]")  # an IPv6 literal, as a socket and TLS want it
     sock = socket.create_connection((host, int(port)), timeout=timeout_s)
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -147,7 +147,8 @@ class BlockClient:
             self._channel = grpc.secure_channel(address, tls.credentials(), channel_options)
         else:
             self._channel = grpc.insecure_channel(address, channel_options)
-        self._grpc = GrpcCalls(self._channel, token, timeout_s, frame_bytes)
+        # A wildcard bulk address means the host this client dialed (kvcommon.hostport).
+        self._grpc = GrpcCalls(self._channel, address, token, timeout_s, frame_bytes)
         self.transport_stats = ClientStats()
         self._bulk_backoff = _Backoff(FIRST_BACKOFF_S, MAX_BACKOFF_S)
         self._local_backoff = _Backoff(LOCAL_RETRY_S, LOCAL_RETRY_S)
@@ -155,7 +156,6 @@ class BlockClient:
         if bulk:
             self._bulk = BulkChannel(
                 self._grpc.open_bulk,
-                dialed_host(address),
                 tls.ssl_context() if tls else None,
                 tls.server_name if tls else None,
                 timeout_s,
@@ -279,12 +279,3 @@ def _then(first: memoryview | None, rest: Iterator[memoryview]) -> Iterator[View
         yield from rest
     except (OSError, w.ConnectionClosed) as error:
         raise store_error("UNAVAILABLE", f"bulk transfer broke: {error}") from None
-
-
-def dialed_host(address: str) -> str:
-    """The host of a plain `host:port` gRPC target (what the bulk channel dials when the
-    server announces a wildcard); "" for targets that name several (ipv4:..., dns:...)."""
-    if "," in address or "///" in address or address.startswith(("ipv4:", "ipv6:", "unix:")):
-        return ""
-    host, sep, _port = address.rpartition(":")
-    return host if sep else ""

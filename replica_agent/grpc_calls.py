@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc
 
+from kvcommon.hostport import bulk_dial_address
 from kvcommon.tracing import outgoing_metadata
 from kvcommon.v1 import kvshare_pb2 as pb
 from kvcommon.v1 import kvshare_pb2_grpc as pb_grpc
@@ -30,7 +31,7 @@ class Ticket:
     """What OpenBulk answered: a one-time ticket and where to present it."""
 
     ticket: bytes
-    address: str  # "host:port" of the TCP (or TLS) listener
+    address: str  # "host:port" of the TCP (or TLS) listener, as this client dials it
     traced: bool  # the listener reads requests that carry a trace context
     local_address: str = ""  # the same-host listener's name; "": none
     # where that listener counts, bound to this ticket (policy.tickets.local_binding)
@@ -43,9 +44,15 @@ class NoBulkListener(Exception):
 
 class GrpcCalls:
     def __init__(
-        self, channel: grpc.Channel, token: str, timeout_s: float | None, frame_bytes: int
+        self,
+        channel: grpc.Channel,
+        target: str,
+        token: str,
+        timeout_s: float | None,
+        frame_bytes: int,
     ) -> None:
         self._stub = pb_grpc.BlockStoreStub(channel)
+        self._target = target
         self._metadata = (("authorization", f"Bearer {token}"),)
         self.timeout_s = timeout_s
         self.frame_bytes = frame_bytes
@@ -71,7 +78,7 @@ class GrpcCalls:
             raise from_rpc_error(error) from None
         return Ticket(
             response.ticket,
-            response.address,
+            bulk_dial_address(response.address, self._target),
             response.trace_context,
             response.local_address,
             response.local_namespace,

@@ -107,12 +107,11 @@ class TestCA:
             builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
         return _write(self.directory, stem, builder.sign(self._key, hashes.SHA256()), key)
 
-    def server_cert(self, stem: str = "server") -> CertFiles:
-        """For 127.0.0.1, ::1 and localhost."""
+    def server_cert(self, stem: str = "server", *, ips: tuple[str, ...] = ()) -> CertFiles:
+        """For 127.0.0.1, ::1 and localhost, and `ips` (a server on another host)."""
         sans: list[x509.GeneralName] = [
             x509.DNSName("localhost"),
-            x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-            x509.IPAddress(ipaddress.ip_address("::1")),
+            *(x509.IPAddress(ipaddress.ip_address(ip)) for ip in ("127.0.0.1", "::1", *ips)),
         ]
         return self._issue(stem, "localhost", sans, ExtendedKeyUsageOID.SERVER_AUTH)
 

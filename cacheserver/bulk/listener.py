@@ -29,6 +29,7 @@ caller's trace context, so its span joins the caller's trace as a gRPC call's do
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import socket
@@ -43,7 +44,7 @@ from cacheserver.config import BulkConfig
 from cacheserver.requests import RequestCore
 from cacheserver.telemetry import ServerTelemetry
 from kvcommon import bulkwire as w
-from kvcommon.errors import InvalidArgument, KvshareError, ResourceExhausted
+from kvcommon.errors import ConfigError, InvalidArgument, KvshareError, ResourceExhausted
 from kvcommon.tracing import context_from_binary
 from policy.tickets import Grant, TicketBook
 
@@ -65,17 +66,14 @@ class BulkServer:
         *,
         telemetry: ServerTelemetry | None = None,
         bulk: BulkConfig | None = None,
+        port: int = 0,
     ) -> None:
         self._telemetry = telemetry or ServerTelemetry()
         self._bulk = bulk or BulkConfig()
         self._core = core
         self._tickets = tickets
         self._tls = tls
-        family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
-        self._listener = socket.socket(family, socket.SOCK_STREAM)
-        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._listener.bind((host.strip("[]"), 0))
-        self._listener.listen(128)
+        self._listener = _bind_listener(host, port)
         _bound_host, port = self._listener.getsockname()[:2]
         self.address = f"{host}:{port}"
         self._connections: set[socket.socket] = set()
@@ -283,6 +281,28 @@ class BulkServer:
                 call.status = error.status
                 conn.sendall(w.error_frame(error))
                 return False  # the rest of the request may be in flight: resync by closing
+
+
+def _bind_listener(host: str, port: int) -> socket.socket:
+    """The TCP listener on `host:port` ([bulk] listen), or ConfigError saying what to change."""
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host.strip("[]"), port))
+        listener.listen(128)
+    except OSError as error:
+        listener.close()
+        reason = (
+            "the port is in use"
+            if error.errno == errno.EADDRINUSE
+            else f"cannot bind ({error.strerror or error})"
+        )
+        raise ConfigError(
+            f"cannot listen on {host}:{port} for the bulk channel: {reason}; set "
+            "[bulk] listen or --bulk-listen (default: the --listen host at its port + 1)"
+        ) from None
+    return listener
 
 
 def _close_quietly(conn: socket.socket) -> None:

@@ -18,6 +18,10 @@ MIN_GET_RATIO_TO_TCP = 0.5
 MIN_PUT_RATIO_TO_REDIS = 1.0
 # A 128k-token prompt is 512 blocks; at 5,000 blocks/s one restore stays near 0.1 s.
 MIN_BATCH_BLOCKS_PER_S_PER_CLIENT = 5_000.0
+# Across hosts (issue 14): the bulk channel over TCP near the wire, and the secure
+# configuration the docs recommend (TLS + sealed blocks) at least half of it.
+MIN_TWO_HOST_GET_RATIO_TO_TCP = 0.8
+MIN_TWO_HOST_SECURE_GET_RATIO_TO_TCP = 0.5
 # variant -> (the system it is compared with, what the ratio shows). TLS guards bytes
 # that cross a network, so its variants run over TCP and compare with kvshare-tcp.
 VARIANTS = {
@@ -47,16 +51,28 @@ def _find(rows: Sequence[Row], system: str, op: str, value_bytes: int, clients: 
 
 
 def _ratio_check(
-    rows: Sequence[Row], name: str, op: str, reference: str, threshold: float, clients: int
+    rows: Sequence[Row],
+    name: str,
+    op: str,
+    reference: str,
+    threshold: float | None,
+    clients: int,
+    system: str = "kvshare",
 ) -> Check:
-    row = _find(rows, "kvshare", op, TWO_MIB, clients)
+    row = _find(rows, system, op, TWO_MIB, clients)
     value = None if row is None else row.ratio_to.get(reference)
     if value is None:
-        return Check(name, clients, None, threshold, None, f"not measured (kvshare or {reference})")
-    return Check(name, clients, value, threshold, value >= threshold)
+        return Check(
+            name, clients, None, threshold, None, f"not measured ({system} or {reference})"
+        )
+    return Check(name, clients, value, threshold, None if threshold is None else value >= threshold)
 
 
-def evaluate(rows: Sequence[Row], client_counts: Sequence[int]) -> list[Check]:
+def evaluate(
+    rows: Sequence[Row], client_counts: Sequence[int], *, two_host: bool = False
+) -> list[Check]:
+    if two_host:
+        return _two_host_checks(rows, client_counts) + _reported_ratios(rows)
     checks = []
     for clients in client_counts:
         checks += [
@@ -90,24 +106,51 @@ def evaluate(rows: Sequence[Row], client_counts: Sequence[int]) -> list[Check]:
             ),
             None,
         )
-        name = "kvshare batched GET, 64 KiB blocks/s per client"
-        if batch is None:
-            checks.append(
-                Check(name, clients, None, MIN_BATCH_BLOCKS_PER_S_PER_CLIENT, None, "not measured")
-            )
-        else:
-            value = batch.blocks_per_s_per_client
-            checks.append(
-                Check(
-                    name,
-                    clients,
-                    value,
-                    MIN_BATCH_BLOCKS_PER_S_PER_CLIENT,
-                    value >= MIN_BATCH_BLOCKS_PER_S_PER_CLIENT,
-                    f"{batch.blocks_per_call} blocks per call",
-                )
-            )
+        checks.append(_batch_check(batch, "kvshare", clients))
     checks += _reported_ratios(rows)
+    return checks
+
+
+def _batch_check(batch: Row | None, system: str, clients: int) -> Check:
+    name = f"{system} batched GET, 64 KiB blocks/s per client"
+    if batch is None:
+        return Check(name, clients, None, MIN_BATCH_BLOCKS_PER_S_PER_CLIENT, None, "not measured")
+    value = batch.blocks_per_s_per_client
+    return Check(
+        name,
+        clients,
+        value,
+        MIN_BATCH_BLOCKS_PER_S_PER_CLIENT,
+        value >= MIN_BATCH_BLOCKS_PER_S_PER_CLIENT,
+        f"{batch.blocks_per_call} blocks per call",
+    )
+
+
+def _two_host_checks(rows: Sequence[Row], client_counts: Sequence[int]) -> list[Check]:
+    """Across hosts, what a replica gets: the bulk channel over TCP, and over TLS with
+    sealed blocks (the configuration the docs recommend)."""
+    checks = []
+    for n in client_counts:
+        tcp, secure = "kvshare-tcp", "kvshare-tls-sealed"
+        checks += [
+            _ratio_check(rows, f"{tcp} GET 2 MiB / raw TCP", "get", "tcp",
+                         MIN_TWO_HOST_GET_RATIO_TO_TCP, n, tcp),
+            _ratio_check(rows, f"{tcp} GET 2 MiB / Redis GET", "get", "redis",
+                         MIN_GET_RATIO_TO_REDIS, n, tcp),
+            _ratio_check(rows, f"{secure} GET 2 MiB / raw TCP", "get", "tcp",
+                         MIN_TWO_HOST_SECURE_GET_RATIO_TO_TCP, n, secure),
+            _ratio_check(rows, f"{tcp} PUT 2 MiB / raw TCP (acknowledged)", "put", "tcp",
+                         None, n, tcp),
+            _ratio_check(rows, f"{tcp} PUT 2 MiB / Redis SET (acknowledged)", "put", "redis",
+                         None, n, tcp),
+            _ratio_check(rows, f"{secure} PUT 2 MiB / raw TCP (acknowledged)", "put", "tcp",
+                         None, n, secure),
+        ]  # fmt: skip
+        batch = next(
+            (r for r in rows if r.system == f"{tcp}-batch" and r.clients == n),
+            None,
+        )
+        checks.append(_batch_check(batch, tcp, n))
     return checks
 
 

@@ -58,6 +58,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--workdir", type=Path, help="keep server logs and data here")
     parser.add_argument(
+        "--two-host",
+        action="store_true",
+        help="run each server in one network namespace and its clients in another, joined "
+        "by a veth pair on 198.18.0.0/15 (needs root and iproute2): what a replica on "
+        f"another host gets (default systems {','.join(cfg.TWO_HOST_SYSTEMS)})",
+    )
+    parser.add_argument(
         "--quick",
         action="store_true",
         help="one short round, 1 client, 64 KiB and 2 MiB: a smoke run",
@@ -84,7 +91,8 @@ def config_from_args(args: argparse.Namespace) -> cfg.BenchConfig:
     quick = bool(args.quick)
     sizes = cfg.parse_sizes(args.sizes) if args.sizes else None
     clients = cfg.parse_counts(args.clients) if args.clients else None
-    systems = cfg.parse_systems(args.systems) if args.systems else cfg.DEFAULT_SYSTEMS
+    default_systems = cfg.TWO_HOST_SYSTEMS if args.two_host else cfg.DEFAULT_SYSTEMS
+    systems = cfg.parse_systems(args.systems) if args.systems else default_systems
     rounds = _pick(args.rounds, QUICK_ROUNDS, DEFAULT_ROUNDS, quick)
     seconds = _pick(args.seconds, QUICK_SECONDS_PER_CELL, DEFAULT_SECONDS_PER_CELL, quick)
     put_mib = _pick(args.put_mib, QUICK_PUT_MIB_PER_CLIENT, DEFAULT_PUT_MIB_PER_CLIENT, quick)
@@ -103,11 +111,12 @@ def config_from_args(args: argparse.Namespace) -> cfg.BenchConfig:
         lmcache_python=args.lmcache_python,
         workdir=args.workdir,
         is_json=bool(args.json),
+        is_two_host=bool(args.two_host),
     )
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvshare.bench import checks, report, runner, stats
+    from kvshare.bench import checks, netns, placement, report, runner, stats
     from kvshare.bench.systems import build_systems
 
     try:
@@ -118,9 +127,20 @@ def run(args: argparse.Namespace) -> int:
     progress = runner.Progress()
     # A plain SIGTERM would skip the `finally` blocks that stop the servers.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    outcome = runner.run_benchmark(config, build_systems(config), progress)
+    if config.is_two_host:
+        reason = netns.unavailable_reason()
+        if reason is not None:
+            print(f"kvshare bench: --two-host: {reason}", file=sys.stderr)
+            return 2
+        with netns.two_hosts() as rig, rig.client.entered():
+            at = placement.two_host(rig)
+            progress.say(f"two hosts: servers at {at.server_host} (namespace "
+                         f"{rig.server.namespace}), clients in {rig.client.namespace}")  # fmt: skip
+            outcome = runner.run_benchmark(config, build_systems(config, at), progress, at)
+    else:
+        outcome = runner.run_benchmark(config, build_systems(config), progress)
     rows = stats.aggregate(outcome.samples)
-    found_checks = checks.evaluate(rows, config.client_counts)
+    found_checks = checks.evaluate(rows, config.client_counts, two_host=config.is_two_host)
     text = report.format_report(config, outcome, rows, found_checks)
     if config.is_json:
         print(text, file=sys.stderr)

@@ -24,6 +24,9 @@ DEFAULT_SYSTEMS = (
     "kvshare-tls-sealed",
 )
 KNOWN_SYSTEMS = (*DEFAULT_SYSTEMS, "tcp-tls", "kvshare-nosync", "kvshare-grpc")
+# Across hosts: no Unix socket (redis-unix), and plain `kvshare` would measure what
+# kvshare-tcp does (its same-host transport finds another namespace and uses TCP).
+TWO_HOST_SYSTEMS = tuple(s for s in DEFAULT_SYSTEMS if s not in ("redis-unix", "kvshare"))
 BATCH_BLOCK_BYTES = 64 * KIB
 DEFAULT_BATCH_BLOCKS = 64  # one restore of 64 blocks: 16k tokens at 256 tokens per block
 
@@ -44,6 +47,9 @@ class BenchConfig:
     lmcache_python: str | None
     workdir: Path | None  # keep server logs and data here instead of a temporary dir
     is_json: bool
+    # Servers in one network namespace, clients in another, joined by a veth pair
+    # (kvshare.bench.netns; root only). Rows carry "topology": "two-host" / "loopback".
+    is_two_host: bool = False
 
 
 def parse_size(text: str) -> int:

@@ -10,6 +10,7 @@ from typing import Any
 
 from kvshare.bench.checks import VARIANTS, Check
 from kvshare.bench.config import BenchConfig, format_size
+from kvshare.bench.placement import LOOPBACK_TOPOLOGY, TWO_HOST_TOPOLOGY
 from kvshare.bench.runner import RunOutcome
 from kvshare.bench.stats import BATCH_SUFFIX, REFERENCE_SYSTEMS, Row
 
@@ -45,9 +46,10 @@ def _round_or_none(value: float | None, digits: int) -> float | None:
     return None if value is None else round(value, digits)
 
 
-def row_to_json(row: Row) -> dict[str, Any]:
+def row_to_json(row: Row, topology: str = LOOPBACK_TOPOLOGY) -> dict[str, Any]:
     document: dict[str, Any] = {
         "system": row.system,
+        "topology": topology,
         "op": row.op,
         "value_bytes": row.value_bytes,
         "clients": row.clients,
@@ -79,12 +81,13 @@ def json_document(
     config: BenchConfig, outcome: RunOutcome, rows: Sequence[Row], checks: Sequence[Check]
 ) -> dict[str, Any]:
     return {
-        "results": [row_to_json(row) for row in rows],
+        "results": [row_to_json(row, _topology(config)) for row in rows],
         "checks": [check_to_json(check) for check in checks],
         "skipped": outcome.skipped,
         "failed": outcome.failed,
         "machine": machine_description(),
         "settings": {
+            "topology": _topology(config),
             "sizes": list(config.sizes),
             "clients": list(config.client_counts),
             "rounds": config.rounds,
@@ -94,6 +97,10 @@ def json_document(
             "elapsed_s": round(outcome.elapsed_s, 1),
         },
     }
+
+
+def _topology(config: BenchConfig) -> str:
+    return TWO_HOST_TOPOLOGY if config.is_two_host else LOOPBACK_TOPOLOGY
 
 
 def _ratio(row: Row, reference: str) -> str:
@@ -181,6 +188,9 @@ def format_report(
         f"kvshare bench: {config.rounds} round(s), {config.seconds_per_cell:g} s per cell, "
         f"{machine.get('cpus')} CPUs ({machine.get('cpu_model', 'unknown CPU')}), "
         f"Python {machine['python']}, {outcome.elapsed_s:.0f} s",
+        "topology: two-host (servers and clients in two network namespaces joined by a veth pair)"
+        if config.is_two_host
+        else "topology: loopback (servers and clients on this host)",
         "MB/s = 10^6 bytes/s over all clients (median of rounds); x peer = median per-round ratio",
         "",
         format_table(rows) if rows else "(no results)",

@@ -19,6 +19,7 @@ from typing import TextIO
 
 from kvshare.bench.config import BATCH_BLOCK_BYTES, BenchConfig, format_size
 from kvshare.bench.peers.base import BenchError, System
+from kvshare.bench.placement import LOOPBACK, Placement
 from kvshare.bench.stats import Sample, summarize_cell
 from kvshare.bench.worker import CellPlan, WorkerPool
 
@@ -45,7 +46,10 @@ class Progress:
         print(f"[{elapsed:6.1f}s] {text}", file=self._stream, flush=True)
 
 
-def run_benchmark(config: BenchConfig, systems: Sequence[System], progress: Progress) -> RunOutcome:
+def run_benchmark(
+    config: BenchConfig, systems: Sequence[System], progress: Progress, at: Placement = LOOPBACK
+) -> RunOutcome:
+    """Every system's cells, round by round; clients run where `at` puts them."""
     outcome = RunOutcome()
     started = time.monotonic()
     runnable = []
@@ -67,7 +71,7 @@ def run_benchmark(config: BenchConfig, systems: Sequence[System], progress: Prog
                 round_dir.mkdir(parents=True, exist_ok=True)
                 try:
                     _run_system_round(
-                        system, config, round_index, round_dir, progress, label, outcome.samples
+                        system, config, round_index, round_dir, progress, label, outcome.samples, at
                     )
                 except BenchError as error:
                     outcome.failed[system.name] = str(error)
@@ -94,12 +98,13 @@ def _run_system_round(
     progress: Progress,
     label: str,
     samples: list[Sample],
+    at: Placement,
 ) -> None:
     progress.say(f"{label}: starting server")
     spec = system.start(round_dir)
     try:
         for clients in config.client_counts:
-            with WorkerPool(spec, clients) as pool:
+            with WorkerPool(spec, clients, at.client_namespace) as pool:
                 for value_bytes in config.sizes:
                     put_calls = max(
                         config.min_calls_per_cell, config.put_bytes_per_client // value_bytes

@@ -1,4 +1,4 @@
-"""A throw-away self-signed certificate for TLS variants of the benchmark (loopback only)."""
+"""A throw-away self-signed certificate for TLS variants of the benchmark."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import ipaddress
 from pathlib import Path
 
 
-def write_self_signed(directory: Path) -> tuple[Path, Path]:
-    """Write cert.pem and key.pem for 127.0.0.1/localhost into `directory`; return both paths."""
+def write_self_signed(directory: Path, host: str = "127.0.0.1") -> tuple[Path, Path]:
+    """Write cert.pem and key.pem for 127.0.0.1/localhost (and `host`, the server's
+    address on another host) into `directory`; return both paths."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -27,7 +28,10 @@ def write_self_signed(directory: Path) -> tuple[Path, Path]:
         .not_valid_after(now + datetime.timedelta(days=1))
         .add_extension(
             x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+                [
+                    x509.DNSName("localhost"),
+                    *(x509.IPAddress(ipaddress.ip_address(ip)) for ip in {"127.0.0.1", host}),
+                ]
             ),
             critical=False,
         )

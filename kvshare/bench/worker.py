@@ -23,6 +23,7 @@ from typing import Any
 
 from kvcommon.memtune import tune_allocator
 from kvshare.bench.buffers import STAMP_BYTES, random_value, read_stamp, stamp
+from kvshare.bench.netns import Host
 from kvshare.bench.peers.base import BenchClient, BenchError, ClientSpec
 from kvshare.bench.stats import CellOutcome
 
@@ -114,10 +115,13 @@ class _ClientState:
         self.check(found, plan.value_bytes, first, len(keys))
 
 
-def worker_main(spec: ClientSpec, worker_index: int, conn: Connection) -> None:
-    """Entry point of a client process: serve plans from the parent until told to stop."""
+def worker_main(spec: ClientSpec, worker_index: int, conn: Connection, namespace: str = "") -> None:
+    """Entry point of a client process: serve plans from the parent until told to stop.
+    `namespace`: the client host's network namespace, where this process must be."""
     tune_allocator()  # the same allocator settings for every system's clients
     try:
+        if namespace:
+            Host(namespace, "").require_current()
         state = _ClientState(spec.connect(), worker_index)
     except Exception as error:
         conn.send(("error", f"connect failed: {type(error).__name__}: {error}"))
@@ -146,7 +150,7 @@ def worker_main(spec: ClientSpec, worker_index: int, conn: Connection) -> None:
 class WorkerPool:
     """`count` client processes connected to one server."""
 
-    def __init__(self, spec: ClientSpec, count: int) -> None:
+    def __init__(self, spec: ClientSpec, count: int, namespace: str = "") -> None:
         context = multiprocessing.get_context("spawn")
         self._conns: list[Connection] = []
         self._processes: list[Any] = []
@@ -154,7 +158,7 @@ class WorkerPool:
             parent_end, child_end = context.Pipe()
             process = context.Process(
                 target=worker_main,
-                args=(spec, index, child_end),
+                args=(spec, index, child_end, namespace),
                 daemon=True,
                 name=f"kvshare-bench-client-{index}",
             )

@@ -6,14 +6,18 @@ tests: no figure is asserted beyond being positive.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kvshare.bench.peers.base import BenchError
+from kvshare.bench.peers.kvshare_peer import KvshareSystem
 from kvshare.bench.peers.lmcache_peer import find_lmcache_python
 
 CONTRACT_KEYS = {"system", "op", "value_bytes", "clients", "mb_per_s", "p50_ms", "p99_ms"}
@@ -55,6 +59,7 @@ def test_json_contract_for_the_tcp_ceiling() -> None:
         assert row["value_bytes"] == 16 * 1024 or row["system"] == "tcp-batch"
         assert row["clients"] == 1
         assert row["ratio_to_tcp"] == 1.0
+        assert row["topology"] == "loopback"  # DESIGN §8: every row says where it ran
     assert rows[("tcp-batch", "get")]["blocks_per_call"] == 4
     assert document["failed"] == {}
 
@@ -106,3 +111,21 @@ def test_table_on_stdout_and_progress_on_stderr() -> None:
     assert "Targets:" in result.stdout
     assert "round 1/1 tcp: starting server" in result.stderr
     assert "tcp-batch" not in result.stdout
+
+
+def test_kvshare_cells_that_fell_back_to_grpc_fail_the_run(tmp_path: Path) -> None:
+    system = KvshareSystem(same_host=False)
+    spec = system.start(tmp_path)
+    try:
+        client = spec.connect()
+        client.put([bytes(32)], [memoryview(b"x" * 1000)])
+        assert len(client.get([bytes(32)])) == 1
+        client.close()
+        assert system.clear() is False  # positive control: the bulk channel carried it
+        fallen_back = dataclasses.replace(spec, bulk=False).connect()  # as after a failure
+        assert len(fallen_back.get([bytes(32)])) == 1
+        fallen_back.close()
+        with pytest.raises(BenchError, match="1 gets/puts went over gRPC"):
+            system.clear()
+    finally:
+        system.stop()

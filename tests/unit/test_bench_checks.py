@@ -45,3 +45,21 @@ def test_targets_pass_fail_and_not_measured() -> None:
     assert checks[("kvshare-tcp / kvshare PUT 2 MiB", 1)].value == 0.9
     assert checks[("kvshare-tcp / redis PUT 2 MiB", 1)].value == 1.1
     assert checks[("kvshare / lmcache GET 2 MiB", 1)].value == 0.9
+
+
+def test_two_host_targets_are_the_cross_host_ones() -> None:
+    rows = [
+        _row("kvshare-tcp", "get", 2 * MIB, {"tcp": 0.85, "redis": 0.9}),
+        _row("kvshare-tls-sealed", "get", 2 * MIB, {"tcp": 0.35}),
+        _row("kvshare-tcp", "put", 2 * MIB, {"tcp": 0.5, "redis": 1.05}),
+        _row("kvshare-tcp-batch", "get", 64 * 1024, {}, blocks=64, blocks_per_s=4000.0),
+    ]
+    checks = {(c.name, c.clients): c for c in evaluate(rows, (1,), two_host=True)}
+    assert checks[("kvshare-tcp GET 2 MiB / raw TCP", 1)].passed is True
+    assert checks[("kvshare-tcp GET 2 MiB / Redis GET", 1)].passed is False
+    secure = checks[("kvshare-tls-sealed GET 2 MiB / raw TCP", 1)]
+    assert secure.passed is False and secure.threshold == 0.5
+    put = checks[("kvshare-tcp PUT 2 MiB / Redis SET (acknowledged)", 1)]
+    assert put.value == 1.05 and put.passed is None  # reported beside the GET targets
+    assert checks[("kvshare-tcp batched GET, 64 KiB blocks/s per client", 1)].passed is False
+    assert not any(name.startswith("kvshare GET") for name, _ in checks)  # no same-host row

@@ -17,6 +17,13 @@ system with options, so their ratio to a base within a round is the cost of an o
 - `kvshare-nosync`: `--no-sync-writes` (PUT acknowledged before fsync). Opt-in.
 - `kvshare-grpc`: the client's bulk channel off, payloads over gRPC streams only (the
   fallback path). Opt-in.
+
+Across two hosts (`--two-host`) the server listens on the wildcard address, as a store
+beside a pool of replica hosts does (`--listen 0.0.0.0:0`, so the bulk listener is on
+0.0.0.0 too and OpenBulk announces a wildcard: clients dial the server's address).
+There the client's same-host transport finds another network namespace and uses TCP,
+so `kvshare` measures what `kvshare-tcp` does, and `kvshare-sealed` is sealing over TCP
+without TLS.
 """
 
 from __future__ import annotations
@@ -24,16 +31,19 @@ from __future__ import annotations
 import importlib.util
 import secrets
 import sys
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvshare.bench.peers.base import BenchError, ServerProcess
+from kvshare.bench.placement import LOOPBACK, Placement
 
 TENANT = "dev"  # the tenant dev mode creates, with read+write for the token in dev.token
 MODEL = "kvshare-bench"
 SERVING_LINE = r"serving on (\S+):(\d+)"
+METRICS_LINE = r"metrics on (\S+) "
 DATA_KEY_BYTES = 32
 
 
@@ -108,7 +118,9 @@ class KvshareSystem:
         sync_writes: bool = True,
         bulk: bool = True,
         same_host: bool = True,
+        placement: Placement = LOOPBACK,
     ) -> None:
+        self._at = placement
         self._same_host = same_host and not tls and bulk
         suffix = "-tcp" if bulk and not tls and not same_host else ""
         suffix += ("-tls" if tls else "") + ("-sealed" if sealed else "")
@@ -119,6 +131,7 @@ class KvshareSystem:
         self._sealed = sealed
         self._sync_writes = sync_writes
         self._server: ServerProcess | None = None
+        self._metrics = ""  # the server's Prometheus endpoint (HOST:PORT)
 
     def unavailable_reason(self) -> str | None:
         needed = [("cacheserver.cli", "the server"), ("replica_agent.client", "BlockClient")]
@@ -139,27 +152,34 @@ class KvshareSystem:
             "--data-dir",
             str(data_dir),
             "--listen",
-            "127.0.0.1:0",
+            "0.0.0.0:0" if self._at.is_two_host else "127.0.0.1:0",
         ]
+        if self._at.is_two_host and not self._tls:
+            argv.append("--allow-insecure-listen")  # the veth is the benchmark's own
         root_ca = None
         if self._tls:
             from kvshare.bench.tls import write_self_signed
 
-            cert_path, key_path = write_self_signed(workdir)
+            cert_path, key_path = write_self_signed(workdir, self._at.server_host)
             argv += ["--tls-cert", str(cert_path), "--tls-key", str(key_path)]
             root_ca = str(cert_path)
         if not self._sync_writes:
             argv.append("--no-sync-writes")
-        self._server = ServerProcess.launch(argv, workdir / f"{self.name}-server.log")
+        argv += ["--metrics-listen", f"{self._at.server_host}:0"]  # where the harness can reach
+        self._server = ServerProcess.launch(
+            self._at.server_command(argv), workdir / f"{self.name}-server.log"
+        )
         try:
             match = self._server.wait_for_line(SERVING_LINE)
+            self._metrics = self._server.wait_for_line(METRICS_LINE).group(1)
             token = (data_dir / "dev.token").read_text().strip()
         except (BenchError, OSError) as error:
             self.stop()
             raise BenchError(f"kvshare serve did not start: {error}") from error
         data_key = secrets.token_bytes(DATA_KEY_BYTES) if self._sealed else None
+        host = self._at.server_host if self._at.is_two_host else match.group(1)
         return KvshareClientSpec(
-            f"{match.group(1)}:{match.group(2)}",
+            f"{host}:{match.group(2)}",
             token,
             root_ca,
             data_key,
@@ -171,7 +191,31 @@ class KvshareSystem:
         pass
 
     def clear(self) -> bool:
-        return False  # each client would have to delete its own keys; a fresh server per round
+        """Called after each value size's cells: nothing is dropped (each client would
+        have to delete its own keys; a fresh server per round), but the cells are checked
+        to have measured the transport they are named after."""
+        self._check_no_grpc_fallback()
+        return False
+
+    def _check_no_grpc_fallback(self) -> None:
+        """With the bulk channel on, payloads must never have gone over gRPC: a client
+        that fell back (unreachable bulk address, TLS failure) measures the fallback."""
+        if not self._bulk or not self._metrics:
+            return
+        with urllib.request.urlopen(f"http://{self._metrics}/metrics", timeout=10) as response:
+            text = response.read().decode("utf-8")
+        fallbacks = sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("kvshare_rpc_requests_total{")
+            and ('method="kvshare.v1.BlockStore/Get"' in line
+                 or 'method="kvshare.v1.BlockStore/Put"' in line)
+        )  # fmt: skip
+        if fallbacks:
+            raise BenchError(
+                f"{self.name}: {fallbacks:.0f} gets/puts went over gRPC, not the bulk channel "
+                "(see the server log): its figures would be the fallback's"
+            )
 
     def stop(self) -> None:
         if self._server is not None:

@@ -32,6 +32,7 @@ from pathlib import Path
 from kvshare.bench.buffers import aligned_buffer
 from kvshare.bench.peers import tcp_wire
 from kvshare.bench.peers.base import BenchError, ServerProcess, free_loopback_port, wait_for_port
+from kvshare.bench.placement import LOOPBACK, Placement
 
 ENV_PYTHON = "KVSHARE_LMCACHE_PYTHON"
 DEFAULT_VENV_PYTHON = Path.home() / ".cache" / "kvshare" / "lmcache-venv" / "bin" / "python"
@@ -144,8 +145,9 @@ class LmcacheSystem:
     is_put_acknowledged = False
     supports_batch_get = True  # pipelined GETs
 
-    def __init__(self, python: Path | None) -> None:
+    def __init__(self, python: Path | None, *, placement: Placement = LOOPBACK) -> None:
         self._python = python
+        self._at = placement
         self._server: ServerProcess | None = None
 
     def unavailable_reason(self) -> str | None:
@@ -173,16 +175,18 @@ class LmcacheSystem:
     def start(self, workdir: Path) -> LmcacheClientSpec:
         if self._python is None:
             raise BenchError("lmcache is unavailable")
-        port = free_loopback_port()
-        argv = [str(self._python), "-m", "lmcache.v1.server", "127.0.0.1", str(port), "cpu"]
-        self._server = ServerProcess.launch(argv, workdir / "lmcache-server.log")
+        port, host = free_loopback_port(), self._at.server_host
+        argv = [str(self._python), "-m", "lmcache.v1.server", host, str(port), "cpu"]
+        self._server = ServerProcess.launch(
+            self._at.server_command(argv), workdir / "lmcache-server.log"
+        )
         try:
-            wait_for_port("127.0.0.1", port, SERVER_START_TIMEOUT_S, self._server.process)
+            wait_for_port(host, port, SERVER_START_TIMEOUT_S, self._server.process)
         except BenchError as error:
             tail = self._server.tail()
             self.stop()
             raise BenchError(f"{error}; server log: {tail}") from error
-        return LmcacheClientSpec("127.0.0.1", port)
+        return LmcacheClientSpec(host, port)
 
     def reserve(self, value_bytes: int, count: int) -> None:
         pass

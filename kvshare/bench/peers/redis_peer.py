@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from kvshare.bench.peers.base import BenchError, ServerProcess, free_loopback_port, wait_for_port
+from kvshare.bench.placement import LOOPBACK, Placement
 
 REDIS_SERVER = "redis-server"
 
@@ -90,13 +91,16 @@ class RedisSystem:
     is_put_acknowledged = True
     supports_batch_get = True  # MGET
 
-    def __init__(self, *, unix: bool = False) -> None:
+    def __init__(self, *, unix: bool = False, placement: Placement = LOOPBACK) -> None:
         self.name = "redis-unix" if unix else "redis"
         self._unix = unix
+        self._at = placement
         self._server: ServerProcess | None = None
         self._spec: RedisClientSpec | None = None
 
     def unavailable_reason(self) -> str | None:
+        if self._unix and self._at.is_two_host:
+            return "a Unix socket does not cross hosts (redis is the two-host peer)"
         if shutil.which(REDIS_SERVER) is None:
             return "redis-server not found (Debian: apt-get install -y redis-server)"
         try:
@@ -107,6 +111,7 @@ class RedisSystem:
         return None
 
     def start(self, workdir: Path) -> RedisClientSpec:
+        host = self._at.server_host
         for _ in range(3):  # a free port can be taken between probe and bind
             port = free_loopback_port()
             argv = [
@@ -114,33 +119,34 @@ class RedisSystem:
                 "--port",
                 str(port),
                 "--bind",
-                "127.0.0.1",
+                host,
                 "--save",
                 "",
                 "--appendonly",
                 "no",
                 "--dir",
                 str(workdir),
+                # Protected mode refuses clients off loopback when there is no password;
+                # the two-host server's only network is the benchmark's own veth.
                 "--protected-mode",
-                "yes",
+                "no" if self._at.is_two_host else "yes",
                 "--maxmemory-policy",
                 "noeviction",
             ]
             socket_path = workdir / "redis.sock"
             if self._unix:
                 argv += ["--unixsocket", str(socket_path), "--unixsocketperm", "700"]
-            server = ServerProcess.launch(argv, workdir / "redis-server.log")
+            log_path = workdir / "redis-server.log"
+            server = ServerProcess.launch(self._at.server_command(argv), log_path)
             try:
-                wait_for_port("127.0.0.1", port, 30.0, server.process)
+                wait_for_port(host, port, 30.0, server.process)
             except BenchError:
                 server.stop()
                 continue
             self._server = server
-            self._spec = RedisClientSpec(
-                "127.0.0.1", port, str(socket_path) if self._unix else None
-            )
+            self._spec = RedisClientSpec(host, port, str(socket_path) if self._unix else None)
             return self._spec
-        raise BenchError("redis-server did not start on a free loopback port in 3 tries")
+        raise BenchError(f"redis-server did not start on a free port of {host} in 3 tries")
 
     def reserve(self, value_bytes: int, count: int) -> None:
         pass

@@ -13,6 +13,7 @@ from pathlib import Path
 from kvshare.bench.buffers import aligned_buffer
 from kvshare.bench.peers import tcp_wire as wire
 from kvshare.bench.peers.base import BenchError, ServerProcess
+from kvshare.bench.placement import LOOPBACK, Placement
 
 
 @dataclass(frozen=True)
@@ -89,9 +90,10 @@ class TcpSystem:
     is_put_acknowledged = True
     supports_batch_get = True
 
-    def __init__(self, *, tls: bool = False) -> None:
+    def __init__(self, *, tls: bool = False, placement: Placement = LOOPBACK) -> None:
         self.name = "tcp-tls" if tls else "tcp"
         self._tls = tls
+        self._at = placement
         self._server: ServerProcess | None = None
         self._control: TcpClient | None = None
 
@@ -100,14 +102,17 @@ class TcpSystem:
 
     def start(self, workdir: Path) -> TcpClientSpec:
         argv = [sys.executable, "-m", "kvshare.bench.peers.tcp_server", "--port", "0"]
+        argv += ["--host", self._at.server_host]
         ca_path = None
         if self._tls:
             from kvshare.bench.tls import write_self_signed
 
-            cert_path, key_path = write_self_signed(workdir)
+            cert_path, key_path = write_self_signed(workdir, self._at.server_host)
             argv += ["--tls-cert", str(cert_path), "--tls-key", str(key_path)]
             ca_path = str(cert_path)
-        self._server = ServerProcess.launch(argv, workdir / f"{self.name}-server.log")
+        self._server = ServerProcess.launch(
+            self._at.server_command(argv), workdir / f"{self.name}-server.log"
+        )
         match = self._server.wait_for_line(r"listening on ([\d.]+):(\d+)")
         spec = TcpClientSpec(match.group(1), int(match.group(2)), ca_path)
         self._control = spec.connect()

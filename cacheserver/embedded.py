@@ -49,6 +49,9 @@ class EmbeddedServer:
         return await self.server.start()
 
     def stop(self, grace_s: float = 1.0) -> None:
+        """Stop the server and its loop; stopping again does nothing."""
+        if self._loop.is_closed():
+            return
         if self.server is not None:
             asyncio.run_coroutine_threadsafe(self.server.stop(grace_s), self._loop).result(60)
             self.server = None

@@ -146,12 +146,6 @@ def test_bad_bulk_addresses_and_plaintext_off_loopback_are_one_line_errors(
     assert "non-loopback 198.18.0.1:0 for the bulk channel without TLS" in line
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="replica_agent/bulk.py BulkChannel._connect passes the announced host with its "
-    "IPv6 brackets as TLS server_hostname ('[::1]'), so certificate verification fails and "
-    "every call falls back to gRPC; left to the client refactor (strip the brackets)",
-)
 def test_the_tls_bulk_channel_reaches_an_ipv6_literal(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -163,4 +157,5 @@ def test_the_tls_bulk_channel_reaches_an_ipv6_literal(
         tls = ClientTls(root_ca=ca.cert_path)
         with BlockClient(server.address, token, tls=tls, same_host=False) as client:
             assert client.put("dev", MODEL, [os.urandom(32)], [b"x" * 1000]) == [True]
+            assert client.transport_stats.bulk_fallbacks == 0  # TLS to [::1] verified
     assert "bulk channel failed" not in caplog.text

@@ -18,7 +18,10 @@ unless `bulk=False`; the choice and the fallback live here and only here:
   its own message);
 - a connection that fails (refused, reset, closed mid-frame) sends this call over gRPC
   and keeps the bulk channel off for a backoff that doubles up to a minute, counted in
-  `transport_stats.bulk_fallbacks` and logged once per backoff window; then it is tried again;
+  `transport_stats.bulk_fallbacks` and logged once per backoff window; then it is tried
+  again. When gRPC cannot reach the server either, the channel was not at fault (the
+  server is down or restarting): no backoff, so the bulk channel is used again as soon
+  as the server is back;
 - a server without a bulk channel turns it off for good.
 Policy errors (the server's statuses) are raised whatever the transport: gRPC would
 answer the same.
@@ -111,6 +114,12 @@ class _Backoff:
 
     def succeeded(self) -> None:
         self._delay_s = 0.0
+
+    def forgive(self) -> None:
+        """The failure was not the channel's (the whole server was unreachable): no
+        window, so the channel is tried first as soon as the server answers again."""
+        with self._lock:
+            self._delay_s = self._until = 0.0
 
 
 class BlockClient:
@@ -234,10 +243,20 @@ class BlockClient:
                 first = next(stream, None)  # connection and policy errors surface here
             except (OSError, w.ConnectionClosed, NoBulkListener, UseGrpc) as error:
                 self._bulk_failed(error)
-            else:
-                self._bulk_backoff.succeeded()
-                return _then(first, stream)
+                return self._forgiving(self._grpc.iter_get(tenant, model, digests))
+            self._bulk_backoff.succeeded()
+            return _then(first, stream)
         return self._grpc.iter_get(tenant, model, digests)
+
+    def _forgiving(self, fallback: Iterator[View]) -> Iterator[View]:
+        """A fallback read: if gRPC cannot reach the server either, the bulk channel was
+        not at fault (module docstring)."""
+        try:
+            yield from fallback
+        except BlockStoreError as error:
+            if _unreachable(error):
+                self._bulk_backoff.forgive()
+            raise
 
     def put(
         self, tenant: str, model: str, digests: Sequence[bytes], payloads: Sequence[Payload]
@@ -253,9 +272,14 @@ class BlockClient:
                 stored = bulk.put(tenant, model, digests, payloads)
             except (OSError, w.ConnectionClosed, NoBulkListener, UseGrpc) as error:
                 self._bulk_failed(error)  # puts are idempotent: this one goes over gRPC
-            else:
-                self._bulk_backoff.succeeded()
-                return stored
+                try:
+                    return self._grpc.put(tenant, model, digests, payloads)
+                except BlockStoreError as fallback_error:
+                    if _unreachable(fallback_error):
+                        self._bulk_backoff.forgive()
+                    raise
+            self._bulk_backoff.succeeded()
+            return stored
         return self._grpc.put(tenant, model, digests, payloads)
 
     def delete(self, tenant: str, model: str, digests: Sequence[bytes]) -> int:
@@ -267,6 +291,10 @@ class BlockClient:
 
     def stats(self) -> pb.StatsResponse:
         return self._grpc.stats()
+
+
+def _unreachable(error: BlockStoreError) -> bool:
+    return error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 def _then(first: memoryview | None, rest: Iterator[memoryview]) -> Iterator[View]:

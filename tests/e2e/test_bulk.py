@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -191,3 +192,30 @@ def test_one_bulk_request_carries_thousands_of_digests(
         assert bulk is not None
         assert bulk.put("dev", MODEL, digests, payloads) == [True] * 1500  # no gRPC fallback
         assert bulk.get("dev", MODEL, digests) == payloads
+
+
+def test_a_failed_bulk_channel_is_retried_after_a_backoff_not_on_every_call(
+    dev_server: Running, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issues 13 and 14: a failed bulk channel was retried (OpenBulk and a connect) on
+    every call. Now calls go over gRPC for a backoff window, each fallback is counted,
+    one warning is logged per window, and the channel is tried again after it."""
+    import replica_agent.client as client_module
+
+    monkeypatch.setattr(client_module, "FIRST_BACKOFF_S", 0.5)
+    assert dev_server.server.server is not None and dev_server.server.server.bulk is not None
+    tickets = dev_server.server.server.tickets
+    with dev_server.client(transport="bulk-tcp") as client:
+        digest = os.urandom(32)
+        assert client.put("dev", MODEL, [digest], [b"v"]) == [True]  # the bulk channel
+        dev_server.server.server.bulk.stop()  # the listener and its connections go away
+        issued = len(tickets)
+        with caplog.at_level(logging.WARNING):
+            for _ in range(10):
+                assert client.get("dev", MODEL, [digest]) == [b"v"]  # answered over gRPC
+        assert client.transport_stats.bulk_fallbacks == 1  # the rest never tried it
+        assert len(tickets) <= issued + 1  # at most one more OpenBulk in the window
+        assert caplog.text.count("bulk channel failed") == 1
+        time.sleep(0.6)  # the window passes: the channel is tried again (and fails again)
+        assert client.get("dev", MODEL, [digest]) == [b"v"]
+        assert client.transport_stats.bulk_fallbacks == 2

@@ -17,8 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from cacheserver.config import load_config
-from cacheserver.embedded import EmbeddedServer
 from policy.sealing import BlockSealer, Keyring, new_key_entry
 from replica_agent.adapters.vllm_layout import ConcatLastDim
 from replica_agent.adapters.vllm_plan import LoadPlan, SavePlan
@@ -27,7 +25,7 @@ from replica_agent.breaker import CircuitBreaker
 from replica_agent.client import BlockClient
 from replica_agent.spec import ModelSpec
 from replica_agent.telemetry import AgentTelemetry
-from tests.conftest import Running, write_config
+from tests.conftest import Running, launch, write_config
 
 LAYERS, HEADS, DIM, VLLM_BLOCK, CACHE_BLOCKS = 2, 2, 8, 16, 12
 SPEC = ModelSpec("vllm/test", "r1", LAYERS, HEADS, DIM, "float32", block_tokens=32)
@@ -52,9 +50,8 @@ def store_server(tmp_path: Path) -> Iterator[Running]:
         tmp_path,
         principals={"engine": (["alpha", "beta"], ["read", "write"]), "a": (["alpha"], ["read"])},
     )
-    config = load_config(tenancy.path)
-    with EmbeddedServer(config) as server:
-        yield Running(server.address, config.data_dir, tenancy.tokens)
+    with launch(tenancy) as running:
+        yield running
 
 
 @pytest.fixture

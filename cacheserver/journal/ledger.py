@@ -11,16 +11,13 @@ Invariants:
 - `drained` only moves forward.
 
 Several records may be receiving at once (one per connection), so records are done
-out of order: `_slots` holds every unreclaimed record by sequence number, `_undone` the
-ones not yet done, and `drain_point` finds how far an unbroken run of done records
-reaches.
-
-Known gap (issue 15, F2), a local fix here: `drain_point` walks only `_undone`, and
-`finish` pops records done behind an older one still RESERVED. When that old one is
-the last not done and finishes, `drained` stops at it: the records done behind it are
-covered only once a later record drains, which a ring they fill never lets happen (no
-space is reclaimed, puts are refused, a delete's barrier waits forever). The walk must
-go over every unreclaimed slot after `drained`, done ones included.
+out of order: `_slots` holds every unreclaimed record by sequence number, `_ahead` the
+ones after `drained` (done or not), and `drain_point` finds how far an unbroken run of
+done records reaches from `drained` — records done while an older one was still
+receiving included, so the moment that older one finishes (or is given up), `drained`
+passes all of them at once. (Walking only the records not yet done missed them: the
+ring they filled was never reclaimed, puts were refused and deletes' barriers waited
+forever — issue 15, F2.)
 """
 
 from __future__ import annotations
@@ -46,20 +43,20 @@ class Ledger:
         self.undrained_bytes = 0
         self.drained = Position(journal_id, after_seq, DATA_START)
         self._slots: OrderedDict[int, _Slot] = OrderedDict()  # unreclaimed, by seq
-        self._undone: OrderedDict[int, _Slot] = OrderedDict()  # of which not done
+        self._ahead: OrderedDict[int, _Slot] = OrderedDict()  # of which after `drained`
 
     def add(self, seq: int, taken: int, end: int) -> None:
         """Record `seq` takes `taken` bytes of the ring, up to offset `end`."""
         self.used_bytes += taken
         self.undrained_bytes += taken
-        self._slots[seq] = self._undone[seq] = _Slot(taken, end)
+        self._slots[seq] = self._ahead[seq] = _Slot(taken, end)
 
     def drain_point(self, seqs: set[int]) -> Position | None:
         """How far the chain is covered once records `seqs` are in LMDB: the last of
         the unbroken run of finished records from the oldest unreleased one."""
         point = None
-        for seq, slot in self._undone.items():  # drained ones are not walked again
-            if seq not in seqs:
+        for seq, slot in self._ahead.items():  # covered ones are not walked again
+            if not slot.done and seq not in seqs:
                 break
             point = Position(self.journal_id, seq, slot.end)
         return point
@@ -67,12 +64,14 @@ class Ledger:
     def finish(self, seqs: set[int], through: Position | None) -> None:
         """Records `seqs` are done, and LMDB records the chain going on after `through`."""
         for seq in seqs:
-            slot = self._undone.pop(seq, None)
-            if slot is not None:
+            slot = self._slots.get(seq)
+            if slot is not None and not slot.done:
                 slot.done = True
                 self.undrained_bytes -= slot.taken
         if through is not None and through.seq > self.drained.seq:
             self.drained = through
+            while self._ahead and next(iter(self._ahead)) <= through.seq:
+                self._ahead.popitem(last=False)
 
     def reclaimable(self, keep_bytes: int) -> int | None:
         """The last seq of the oldest done records whose space, reclaimed, brings the

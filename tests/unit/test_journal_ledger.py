@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
 from cacheserver.journal.format import DATA_START
 from cacheserver.journal.ledger import Ledger
 from cacheserver.tiers import Position
@@ -48,11 +46,6 @@ def test_records_done_out_of_order_are_covered_once_the_run_is_unbroken() -> Non
     assert ledger.reclaimable(keep_bytes=0) == 4
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 15 F2: drain_point walks only _undone, so records done behind the "
-    "last one not done are not covered when it finishes",
-)
 def test_records_done_behind_the_last_one_not_done_are_covered_when_it_finishes() -> None:
     ledger = ledger_of(10, 10, 10)
     ledger.finish({2, 3}, ledger.drain_point({2, 3}))  # done while record 1 receives

@@ -221,17 +221,13 @@ def test_the_drain_point_covers_only_an_unbroken_run_of_finished_records(
     assert journal.drained_seq == 0
     assert journal.reclaimable(keep_bytes=0) is None  # drained, but not covered
     point = journal.drain_point({1})
-    assert point is not None and point.seq == 1
+    # 1 completes the run: it covers 2 and 3, finished before it (issue 15 F2)
+    assert point is not None and point.seq == 3
     journal.finish({1}, point)
-    assert journal.drained_seq == 1
-    assert journal.reclaimable(keep_bytes=0) == 1
+    assert journal.drained_seq == 3
+    assert journal.reclaimable(keep_bytes=0) == 3
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 15 F2: drain_point walks only _undone, so records finished while an "
-    "older one was still RESERVED are never covered once it is given up",
-)
 def test_records_finished_behind_a_reservation_are_covered_once_it_is_given_up(
     tmp_path: Path,
 ) -> None:

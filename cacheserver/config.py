@@ -119,7 +119,7 @@ class LimitsConfig:
 
 @dataclass(frozen=True)
 class BulkConfig:
-    """The bulk channel's listeners (cacheserver/bulk.py): TCP/TLS, and same-host."""
+    """The bulk channel's listeners (cacheserver/bulk/): TCP/TLS, and same-host."""
 
     # HOST:PORT of the TCP/TLS listener (DESIGN §8). "": the gRPC listen host at the
     # gRPC port + 1 (port 0 stays 0: a free port, as in tests). A fixed port is one a
@@ -140,6 +140,12 @@ class BulkConfig:
     # Same-host connections open at once (each holds up to arena_bytes of memory);
     # past it, clients use TCP.
     max_arenas: int = 32
+    # A PUT's block must arrive, and a GET's reply must be taken, at least this fast
+    # (after 2 s of slack), or the connection is closed. While a block arrives it holds
+    # journal space, and while a reply is sent it keeps the journal from reusing space:
+    # a peer that trickles or stops reading must not hold either for longer (32 MiB/s
+    # lets a 128 MiB block take 6 s; far below what any replica's network gives).
+    min_transfer_bytes_per_s: int = 32 * MiB
 
 
 @dataclass(frozen=True)

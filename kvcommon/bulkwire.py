@@ -39,6 +39,7 @@ import ctypes
 import socket
 import ssl
 import struct
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -70,8 +71,36 @@ class ConnectionClosed(ConnectionError):
     """The peer closed the connection in the middle of a frame."""
 
 
-def recv_exact(sock: socket.socket, view: memoryview) -> None:
-    """Fill `view` completely from `sock`.
+class Deadline:
+    """A total time limit on one transfer, however slowly its bytes trickle in or are
+    taken: before each system call the socket's timeout is set to what is left, and
+    afterwards back to `idle_s` (the connection's timeout between requests)."""
+
+    def __init__(self, seconds: float, idle_s: float) -> None:
+        self.at = time.monotonic() + seconds
+        self.idle_s = idle_s
+
+    def arm(self, sock: socket.socket) -> None:
+        left = self.at - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the transfer did not complete within its deadline")
+        set_timeout(sock, left)
+
+    def disarm(self, sock: socket.socket) -> None:
+        set_timeout(sock, self.idle_s)
+
+
+def set_timeout(sock: socket.socket, seconds: float) -> None:
+    """The socket's timeout, whichever kind it has: kernel timeouts on a blocking socket
+    (`kernel_timeouts`), Python's own on a TLS or non-blocking one."""
+    if sock.gettimeout() is None and not isinstance(sock, ssl.SSLSocket):
+        _kernel_timeouts(sock, seconds)
+    else:
+        sock.settimeout(seconds)
+
+
+def recv_exact(sock: socket.socket, view: memoryview, deadline: Deadline | None = None) -> None:
+    """Fill `view` completely from `sock` (within `deadline`, when given).
 
     On a blocking plain socket (timeouts set with SO_RCVTIMEO, see `kernel_timeouts`),
     MSG_WAITALL has the kernel fill the whole view in one call: one wake-up per block
@@ -79,42 +108,62 @@ def recv_exact(sock: socket.socket, view: memoryview) -> None:
     flags = 0
     if sock.gettimeout() is None and not isinstance(sock, ssl.SSLSocket):
         flags = socket.MSG_WAITALL
-    while view.nbytes:
-        received = sock.recv_into(view, 0, flags)
-        if received == 0:
-            raise ConnectionClosed("peer closed the bulk connection")
-        view = view[received:]
+    try:
+        while view.nbytes:
+            if deadline is not None:
+                deadline.arm(sock)
+            received = sock.recv_into(view, 0, flags)
+            if received == 0:
+                raise ConnectionClosed("peer closed the bulk connection")
+            view = view[received:]
+    finally:
+        if deadline is not None:
+            deadline.disarm(sock)
 
 
 def kernel_timeouts(sock: socket.socket, seconds: float) -> None:
     """Make `sock` blocking with `seconds` as the kernel's send and receive timeouts
     (a call that waits longer fails with an OSError), so receives can use MSG_WAITALL,
     which Python's own timeouts (a non-blocking socket underneath) rule out."""
-    whole = int(seconds)
-    timeval = struct.pack("ll", whole, int((seconds - whole) * 1_000_000))
     sock.settimeout(None)
+    _kernel_timeouts(sock, seconds)
+
+
+def _kernel_timeouts(sock: socket.socket, seconds: float) -> None:
+    whole = int(seconds)
+    timeval = struct.pack("ll", whole, max(1, int((seconds - whole) * 1_000_000)))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
 
 
-def send_parts(sock: socket.socket, parts: list[bytes | bytearray | memoryview]) -> None:
-    """Send every byte of `parts` with as few `sendmsg` calls as the kernel allows.
+def send_parts(
+    sock: socket.socket,
+    parts: list[bytes | bytearray | memoryview],
+    deadline: Deadline | None = None,
+) -> None:
+    """Send every byte of `parts` with as few `sendmsg` calls as the kernel allows
+    (within `deadline`, when given: a peer that stops reading cannot hold the sender).
 
     A socket with a timeout is non-blocking underneath, so one `sendmsg` may send only a
     prefix: resume from where it stopped, without copying the payloads.
     """
     views = [memoryview(p).cast("B") for p in parts]
-    if isinstance(sock, ssl.SSLSocket):  # TLS sockets have no sendmsg
-        for view in views:
-            sock.sendall(view)
-        return
-    while views:
-        sent = sock.sendmsg(views[:MAX_IOV])  # the kernel takes at most IOV_MAX buffers
-        while views and sent >= views[0].nbytes:
-            sent -= views[0].nbytes
-            views.pop(0)
-        if views and sent:
-            views[0] = views[0][sent:]
+    try:
+        while views:
+            if deadline is not None:
+                deadline.arm(sock)
+            if isinstance(sock, ssl.SSLSocket):  # TLS sockets have no sendmsg
+                sock.sendall(views.pop(0))
+                continue
+            sent = sock.sendmsg(views[:MAX_IOV])  # the kernel takes at most IOV_MAX buffers
+            while views and sent >= views[0].nbytes:
+                sent -= views[0].nbytes
+                views.pop(0)
+            if views and sent:
+                views[0] = views[0][sent:]
+    finally:
+        if deadline is not None:
+            deadline.disarm(sock)
 
 
 def recv_bytes(sock: socket.socket, size: int) -> bytearray:

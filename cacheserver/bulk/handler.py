@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from cacheserver.bulk.arena import Arena
 from cacheserver.requests import DISK_BATCH_BYTES, RequestCore, parse_model_bytes
@@ -27,18 +28,40 @@ from policy.types import StorageKey
 
 DISCARD_CHUNK_BYTES = 1 << 20
 OPS = {w.OP_GET: "Get", w.OP_PUT: "Put"}
+TRANSFER_SLACK_S = 2.0
+
+
+@dataclass(frozen=True)
+class Pace:
+    """How long a transfer may take: `slack_s` plus its bytes at the minimum rate. A
+    block receiving into the journal holds ring space, and a reply being sent keeps the
+    ring from reusing space (its views are pinned): a peer that trickles or stops
+    reading must not hold either for longer (issue 15, F2 and F3)."""
+
+    min_bytes_per_s: int
+    idle_s: float  # the connection's timeout between requests, restored after
+    slack_s: float = TRANSFER_SLACK_S
+
+    def deadline(self, nbytes: int) -> w.Deadline:
+        return w.Deadline(self.slack_s + nbytes / self.min_bytes_per_s, self.idle_s)
 
 
 class BulkHandler:
     """Serves the requests of one connection (its grant, and its arena if same-host)."""
 
     def __init__(
-        self, core: RequestCore, conn: socket.socket, grant: Grant, arena: Arena | None
+        self,
+        core: RequestCore,
+        conn: socket.socket,
+        grant: Grant,
+        arena: Arena | None,
+        pace: Pace,
     ) -> None:
         self._core = core
         self._conn = conn
         self._grant = grant
         self._arena = arena
+        self._pace = pace
 
     def handle(self, op: int, model_len: int, count: int) -> None:
         """One request whose header was read; raises KvshareError to refuse it."""
@@ -70,15 +93,18 @@ class BulkHandler:
         """The reply in as few `sendmsg` calls as its tiers allow: one for blocks all in
         memory (status, sizes, payloads and END together)."""
         parts: list[bytes | bytearray | memoryview] = [bytes([w.OK])]
+        nbytes = 0
         with self._core.store.read(self._grant.tenant, keys) as reading:
             while (batch := reading.next_batch(DISK_BATCH_BYTES)) is not None:
                 for payload in batch.payloads:
                     parts += [w.SIZE.pack(len(payload)), payload]
+                    nbytes += len(payload)
                 if batch.final:
                     break
-                w.send_parts(self._conn, parts)  # the next batch reads the disk: send these
-                parts = []
-            w.send_parts(self._conn, [*parts, w.END])
+                # the next batch reads the disk: send these first
+                w.send_parts(self._conn, parts, self._pace.deadline(nbytes))
+                parts, nbytes = [], 0
+            w.send_parts(self._conn, [*parts, w.END], self._pace.deadline(nbytes))
 
     def _get_local(self, keys: Sequence[StorageKey], arena: Arena) -> None:
         """Copy the leading present blocks into the arena, as many as fit, then say
@@ -113,7 +139,7 @@ class BulkHandler:
         futures = []
         for index, (key, size) in enumerate(zip(keys, sizes, strict=True)):
             source: BlockSource = (
-                _SocketSource(self._conn, size)
+                _SocketSource(self._conn, size, self._pace)
                 if offsets is None or self._arena is None
                 else _ArenaSource(self._arena, offsets[index], size)
             )
@@ -127,15 +153,16 @@ class BulkHandler:
 class _SocketSource:
     """A put's block as it arrives on the socket, in request order."""
 
-    def __init__(self, conn: socket.socket, size: int) -> None:
+    def __init__(self, conn: socket.socket, size: int, pace: Pace) -> None:
         self._conn = conn
         self.size = size
+        self._pace = pace
 
     def payload(self) -> None:
         return None
 
     def fill(self, target: memoryview) -> None:
-        w.recv_exact(self._conn, target)
+        w.recv_exact(self._conn, target, self._pace.deadline(self.size))
 
     def skip(self) -> None:
         """Receive and drop the block (the store holds it already)."""

@@ -38,7 +38,7 @@ import threading
 from collections.abc import Callable, Iterator
 
 from cacheserver.bulk.arena import Arena, listen_locally
-from cacheserver.bulk.handler import OPS, BulkHandler
+from cacheserver.bulk.handler import OPS, BulkHandler, Pace
 from cacheserver.bulk.slots import ConnectionSlots
 from cacheserver.config import BulkConfig
 from cacheserver.requests import RequestCore
@@ -81,6 +81,7 @@ class BulkServer:
         self._lock = threading.Lock()
         self._stopping = False
         self._slots = ConnectionSlots(HANDSHAKE_TIMEOUT_S)
+        self._pace = Pace(self._bulk.min_transfer_bytes_per_s, IDLE_TIMEOUT_S)
         self._reaper = threading.Thread(
             target=self._slots.reap, name="kvshare-bulk-reaper", daemon=True
         )
@@ -182,7 +183,7 @@ class BulkServer:
                     w.kernel_timeouts(raw, IDLE_TIMEOUT_S)
                 else:
                     conn.settimeout(IDLE_TIMEOUT_S)
-                handler = BulkHandler(self._core, conn, grant, None)
+                handler = BulkHandler(self._core, conn, grant, None, self._pace)
                 while self._serve_one(conn, handler):
                     pass
             finally:
@@ -204,7 +205,7 @@ class BulkServer:
                 finally:
                     arena.close_fd()  # the client holds its own descriptor now
                 w.kernel_timeouts(conn, IDLE_TIMEOUT_S)
-                handler = BulkHandler(self._core, conn, grant, arena)
+                handler = BulkHandler(self._core, conn, grant, arena, self._pace)
                 while self._serve_one(conn, handler):
                     pass
             finally:

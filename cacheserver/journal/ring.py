@@ -192,10 +192,16 @@ class Journal:
                 return offset, waste, wrapping
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                if used + waste + need <= ring:  # room, but a reader still sends from it
+                    raise JournalFull(
+                        "the put journal has room, but replies still being sent from it "
+                        "keep its space from being reused (each has at most its transfer "
+                        "deadline, [bulk] min_transfer_bytes_per_s); retry shortly"
+                    )
                 raise JournalFull(
-                    f"the put journal holds {used} bytes not yet in LMDB and has "
-                    f"no room for {need} more: puts arrive faster than the disk takes "
-                    "them; retry later, or raise [storage] journal_bytes"
+                    f"the put journal holds {used} bytes not yet reclaimed and has no "
+                    f"room for {need} more: puts arrive faster than the disk takes them; "
+                    "retry later, or raise [storage] journal_bytes"
                 )
             self._waiting += 1
             try:

@@ -248,43 +248,38 @@ class BlockStore:
     # -- deletes, stats, shutdown -----------------------------------------------------
 
     def delete(self, keys: Sequence[StorageKey]) -> int:
-        """Delete blocks by key; returns how many were stored. Blocking."""
+        """Delete blocks by key; returns how many were stored. Blocking.
+
+        Durable when it returns: the keys leave the index and memory, the writer passes
+        their journal records (so neither its next commit nor a replay after a crash
+        can bring them back), then every tier below deletes every key asked — listed in
+        the index or not. When the writer cannot be waited for (Unavailable), nothing
+        is reported deleted, and a retry deletes from the tiers below what the first
+        attempt already took out of the index: no state a retry hides."""
         tiers = self._tiers
         with tiers.lock:
-            present = [k for k in keys if k in tiers.index]
-        self._forget(present)
-        for tier in tiers.behind:  # they may hold blocks this index no longer lists
-            tier.delete(keys)
-        if not present:
-            return 0
-        tiers.disk.delete(present)
-        return len(present)
+            present = sum(1 for k in keys if k in tiers.index)
+            tiers.remove_everywhere(keys)
+        self._writer.barrier()
+        deleted = tiers.delete_below(keys)
+        return max(present, deleted)
 
     def delete_tenant(self, tenant: TenantId, model_tag: ModelTag | None = None) -> int:
-        """Every block of the tenant, or (with `model_tag`) of one model of it. Blocking."""
+        """Every block of the tenant, or (with `model_tag`) of one model of it, by the
+        same rules as `delete`; LMDB is swept for the tenant's blocks, so a retry after
+        a failure finds what the index no longer lists. Blocking."""
         tiers = self._tiers
         with tiers.lock:
             keys = tiers.index.keys_of(tenant, model_tag)
-        self._forget(keys)
-        if not keys:
-            return 0
-        tiers.delete_below(keys)
-        return len(keys)
-
-    def _forget(self, keys: Sequence[StorageKey]) -> None:
-        """Forget `keys`, journaled ones included, then wait until the writer has passed
-        their journal records, so that neither its next commit nor a replay after a
-        crash can bring them back. Blocking.
-
-        Issue 15, F7: the keys leave the index before the barrier, so when the barrier
-        times out (Unavailable) the caller skips the LMDB delete, a retry finds nothing
-        to delete, and a restart serves the blocks again. The fix is here and in
-        `delete`/`delete_tenant`: wait for the barrier first (or keep the keys as
-        tombstones until LMDB has deleted them), and report success only after."""
-        tiers = self._tiers
-        with tiers.lock:
             tiers.remove_everywhere(keys)
         self._writer.barrier()
+        swept = [
+            meta.key
+            for meta in tiers.disk.scan()
+            if meta.tenant == tenant and (model_tag is None or meta.model_tag == model_tag)
+        ]
+        deleted = tiers.delete_below(sorted({*keys, *swept}))
+        return max(len(keys), deleted)
 
     def tenant_usage(self, tenant: TenantId) -> tuple[int, int]:
         tiers = self._tiers

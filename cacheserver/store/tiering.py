@@ -194,10 +194,12 @@ class Tiers:
             found.update(zip(missing, tier.read_many(missing), strict=True))
         return found
 
-    def delete_below(self, keys: Sequence[StorageKey]) -> None:
-        """Delete `keys` from every lower tier, durably."""
-        for tier in self.lower:
+    def delete_below(self, keys: Sequence[StorageKey]) -> int:
+        """Delete `keys` from every lower tier, durably; how many LMDB held."""
+        deleted = self.disk.delete(keys)
+        for tier in self.behind:
             tier.delete(keys)
+        return deleted
 
     def probe(self) -> str | None:
         """Why a lower tier cannot take writes now, or None."""

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -16,7 +19,7 @@ from cacheserver.lmdb_tier import LmdbTier
 from cacheserver.store import BlockStore
 from cacheserver.tiers import LowerTier
 from cacheserver.writing import BytesSource
-from kvcommon.errors import ResourceExhausted
+from kvcommon.errors import ResourceExhausted, Unavailable
 from policy.types import ModelTag, StorageKey, TenantId
 from tests.conftest import flip_stored_byte
 
@@ -265,3 +268,80 @@ def test_a_failing_tier_behind_fails_no_put(
         assert get(s, A, ks) == [b"z" * MiB] * 2  # stored all the same
     finally:
         s.close()
+
+
+def _drained(store: BlockStore) -> None:
+    deadline = time.monotonic() + 10
+    while store.undrained_blocks:
+        assert time.monotonic() < deadline, "the writer never drained"
+        time.sleep(0.02)
+
+
+def _stall_the_writer(store: BlockStore, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """From now on the writer's next commit waits until the returned event is set."""
+    release = threading.Event()
+    real_write = store._tiers.disk.write
+
+    def slow_write(*args: Any, **kwargs: Any) -> list[bool]:
+        release.wait(10)  # the disk writer is behind
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(store._tiers.disk, "write", slow_write)
+    return release
+
+
+def test_a_delete_that_failed_on_the_writer_is_finished_by_its_retry(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 15 F7: keys left the index before the writer's barrier; when it timed out
+    the LMDB delete was skipped, the retry found nothing ("deleted 0") and a restart
+    served the blocks again. A reported success must be durable."""
+    import cacheserver.store.writer as writer_module
+
+    monkeypatch.setattr(writer_module, "BARRIER_TIMEOUT_S", 0.3)
+    store = open_store(tmp_path, journaled=True, drain_idle_ms=10)
+    ks = keys(3)
+    for key in ks:
+        assert store.put(A, key, TAG, FillSource(os.urandom(4 * KiB))).result()
+    _drained(store)  # in LMDB
+    release = _stall_the_writer(store, monkeypatch)
+    assert store.put(A, keys(1)[0], TAG, FillSource(b"x" * 100)).result()  # its drain waits
+    with pytest.raises(Unavailable, match="retry the delete"):
+        store.delete(ks[:2])
+    release.set()
+    assert store.delete(ks[:2]) == 2  # the retry deletes what LMDB holds
+    assert store.delete(ks[:2]) == 0  # and only once
+    store.close()
+    reopened = open_store(tmp_path, journaled=True)
+    try:
+        assert reopened.lookup(A, ks[:2]) == 0  # gone for good
+        assert reopened.lookup(A, ks[2:]) == 1  # positive control: the rest is kept
+    finally:
+        reopened.close()
+
+
+def test_a_tenant_delete_that_failed_is_finished_by_its_retry(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """F7 for whole-tenant deletes: the retry sweeps LMDB for what the index lost."""
+    import cacheserver.store.writer as writer_module
+
+    monkeypatch.setattr(writer_module, "BARRIER_TIMEOUT_S", 0.3)
+    store = open_store(tmp_path, journaled=True, drain_idle_ms=10)
+    ks = keys(2)
+    store.put(A, ks[0], TAG, FillSource(b"a" * 100)).result()
+    store.put(B, ks[1], TAG, FillSource(b"b" * 100)).result()
+    _drained(store)
+    release = _stall_the_writer(store, monkeypatch)
+    store.put(B, keys(1)[0], TAG, FillSource(b"c" * 100)).result()
+    with pytest.raises(Unavailable):
+        store.delete_tenant(A)
+    release.set()
+    assert store.delete_tenant(A) == 1
+    store.close()
+    reopened = open_store(tmp_path, journaled=True)
+    try:
+        assert reopened.lookup(A, ks[:1]) == 0
+        assert reopened.lookup(B, ks[1:]) == 1  # positive control: another tenant's stays
+    finally:
+        reopened.close()

@@ -20,6 +20,8 @@ import pytest
 
 from cacheserver.config import ServerConfig, load_config
 from cacheserver.embedded import EmbeddedServer
+from cacheserver.journal.files import JOURNAL_NAME, SHM, remove_journal
+from cacheserver.journal.format import SUPERBLOCK_READ_BYTES, owner_of
 from cacheserver.server import Server
 from cacheserver.store import BlockStore
 from cacheserver.telemetry import ServerTelemetry
@@ -31,16 +33,24 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _remove_journals_of_killed_servers() -> Iterator[None]:
+def _remove_journals_of_killed_servers(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[None]:
     """Servers this session killed with -9 and never restarted leave their put journal
-    on /dev/shm (a real server's restart would replay it): remove those at the end."""
-    shm = Path("/dev/shm")  # where servers put their journals by default
-    pattern = f"kvshare-{os.getuid()}-*.journal"
-    before = set(shm.glob(pattern)) if shm.is_dir() else set()
+    on /dev/shm (a real server's restart would replay it): at the end, remove those
+    whose data dir is under this session's temporary directory (and no other session's
+    or server's)."""
     yield
-    if shm.is_dir():
-        for leftover in set(shm.glob(pattern)) - before:
-            leftover.unlink(missing_ok=True)
+    ours = str(tmp_path_factory.getbasetemp().resolve())
+    for directory in SHM.glob(f"kvshare-{os.getuid()}-*"):
+        journal = directory / JOURNAL_NAME
+        try:
+            with journal.open("rb") as f:
+                owner = owner_of(f.read(SUPERBLOCK_READ_BYTES))
+        except OSError:
+            continue
+        if owner is not None and owner.startswith(ours):
+            remove_journal(journal)
 
 
 def read_allocated(path: Path) -> bytes:

@@ -1,27 +1,29 @@
 """The put journal's files: where they live, how they are opened, how their pages are
 made ahead of use, and which are left over by servers that never came back.
 
-Invariant: the server only ever opens (to write or to replay) a journal that is a
-private regular file of this user: mode 0600, one link, opened without following
-links. The default directory (/dev/shm) is world-writable, so a file someone else
-planted under our name (or a link to one) must never be used.
-
-Known gap (issue 15, F8): the default name is computable by anyone (uid + a hash of the
-data dir), so a planted file stops the server from starting (a clear ConfigError), and a
-planted link or a file of another user can still surface as an unhandled OSError from
-`open_private` (PermissionError) instead of a ConfigError. The fix belongs here: a
-private directory (0700, owned, checked) or an unpredictable name in
-`default_journal_path`, and every OSError of `open_private` turned into a ConfigError.
+Invariants:
+- The server only ever opens (to write or to replay) a journal that is a private
+  regular file of this user: mode 0600, one link, opened without following links.
+- Its directory is private too. By default each start makes a fresh one in /dev/shm
+  with an unpredictable name (mkdtemp: created 0700, atomically, or not at all): /dev/shm
+  is world-writable, and a computable name there let anyone plant a file or a link that
+  stopped the server from starting (issue 15, F8). The journal's path is recorded in
+  LMDB with every drain, so the next start finds it to replay it. A configured
+  `journal_dir` must be a directory of this user that no one else can enter or write.
+- Every failure to make, check or open the journal is a ConfigError that says what to
+  change: never a traceback.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
 import hashlib
 import os
 import stat
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -41,10 +43,17 @@ def open_private(path: Path, create: bool) -> int:
     flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT if create else 0)
     try:
         fd = os.open(path, flags, 0o600)
+    except FileNotFoundError:
+        if create:
+            raise ConfigError(f"cannot create the put journal {path}: no such directory") from None
+        raise  # replay: a journal that is gone (a reboot cleared tmpfs) replays nothing
     except OSError as error:
         if error.errno == errno.ELOOP:
             raise ConfigError(f"journal {path} is a symbolic link; remove it") from None
-        raise
+        raise ConfigError(
+            f"cannot open the put journal {path} ({error.strerror}); remove it, or set "
+            "[storage] journal_dir to a private directory"
+        ) from None
     info = os.fstat(fd)
     if (
         not stat.S_ISREG(info.st_mode)
@@ -73,19 +82,73 @@ def replay(path: Path, after: Position) -> Iterator[Record]:
         os.close(fd)
 
 
+SHM = Path("/dev/shm")  # noqa: S108 (a private directory is made in it: new_journal_path)
+JOURNAL_NAME = "put.journal"
+
+
 def default_journal_path(data_dir: Path, journal_dir: str) -> Path | None:
-    """Where the journal of `data_dir` lives: in `journal_dir` when set, else on
-    /dev/shm when that is a writable tmpfs; None when neither (no journal)."""
+    """Where the journal of `data_dir` lives when `journal_dir` is set (a per-user,
+    per-data-dir name in that private directory); None by default: see
+    `new_journal_path`."""
+    if not journal_dir:
+        return None
     digest = hashlib.sha256(str(data_dir.resolve()).encode("utf-8")).hexdigest()[:16]
-    name = f"kvshare-{os.getuid()}-{digest}.journal"
-    if journal_dir:
-        return Path(journal_dir) / name
-    # Not a temporary file: a fixed, per-user, per-data-dir name opened with O_NOFOLLOW
-    # and checked to be a private regular file (open_private).
-    shm = Path("/dev/shm")  # noqa: S108
-    if shm.is_dir() and os.access(shm, os.W_OK | os.X_OK) and _is_tmpfs(shm):
-        return shm / name
-    return None
+    return Path(journal_dir) / f"kvshare-{os.getuid()}-{digest}.journal"
+
+
+def new_journal_path(data_dir: Path, journal_dir: str) -> Path | None:
+    """Where a fresh journal goes: in `journal_dir` (made private, or checked to be),
+    else in a new private directory on /dev/shm when that is a writable tmpfs; None
+    when neither (no journal: puts are acknowledged after their LMDB commit)."""
+    configured = default_journal_path(data_dir, journal_dir)
+    if configured is not None:
+        _make_private_dir(configured.parent)
+        return configured
+    if not (SHM.is_dir() and os.access(SHM, os.W_OK | os.X_OK) and _is_tmpfs(SHM)):
+        return None
+    try:
+        return Path(tempfile.mkdtemp(prefix=f"kvshare-{os.getuid()}-", dir=SHM)) / JOURNAL_NAME
+    except OSError as error:
+        raise ConfigError(
+            f"cannot make a private directory for the put journal in {SHM} "
+            f"({error.strerror}); set [storage] journal_dir"
+        ) from None
+
+
+def _make_private_dir(directory: Path) -> None:
+    """`directory` exists, is a directory (not a link) of this user, and no one else
+    may enter or write it; else ConfigError."""
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        info = directory.lstat()
+    except OSError as error:
+        raise ConfigError(
+            f"cannot make journal_dir {directory} ({error.strerror}); set [storage] "
+            "journal_dir to a directory this user can create"
+        ) from None
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise ConfigError(
+            f"journal_dir {directory} is not a private directory of this user (a real "
+            "directory, mode 0700); fix it or pick another [storage] journal_dir"
+        )
+
+
+def remove_journal(path: Path) -> None:
+    """Remove a journal no longer needed, and its private directory on /dev/shm."""
+    path.unlink(missing_ok=True)
+    if _is_own_private_dir(path.parent):
+        with contextlib.suppress(OSError):
+            path.parent.rmdir()
+
+
+def _is_own_private_dir(directory: Path) -> bool:
+    if directory.parent != SHM or not directory.name.startswith(f"kvshare-{os.getuid()}-"):
+        return False
+    try:
+        info = directory.lstat()
+    except OSError:
+        return False
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o077
 
 
 def _is_tmpfs(path: Path) -> bool:
@@ -101,14 +164,20 @@ def _is_tmpfs(path: Path) -> bool:
 
 
 def remove_orphans(directory: Path, keep: Path) -> list[Path]:
-    """Remove journals in `directory` whose data dir no longer exists: left by servers
-    killed and never started again on their data dir, each holding up to its capacity
-    of tmpfs (memory). Only this user's private files of this format are considered;
-    a journal whose data dir exists is kept, as its server may come back to replay it.
-    Returns what was removed."""
+    """Remove journals whose data dir no longer exists: left by servers killed and never
+    started again on their data dir, each holding up to its capacity of tmpfs (memory).
+    Looked for in `directory` (named per user and data dir) and in this user's private
+    directories on /dev/shm. Only this user's private files of this format are
+    considered; a journal whose data dir exists is kept, as its server may come back to
+    replay it. Returns what was removed."""
+    uid = os.getuid()
+    candidates = list(directory.glob(f"kvshare-{uid}-*.journal"))
+    candidates += [d / JOURNAL_NAME for d in SHM.glob(f"kvshare-{uid}-*") if d.is_dir()]
     removed = []
-    for candidate in directory.glob(f"kvshare-{os.getuid()}-*.journal"):
-        if candidate == keep:
+    for candidate in candidates:
+        if candidate == keep or (
+            candidate.parent != directory and not _is_own_private_dir(candidate.parent)
+        ):
             continue
         try:
             fd = open_private(candidate, create=False)
@@ -120,7 +189,7 @@ def remove_orphans(directory: Path, keep: Path) -> list[Path]:
             os.close(fd)
         owner = owner_of(raw)
         if owner and not Path(owner).exists():
-            candidate.unlink(missing_ok=True)
+            remove_journal(candidate)
             removed.append(candidate)
     return removed
 

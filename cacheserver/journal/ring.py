@@ -28,7 +28,7 @@ from pathlib import Path
 
 import xxhash
 
-from cacheserver.journal.files import fallocate_in_steps, open_private, populate
+from cacheserver.journal.files import fallocate_in_steps, open_private, populate, remove_journal
 from cacheserver.journal.format import (
     ALIGN,
     DATA_START,
@@ -357,4 +357,4 @@ class Journal:
                 self._map.close()
             os.close(self._fd)
         if remove:
-            self.path.unlink(missing_ok=True)
+            remove_journal(self.path)

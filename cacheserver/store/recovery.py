@@ -18,12 +18,11 @@ import logging
 from pathlib import Path
 
 from cacheserver.config import StorageConfig
-from cacheserver.journal import Journal, default_journal_path, remove_orphans, replay
+from cacheserver.journal import Journal, new_journal_path, remove_journal, remove_orphans, replay
 from cacheserver.store.jobs import PutJob, was_stored
 from cacheserver.store.tiering import Tiers
 from cacheserver.store.writer import MAX_BATCH_BYTES
 from cacheserver.tiers import JournalCheckpoint, Position
-from kvcommon.errors import ConfigError
 from policy.types import StorageKey, TenantId
 
 log = logging.getLogger(__name__)
@@ -103,26 +102,17 @@ def open_journal(
 ) -> tuple[Journal, Path] | None:
     """Start a fresh journal, and record its start in LMDB; `recorded` is the one
     replayed at start-up, if any. None: no tmpfs for it (puts are then acknowledged
-    after their LMDB commit).
-
-    Issue 15, F8: every failure to make or open the journal's directory and file should
-    end here as a ConfigError that says what to change (see cacheserver.journal.files)."""
-    path = default_journal_path(data_dir, storage.journal_dir)
+    after their LMDB commit). Every failure is a ConfigError saying what to change
+    (cacheserver.journal.files)."""
+    path = new_journal_path(data_dir, storage.journal_dir)
     if path is None:
         log.info(
             "no tmpfs for the put journal (set [storage] journal_dir): puts are "
             "acknowledged after their LMDB commit"
         )
         return None
-    if storage.journal_dir:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        except OSError as error:
-            raise ConfigError(
-                f"cannot create journal_dir {path.parent}: {error.strerror}"
-            ) from None
     if recorded is not None and recorded[1] != path:
-        recorded[1].unlink(missing_ok=True)  # replayed above; the journal moved
+        remove_journal(recorded[1])  # replayed above; the journal moved
     journal = Journal(
         path, storage.journal_bytes, recorded[0].seq if recorded else 0, owner=data_dir
     )

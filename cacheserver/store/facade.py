@@ -74,6 +74,7 @@ class BlockStore:
             self._tiers,
             self.events,
             storage.max_pending_write_bytes,
+            storage.max_pending_write_bytes_per_tenant,
             storage.drain_idle_ms / 1000,
             self._closing,
         )
@@ -223,13 +224,18 @@ class BlockStore:
                 self.events.put_outcome(tenant, "already_present", source.size)
                 source.skip()
                 return done(False)
-        payload = source.payload()
-        if payload is None:
-            # Issue 15, F6: this buffer is taken before the backlog bound is checked
-            # (Writer.submit); reserving the backlog first is the fix, here.
-            buffer = bytearray(source.size)
-            source.fill(memoryview(buffer))  # kept as filled: no further copy
-            payload = buffer
+        # Room in the writer's backlog before any buffer is taken for the bytes: a
+        # bound checked after allocating bounds nothing (issue 15, F6).
+        self._writer.backlog.reserve(tenant, source.size, 0.0)
+        try:
+            payload = source.payload()
+            if payload is None:
+                buffer = bytearray(source.size)
+                source.fill(memoryview(buffer))  # kept as filled: no further copy
+                payload = buffer
+        except BaseException:
+            self._writer.backlog.release(tenant, source.size)
+            raise
         return self._put_through(
             PutJob(key, tenant, self._epochs.get(tenant, 0), payload, model_tag)
         )
@@ -240,6 +246,7 @@ class BlockStore:
         with tiers.lock:
             if job.key in tiers.index:
                 tiers.index.touch(job.key)
+                self._writer.backlog.release(job.tenant, len(job.payload))
                 job.future.set_result(False)
                 self.events.put_outcome(job.tenant, "already_present", len(job.payload))
                 return job.future

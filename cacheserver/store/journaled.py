@@ -102,11 +102,11 @@ class JournaledPuts:
                 key, tenant, job.epoch, model_tag, size, JOURNAL_WAIT_S
             )
         except JournalFull:
-            self._backlog.release(size)
+            self._backlog.release(tenant, size)
             tiers.events.put_outcome(tenant, "rejected", size)
             raise
         except OSError as error:
-            self._backlog.release(size)
+            self._backlog.release(tenant, size)
             tiers.events.put_outcome(tenant, "failed", size)
             log.error("put journal write failed: %s", error.strerror)
             raise Unavailable(

@@ -30,7 +30,7 @@ from cacheserver.store.backlog import WriteBacklog
 from cacheserver.store.jobs import Barrier, Message, PutJob, Reclaim
 from cacheserver.store.tiering import Tiers
 from cacheserver.store.upkeep import lower_this_threads_priority
-from kvcommon.errors import ResourceExhausted, Unavailable
+from kvcommon.errors import Unavailable
 
 log = logging.getLogger(__name__)
 MAX_BATCH_BYTES = 256 << 20  # bound one commit's size so a burst cannot stall reads long
@@ -48,6 +48,7 @@ class Writer:
         tiers: Tiers,
         events: StoreEvents,
         max_pending_bytes: int,
+        max_pending_tenant_bytes: int,
         drain_idle_s: float,
         closing: threading.Event,
     ) -> None:
@@ -61,7 +62,9 @@ class Writer:
         self._drain_idle_s = drain_idle_s
         self._barriers = 0  # deletes waiting for the writer (under tiers.lock)
         self._closing = closing
-        self.backlog = WriteBacklog(max_pending_bytes, events, hurry=self._drain_now.set)
+        self.backlog = WriteBacklog(
+            max_pending_bytes, events, self._drain_now.set, max_pending_tenant_bytes
+        )
         self._thread = threading.Thread(target=self._loop, name="kvshare-writer", daemon=True)
 
     def start(self) -> None:
@@ -76,15 +79,11 @@ class Writer:
     # -- what the store hands the writer ---------------------------------------------
 
     def submit(self, job: PutJob) -> concurrent.futures.Future[bool]:
-        """Write-through (no journal): queue the block for the next commit, within the
-        backlog bound; the future completes once it is committed."""
-        nbytes = len(job.payload)
-        try:
-            self.backlog.reserve(job.tenant, nbytes, 0.0)
-        except ResourceExhausted as error:
-            job.future.set_exception(error)
-            return job.future
-        job.future.add_done_callback(lambda _: self.backlog.release(nbytes))
+        """Write-through (no journal): queue the block, whose bytes the caller reserved
+        in the backlog (`backlog.reserve`), for the next commit; the future completes
+        once it is committed, and gives the reservation back."""
+        nbytes, tenant = len(job.payload), job.tenant
+        job.future.add_done_callback(lambda _: self.backlog.release(tenant, nbytes))
         self._queue.put(job)
         return job.future
 
@@ -196,7 +195,8 @@ class Writer:
         with tiers.lock:
             journaled.drained(live)
         journal.finish(seqs, point)
-        self.backlog.release(sum(len(j.payload) for j in jobs))
+        for job in jobs:
+            self.backlog.release(job.tenant, len(job.payload))
         if tiers.behind and writes:
             tiers.write_behind(writes)
 

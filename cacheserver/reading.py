@@ -42,8 +42,11 @@ class ReadSource(Protocol):
         """Keep journal record views valid; returns the function that lets go."""
         ...
 
-    def read_from_memory(self, keys: Sequence[StorageKey]) -> tuple[list[Payload], bool]:
-        """Leading payloads held in memory, and whether the key after them is stored."""
+    def read_from_memory(
+        self, keys: Sequence[StorageKey], max_bytes: int
+    ) -> tuple[list[Payload], bool]:
+        """Leading payloads held in memory (about `max_bytes` of them, at least one),
+        and whether the key after them is stored."""
         ...
 
     def read_through(
@@ -80,9 +83,9 @@ class Reading:
         self._source.events.got(self._tenant, self._asked, self.served)
 
     def next_batch(self, max_bytes: int) -> Batch | None:
-        """The next leading present blocks (memory first, else about `max_bytes` read
-        through the lower tiers), or None at the first miss or the end. Blocking when it
-        reads the disk: call it off an event loop."""
+        """The next leading present blocks, about `max_bytes` of them (from memory, else
+        read through the lower tiers), or None at the first miss or the end. Blocking
+        when it reads the disk: call it off an event loop."""
         self.release()
         self._count_last()
         if self._done:
@@ -90,7 +93,7 @@ class Reading:
         self._unpin = self._source.pin()
         rest = self._keys[self.served :]
         tier: Tier = "memory"
-        payloads, more = self._source.read_from_memory(rest)
+        payloads, more = self._source.read_from_memory(rest, max_bytes)
         if not payloads:
             tier = "lmdb"
             payloads, more = self._source.read_through(self._tenant, rest, max_bytes)

@@ -201,6 +201,7 @@ class Server:
         )
         self.tickets = TicketBook()
         self.bulk: BulkServer | None = None
+        self._service: BlockStoreService | None = None
         self.bulk_announced = ""  # what OpenBulk tells clients (config.bulk_announced_address)
         self._server: grpc.aio.Server | None = None
         self.address = ""
@@ -243,7 +244,8 @@ class Server:
             bulk.local_namespace,
             bulk.local_uid,
         )
-        kvshare_pb2_grpc.add_BlockStoreServicer_to_server(BlockStoreService(core), server)
+        self._service = BlockStoreService(core, self.config.storage.max_pending_write_bytes)
+        kvshare_pb2_grpc.add_BlockStoreServicer_to_server(self._service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (
@@ -290,6 +292,9 @@ class Server:
         if self.bulk is not None:
             self.bulk.stop()
             self.bulk = None
+        if self._service is not None:
+            self._service.close()
+            self._service = None
         self.store.close()
         self.telemetry.shutdown()
         self.audit.close()

@@ -12,14 +12,17 @@ never on the event loop.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any, TypeVar
 
 import grpc
 
-from cacheserver.requests import DISK_BATCH_BYTES, AdmittedPut, RequestCore
+from cacheserver.events import NoEvents
+from cacheserver.requests import AdmittedPut, RequestCore
+from cacheserver.store.backlog import WriteBacklog
 from cacheserver.tiers import Payload
 from cacheserver.wire import current_principal
+from cacheserver.workers import Workers
 from cacheserver.writing import BytesSource
 from kvcommon.errors import InvalidArgument, ResourceExhausted
 from kvcommon.v1 import kvshare_pb2 as pb
@@ -33,8 +36,15 @@ FRAME_SLACK_BYTES = 64 << 10  # protobuf framing around a frame's payload bytes
 
 
 class BlockStoreService(pb_grpc.BlockStoreServicer):
-    def __init__(self, core: RequestCore) -> None:
+    def __init__(self, core: RequestCore, receive_bytes: int) -> None:
+        """`receive_bytes`: the most bytes of blocks a Put stream may hold while they
+        arrive, over all tenants (one tenant: half); see `_BlockAssembler`."""
         self._core = core
+        self._workers = Workers()
+        self._receiving = WriteBacklog(receive_bytes, NoEvents(), hurry=lambda: None)
+
+    def close(self) -> None:
+        self._workers.close()
 
     async def OpenBulk(self, request: pb.OpenBulkRequest, context: Context) -> pb.OpenBulkResponse:
         offer = self._core.open_bulk(current_principal.get(), request.tenant)
@@ -64,9 +74,13 @@ class BlockStoreService(pb_grpc.BlockStoreServicer):
             limits.max_message_bytes - FRAME_SLACK_BYTES,
         )
         framer = _Framer(frame_bytes)
+        # Each batch is copied before it is framed: about two frames of it at a time,
+        # so a client that stops reading holds that much server memory, not its whole
+        # prefix (issue 15, F6).
+        batch_bytes = 2 * frame_bytes
         with self._core.read(admitted) as reading:
             while True:
-                batch = await _blocking(reading.next_batch, DISK_BATCH_BYTES)
+                batch = await self._workers.read(reading.next_batch, batch_bytes)
                 if batch is None:
                     break
                 # Frames go out while the stream waits on its client: copy views of
@@ -83,24 +97,33 @@ class BlockStoreService(pb_grpc.BlockStoreServicer):
         self, request_iterator: AsyncIterator[pb.PutFrame], context: Context
     ) -> pb.PutResponse:
         put: AdmittedPut | None = None
-        assembler = _BlockAssembler()
+        assembler = _BlockAssembler(self._receiving)
         futures = []
-        async for frame in request_iterator:
+        try:
+            async for frame in request_iterator:
+                if put is None:
+                    if not frame.HasField("header"):
+                        raise InvalidArgument(
+                            "the first Put frame must carry `header` (tenant, model)"
+                        )
+                    put = self._core.admit_put(
+                        current_principal.get(), frame.header.tenant, frame.header.model
+                    )
+                elif frame.HasField("header"):
+                    raise InvalidArgument("only the first Put frame may carry `header`")
+                for index, key, payload in assembler.add(frame.chunks, put, self._core):
+                    # Off the event loop: a journaled put copies the block before it returns.
+                    submitted = await self._workers.write(
+                        put.tenant, self._core.put, put, index, key, BytesSource(payload)
+                    )
+                    assembler.handed_over(put, len(payload))
+                    futures.append((index, asyncio.wrap_future(submitted)))
             if put is None:
-                if not frame.HasField("header"):
-                    raise InvalidArgument("the first Put frame must carry `header` (tenant, model)")
-                put = self._core.admit_put(
-                    current_principal.get(), frame.header.tenant, frame.header.model
-                )
-            elif frame.HasField("header"):
-                raise InvalidArgument("only the first Put frame may carry `header`")
-            for index, key, payload in assembler.add(frame.chunks, put, self._core):
-                # Off the event loop: a journaled put copies the block before it returns.
-                submitted = await _blocking(self._core.put, put, index, key, BytesSource(payload))
-                futures.append((index, asyncio.wrap_future(submitted)))
-        if put is None:
-            raise InvalidArgument("empty Put stream; send a first frame with `header`")
-        assembler.finish()
+                raise InvalidArgument("empty Put stream; send a first frame with `header`")
+            assembler.finish()
+        finally:
+            if put is not None:
+                assembler.abandon(put)
         return await _put_results(futures)
 
     async def Delete(self, request: pb.DeleteRequest, context: Context) -> pb.DeleteResponse:
@@ -108,14 +131,16 @@ class BlockStoreService(pb_grpc.BlockStoreServicer):
         if request.whole_tenant:
             if request.digests:
                 raise InvalidArgument("whole_tenant deletes take no digests; send one or the other")
-            deleted = await _blocking(
-                self._core.delete_namespace, principal, request.tenant, request.model
+            tenant = self._core.admit_tenant(principal, request.tenant, Action.ADMIN)
+            deleted = await self._workers.write(
+                tenant, self._core.delete_namespace, principal, request.tenant, request.model
             )
             return pb.DeleteResponse(deleted=deleted)
         admitted = self._core.admit(
             principal, Action.WRITE, request.tenant, request.model, request.digests
         )
-        return pb.DeleteResponse(deleted=await _blocking(self._core.delete, admitted))
+        deleted = await self._workers.write(admitted.tenant, self._core.delete, admitted)
+        return pb.DeleteResponse(deleted=deleted)
 
     async def Stats(self, request: pb.StatsRequest, context: Context) -> pb.StatsResponse:
         stats = self._core.stats(current_principal.get())
@@ -204,10 +229,14 @@ class _Framer:
 class _BlockAssembler:
     """Reassembles Put chunks into whole blocks; a block is released only when complete.
 
-    A block's declared size is admitted (the core's name_block: digest, count, size)
-    from its first chunk, before any of its bytes are kept."""
+    A block's declared size is admitted (the core's name_block: digest, count, size,
+    room in the tenant's quota) from its first chunk, and taken from the stream's
+    receive budget, before any of its bytes are kept: what a stream holds in server
+    memory while its blocks arrive is bounded, per tenant and in total (issue 15, F6)."""
 
-    def __init__(self) -> None:
+    def __init__(self, budget: WriteBacklog) -> None:
+        self._budget = budget
+        self._held = 0  # bytes taken from the budget: the block arriving now
         self._count = 0
         self._key = StorageKey(b"")
         self._expected = -1  # -1: between blocks
@@ -220,6 +249,8 @@ class _BlockAssembler:
         for chunk in chunks:
             if self._expected < 0 and chunk.offset == 0:
                 self._key = core.name_block(put, self._count, chunk.digest, chunk.block_bytes)
+                self._budget.reserve(put.tenant, chunk.block_bytes, 0.0)
+                self._held = chunk.block_bytes
                 self._expected = chunk.block_bytes
                 self._parts, self._received = [], 0
             elif self._expected < 0 or chunk.offset != self._received:
@@ -247,14 +278,20 @@ class _BlockAssembler:
         self._expected = -1
         return result
 
+    def handed_over(self, put: AdmittedPut, nbytes: int) -> None:
+        """The store has the complete block: its bytes leave the receive budget."""
+        self._budget.release(put.tenant, nbytes)
+        self._held -= nbytes
+
+    def abandon(self, put: AdmittedPut) -> None:
+        """The stream ended (well or not): give back what a partial block held."""
+        if self._held:
+            self._budget.release(put.tenant, self._held)
+            self._held = 0
+
     def finish(self) -> None:
         if self._expected >= 0:
             raise InvalidArgument(
                 f"block {self._count} ended after {self._received} of "
                 f"{self._expected} bytes; nothing of it was stored"
             )
-
-
-async def _blocking(function: Callable[..., _T], *args: Any) -> _T:
-    """Run a blocking call (LMDB I/O, waiting for the writer) off the event loop."""
-    return await asyncio.get_running_loop().run_in_executor(None, function, *args)

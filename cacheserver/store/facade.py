@@ -21,7 +21,7 @@ from pathlib import Path
 
 from cacheserver.config import StorageConfig
 from cacheserver.events import NoEvents, StoreEvents
-from cacheserver.index import BlockIndex
+from cacheserver.index import BlockIndex, NoRoom
 from cacheserver.lmdb_tier import LmdbTier
 from cacheserver.memory_tier import MemoryTier, memory_quotas
 from cacheserver.reading import Reading
@@ -146,19 +146,25 @@ class BlockStore:
             return _nothing
         return journaled.pin()
 
-    def read_from_memory(self, keys: Sequence[StorageKey]) -> tuple[list[Payload], bool]:
-        """Leading payloads held in memory, and whether the key after them is stored
-        (fast; safe to call on the event loop)."""
+    def read_from_memory(
+        self, keys: Sequence[StorageKey], max_bytes: int
+    ) -> tuple[list[Payload], bool]:
+        """Leading payloads held in memory (about `max_bytes` of them, at least one),
+        and whether the key after them is stored (fast; safe on the event loop)."""
         out: list[Payload] = []
+        total = 0
         tiers = self._tiers
         memory, index = tiers.memory, tiers.index
         with tiers.lock:
             tiers.last_activity = time.monotonic()
             for key in keys:
+                if out and total >= max_bytes:
+                    break
                 payload = memory.get(key)
                 if payload is None or not index.touch(key):
                     break
                 out.append(payload)
+                total += len(payload)
             more = len(out) < len(keys) and keys[len(out)] in index
         return out, more
 
@@ -239,6 +245,17 @@ class BlockStore:
         return self._put_through(
             PutJob(key, tenant, self._epochs.get(tenant, 0), payload, model_tag)
         )
+
+    def check_room(self, tenant: TenantId, size: int) -> None:
+        """Refuse now (ResourceExhausted) a block of `size` bytes that could not be
+        admitted — bigger than the tenant's quota or the budget, or no block left that
+        the rules let it evict — before its bytes are received."""
+        tiers = self._tiers
+        with tiers.lock:
+            try:
+                tiers.index.victims_with_reasons(tenant, size)
+            except NoRoom as error:
+                raise tiers.no_room(tenant, size, error) from None
 
     def _put_through(self, job: PutJob) -> concurrent.futures.Future[bool]:
         """Write-through (no journal): queue the block for the writer's next commit."""

@@ -27,8 +27,19 @@ def legacy_name(data_dir: Path) -> Path:
     return SHM / f"kvshare-{os.getuid()}-{digest}.journal"
 
 
-def journal_dirs() -> set[Path]:
-    return set(SHM.glob(f"kvshare-{os.getuid()}-*"))
+def journal_dirs_of(data_dir: Path) -> list[Path]:
+    """This user's private journal directories whose journal belongs to `data_dir`
+    (other servers, of other test sessions too, may have theirs beside them)."""
+    found = []
+    for directory in SHM.glob(f"kvshare-{os.getuid()}-*"):
+        try:
+            with (directory / JOURNAL_NAME).open("rb") as journal:
+                head = journal.read(8192)
+        except OSError:
+            continue
+        if str(data_dir.resolve()).encode() in head:  # the superblock names its data dir
+            found.append(directory)
+    return found
 
 
 def test_files_planted_at_the_old_name_change_nothing(tmp_path: Path) -> None:
@@ -38,7 +49,6 @@ def test_files_planted_at_the_old_name_change_nothing(tmp_path: Path) -> None:
     planted.write_bytes(b"planted")  # a file where the journal used to go
     link = legacy_name(tmp_path / "data2")
     link.symlink_to(tmp_path / "elsewhere")  # and a link, for a second server
-    before = journal_dirs()
     try:
         for directory in (data_dir, tmp_path / "data2"):
             server = ServerProcess("--listen", "127.0.0.1:0", "--data-dir", str(directory))
@@ -46,7 +56,7 @@ def test_files_planted_at_the_old_name_change_nothing(tmp_path: Path) -> None:
                 token = (directory / "dev.token").read_text().strip()
                 with BlockClient(server.address, token) as client:
                     assert client.put("dev", MODEL, [os.urandom(32)], [b"v" * 100]) == [True]
-                made = journal_dirs() - before
+                made = journal_dirs_of(directory)
                 assert len(made) == 1  # its own private directory, an unpredictable name
                 (journal_dir,) = made
                 assert stat.S_IMODE(journal_dir.stat().st_mode) == 0o700
@@ -54,7 +64,7 @@ def test_files_planted_at_the_old_name_change_nothing(tmp_path: Path) -> None:
             finally:
                 code, _ = server.terminate()
             assert code == 0
-            assert not journal_dirs() - before  # removed at a clean stop
+            assert not journal_dir.exists()  # removed at a clean stop
         assert planted.read_bytes() == b"planted"  # never opened, never changed
     finally:
         planted.unlink(missing_ok=True)

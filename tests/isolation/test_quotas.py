@@ -55,7 +55,7 @@ def test_a_tenant_writing_5x_its_quota_leaves_the_other_tenant_whole(tight: Serv
     # The hot tier follows the same rule: beta's blocks are still in memory.
     model = ModelName(MODEL)
     keys = [tight.policy.storage_key(TenantId("beta"), model, BlockDigest(d)) for d in beta_digests]
-    held, _ = tight.store.read_from_memory(keys)
+    held, _ = tight.store.read_from_memory(keys, 1 << 30)
     assert len(held) == len(beta_digests)
 
 

@@ -42,13 +42,13 @@ def test_a_block_served_from_its_journal_record_is_not_promoted_to_memory(
         try:
             # positive control: new blocks are held in memory (as views) at once; the
             # first was pushed out of the 1 MiB memory tier by the other two
-            held, _ = s.read_from_memory(keys[1:])
+            held, _ = s.read_from_memory(keys[1:], 64 * MiB)
             assert [bytes(p) for p in held] == payloads[1:]
-            assert s.read_from_memory(keys[:1]) == ([], True)
+            assert s.read_from_memory(keys[:1], 64 * MiB) == ([], True)
             assert s.undrained_blocks == 3
             served, _ = s.read_through(TENANT, keys[:1], 64 * MiB)  # from its record
             assert [bytes(p) for p in served] == payloads[:1]
-            assert s.read_from_memory(keys[:1]) == ([], True)  # and not promoted
+            assert s.read_from_memory(keys[:1], 64 * MiB) == ([], True)  # and not promoted
         finally:
             unpin()
     finally:

@@ -78,17 +78,20 @@ class BlockStoreService(pb_grpc.BlockStoreServicer):
         # so a client that stops reading holds that much server memory, not its whole
         # prefix (issue 15, F6).
         batch_bytes = 2 * frame_bytes
-        with self._core.read(admitted) as reading:
-            while True:
-                batch = await self._workers.read(reading.next_batch, batch_bytes)
-                if batch is None:
-                    break
-                # Frames go out while the stream waits on its client: copy views of
-                # journal records now and let go of them, rather than pin them that long.
-                payloads = [bytes(p) if isinstance(p, memoryview) else p for p in batch.payloads]
-                reading.release()
-                for frame in framer.frames(reading.served - len(payloads), payloads):
-                    yield frame
+        async with self._workers.get_stream(admitted.tenant):
+            with self._core.read(admitted) as reading:
+                while True:
+                    batch = await self._workers.read(reading.next_batch, batch_bytes)
+                    if batch is None:
+                        break
+                    # Frames go out while the stream waits on its client: copy views of
+                    # journal records now and let go of them, rather than pin them.
+                    payloads = [
+                        bytes(p) if isinstance(p, memoryview) else p for p in batch.payloads
+                    ]
+                    reading.release()
+                    for frame in framer.frames(reading.served - len(payloads), payloads):
+                        yield frame
         last = framer.flush()
         if last is not None:
             yield last

@@ -1,0 +1,250 @@
+"""A noisy neighbour: one tenant holds open the worst requests of issue 15 (F2-F6) while
+another tenant works. The victim's puts, gets and deletes all finish within a bounded
+time, nothing it stored is lost, and the server's memory stays within its configured
+budgets.
+
+The attacker (tenant alpha, principals `a` and the read-only `r`) at once:
+- holds bulk PUTs of 16 MiB blocks open after one byte (journal records RESERVED, the
+  write backlog taken: F2, F4);
+- leaves a bulk GET of its journaled blocks unread (a reader pinning the journal: F3);
+- opens handshakes that never present a ticket (F5);
+- leaves gRPC Gets of a long prefix unread, and gRPC Puts holding half-sent 24 MiB
+  blocks (server memory: F6).
+The victim (tenant beta, principal `b`) meanwhile puts, reads back and deletes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from kvcommon import bulkwire as w
+from kvcommon.v1 import kvshare_pb2 as pb
+from kvcommon.v1 import kvshare_pb2_grpc as pb_grpc
+from replica_agent.client import BlockClient
+from tests.conftest import REPO, write_config
+
+MiB = 1 << 20
+MODEL = "noisy;fp32"
+STORAGE = f"""
+[storage]
+memory_budget_bytes = {32 * MiB}
+disk_budget_bytes = {256 * MiB}
+journal_bytes = {32 * MiB}
+max_pending_write_bytes = {32 * MiB}
+[limits]
+max_block_bytes = {32 * MiB}
+"""
+# What the server may hold on top of its start: the memory tier, the journal (shared
+# memory, counted in RSS once touched), the write backlog and the gRPC receive budget
+# (each max_pending_write_bytes: 4 x 32 MiB), one tenant's Get streams (4 of them,
+# each about two copied and two buffered 4 MiB frames: cacheserver.workers), and
+# 160 MiB of slack for Python's heap, threads and gRPC.
+Stalled = tuple[grpc.Channel, Any]  # a channel and its unread Get call
+BUDGET_BYTES = (4 * 32 + 64 + 160) * MiB
+VICTIM_OP_LIMIT_S = 10.0  # every victim operation finishes within this
+
+
+class Served:
+    def __init__(self, tmp_path: Path) -> None:
+        tenancy = write_config(
+            tmp_path,
+            quotas={"alpha": 128 * MiB, "beta": 128 * MiB},
+            principals={
+                "a": (["alpha"], ["read", "write"]),
+                "r": (["alpha"], ["read"]),
+                "b": (["beta"], ["read", "write"]),
+            },
+            extra=STORAGE,
+        )
+        self.tokens = tenancy.tokens
+        self._log = (tmp_path / "server.log").open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvshare.cli", "serve", "--config", str(tenancy.path)],
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            cwd=REPO,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            match = re.search(r"serving on (\S+)", line)
+            if match:
+                self.address = match.group(1)
+                break
+        else:
+            raise AssertionError("the server did not start")
+
+    def rss(self) -> int:
+        status = Path(f"/proc/{self.proc.pid}/status").read_text()
+        return int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) * 1024  # type: ignore[union-attr]
+
+    def metadata(self, who: str) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.tokens[who]}"),)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+        self._log.close()
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[Served]:
+    running = Served(tmp_path)
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+def bulk_socket(served: Served, who: str) -> socket.socket:
+    """A bulk TCP connection of `who` (tenant alpha), past its handshake."""
+    with grpc.insecure_channel(served.address) as channel:
+        ticket = pb_grpc.BlockStoreStub(channel).OpenBulk(
+            pb.OpenBulkRequest(tenant="alpha"), timeout=10, metadata=served.metadata(who)
+        )
+    host, _, port = ticket.address.rpartition(":")
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    sock.sendall(w.HELLO.pack(w.MAGIC, ticket.ticket))
+    assert w.recv_bytes(sock, 1)[0] == w.OK
+    return sock
+
+
+def hold_bulk_put(served: Served, size: int) -> socket.socket:
+    """F2, F4: a PUT whose block never arrives (one byte of it is sent)."""
+    sock = bulk_socket(served, "a")
+    model = MODEL.encode()
+    sock.sendall(
+        w.REQUEST.pack(w.OP_PUT, len(model), 1) + model + os.urandom(32) + w.SIZE.pack(size) + b"x"
+    )
+    return sock
+
+
+def leave_bulk_get_unread(served: Served, digests: list[bytes]) -> socket.socket:
+    """F3: a GET of journaled blocks whose reply is never read (its receive window is
+    kept tiny, so the server's send blocks at once)."""
+    sock = bulk_socket(served, "r")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    model = MODEL.encode()
+    sock.sendall(w.REQUEST.pack(w.OP_GET, len(model), len(digests)) + model + b"".join(digests))
+    return sock
+
+
+def strangers(served: Served, count: int) -> list[socket.socket]:
+    """F5: connections to the bulk listener that never present a ticket."""
+    with grpc.insecure_channel(served.address) as channel:
+        ticket = pb_grpc.BlockStoreStub(channel).OpenBulk(
+            pb.OpenBulkRequest(tenant="alpha"), timeout=10, metadata=served.metadata("a")
+        )
+    host, _, port = ticket.address.rpartition(":")
+    return [socket.create_connection((host, int(port)), timeout=30) for _ in range(count)]
+
+
+def stalled_grpc_gets(served: Served, digests: list[bytes], count: int) -> list[Stalled]:
+    """F6: gRPC Gets of a long prefix whose frames are never read."""
+    calls: list[Stalled] = []
+    for _ in range(count):
+        channel = grpc.insecure_channel(served.address)
+        call = pb_grpc.BlockStoreStub(channel).Get(
+            pb.GetRequest(tenant="alpha", model=MODEL, digests=digests),
+            timeout=120,
+            metadata=served.metadata("a"),
+        )
+        calls.append((channel, call))
+    return calls
+
+
+def held_grpc_puts(served: Served, release: threading.Event, count: int) -> list[threading.Thread]:
+    """F6: gRPC Puts that send 8 MiB of a declared 24 MiB block, then wait."""
+
+    def frames() -> Iterator[pb.PutFrame]:
+        yield pb.PutFrame(header=pb.PutHeader(tenant="alpha", model=MODEL))
+        digest = os.urandom(32)
+        for offset in range(0, 8 * MiB, MiB):
+            chunk = pb.PutChunk(digest=digest, block_bytes=24 * MiB, offset=offset, data=bytes(MiB))
+            yield pb.PutFrame(chunks=[chunk])
+        release.wait(60)
+
+    def run() -> None:
+        with grpc.insecure_channel(served.address) as channel, contextlib.suppress(grpc.RpcError):
+            pb_grpc.BlockStoreStub(channel).Put(
+                frames(), timeout=120, metadata=served.metadata("a")
+            )
+
+    threads = [threading.Thread(target=run, daemon=True) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
+def timed(latencies: list[float], call: object, *args: object) -> object:
+    start = time.monotonic()
+    result = call(*args)  # type: ignore[operator]
+    latencies.append(time.monotonic() - start)
+    return result
+
+
+@pytest.mark.slow
+def test_a_noisy_neighbour_neither_stalls_nor_starves_another_tenant(served: Served) -> None:
+    rss_start = served.rss()
+    alpha = [os.urandom(32) for _ in range(16)]
+    with BlockClient(served.address, served.tokens["a"], same_host=False) as a:
+        a.put("alpha", MODEL, alpha, [os.urandom(2 * MiB) for _ in alpha])  # 32 MiB, journaled
+    release = threading.Event()
+    held: list[socket.socket] = []
+    grpc_gets: list[Stalled] = []
+    try:
+        held += [hold_bulk_put(served, 16 * MiB) for _ in range(2)]
+        print("DEBUG held puts", served.rss() // MiB)
+        held.append(leave_bulk_get_unread(served, alpha[:3]))
+        held += strangers(served, 100)
+        print("DEBUG get+strangers", served.rss() // MiB)
+        grpc_gets = stalled_grpc_gets(served, alpha, 4)
+        print("DEBUG grpc gets", served.rss() // MiB)
+        puts = held_grpc_puts(served, release, 3)
+        print("DEBUG grpc puts", served.rss() // MiB)
+        time.sleep(1.0)  # every attack is in place
+        rss_attacked = served.rss()
+
+        latencies: list[float] = []
+        victim = [os.urandom(32) for _ in range(40)]
+        payloads = [os.urandom(MiB) for _ in victim]
+        with BlockClient(served.address, served.tokens["b"], same_host=False) as b:
+            for digest, payload in zip(victim, payloads, strict=True):
+                assert timed(latencies, b.put, "beta", MODEL, [digest], [payload]) == [True]
+            for digest, payload in zip(victim, payloads, strict=True):
+                assert timed(latencies, b.get, "beta", MODEL, [digest]) == [payload]
+            assert timed(latencies, b.delete, "beta", MODEL, victim[:10]) == 10
+            assert b.lookup("beta", MODEL, victim[:10]) == 0
+            assert b.get("beta", MODEL, victim[10:]) == payloads[10:]  # nothing else lost
+        rss_peak = max(rss_attacked, served.rss())
+    finally:
+        release.set()
+        for sock in held:
+            sock.close()
+        for channel, call in grpc_gets:
+            call.cancel()
+            channel.close()
+    for thread in puts:
+        thread.join(30)
+    print(
+        f"victim: {len(latencies)} ops, max {max(latencies):.2f} s, "
+        f"p50 {sorted(latencies)[len(latencies) // 2] * 1000:.1f} ms; server RSS "
+        f"{rss_start / MiB:.0f} MiB at start, {rss_peak / MiB:.0f} MiB under attack "
+        f"(+{(rss_peak - rss_start) / MiB:.0f} MiB; budget +{BUDGET_BYTES / MiB:.0f} MiB)"
+    )
+    assert max(latencies) < VICTIM_OP_LIMIT_S
+    assert rss_peak - rss_start < BUDGET_BYTES

@@ -169,7 +169,7 @@ class ReplicaAgent:
                 try:
                     found = self.client.lookup(tenant, self.model, digests[first_block:])
                     self.breaker.record_success()
-                except KvshareError as error:
+                except Exception as error:  # any failure of the store is a miss
                     self._store_failed("lookup", error)
             found = self._agree(found)
             asked = max(len(digests) - first_block, 0)
@@ -256,7 +256,7 @@ class ReplicaAgent:
                         return
                 yield payload
             self.breaker.record_success()
-        except KvshareError as error:
+        except Exception as error:  # a store error, or a bug below: a miss, never a crash
             self._store_failed("get", error)
 
     def _note_stop(self, restored: Restored) -> None:
@@ -336,7 +336,7 @@ class ReplicaAgent:
                 self.breaker.record_success()
                 self._count(blocks_saved=len(payloads))
                 self.telemetry.saved(span, job.tenant, len(payloads))
-            except KvshareError as error:
+            except Exception as error:  # the save is dropped; inference is not touched
                 self._store_failed("put", error)
 
     def _collect(self, capturing: bool | None = None) -> None:
@@ -367,10 +367,16 @@ class ReplicaAgent:
         self._count(saves_dropped=1, capture_skips=int(reason == "capturing"))
         self.telemetry.save_dropped(reason)
 
-    def _store_failed(self, operation: str, error: KvshareError) -> None:
+    def _store_failed(self, operation: str, error: Exception) -> None:
+        """A store call failed: counted, fed to the breaker, a miss. An error that is
+        not the store's (kvcommon.errors) is a bug, logged with its traceback, and
+        still a miss: inference never fails because the cache failed."""
         self._count(store_errors=1)
         self.telemetry.store_error(operation)
         self.breaker.record_failure()
+        if not isinstance(error, KvshareError):
+            log.error("store %s failed unexpectedly; serving a miss", operation, exc_info=error)
+            return
         code = getattr(error, "code", None)
         status = code().name if callable(code) else type(error).__name__
         log.warning("store %s failed (%s); serving a miss", operation, status)

@@ -22,6 +22,7 @@ from kvcommon.v1 import kvshare_pb2 as pb
 from kvcommon.v1 import kvshare_pb2_grpc as pb_grpc
 from replica_agent.client import BlockClient
 from replica_agent.errors import BlockStoreError
+from tests.conftest import Running
 
 HOSTILE_SIZES = [2**63 + 5, 2**62, 2**40 + 3, (1 << 30) + 1]
 MODEL = "m;fp32"
@@ -97,3 +98,47 @@ def test_an_absurd_announced_size_is_data_loss_not_a_crash(fake_store: str, bulk
             assert "announced" in info.value.details()
         if bulk:
             assert client.transport_stats.bulk_fallbacks == 0  # the bulk path answered
+
+
+def test_the_agent_serves_a_miss_from_a_hostile_store(fake_store: str) -> None:
+    """F9 end to end: `ReplicaAgent.load` raised OverflowError/MemoryError from the
+    sizes such a server announces. Now the replica recomputes: a miss, counted."""
+    from replica_agent.agent import PrefixMatch, ReplicaAgent
+    from replica_agent.spec import ModelSpec
+
+    spec = ModelSpec("m", "r1", num_layers=1, num_kv_heads=1, head_dim=8, dtype="float32")
+    for bulk in (True, False):
+        client = BlockClient(fake_store, "token", bulk=bulk, same_host=False, timeout_s=10)
+        agent = ReplicaAgent(client, spec)
+        try:
+            match = PrefixMatch("t", (b"d" * 32,), 1, spec.block_tokens)
+            assert agent.load(match).shape[0] == 0  # nothing restored, nothing raised
+            assert agent.stats.store_errors == 1
+        finally:
+            agent.close()
+
+
+def test_the_agent_serves_a_miss_when_the_client_fails_unexpectedly(
+    dev_server: Running, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Defense in depth: an error below the agent that is not a store error (a bug) is
+    still a miss, never an exception into inference."""
+    from replica_agent.agent import ReplicaAgent
+    from replica_agent.spec import ModelSpec
+
+    spec = ModelSpec("m", "r1", num_layers=1, num_kv_heads=1, head_dim=8, dtype="float32")
+    agent = ReplicaAgent(dev_server.client(), spec)
+    try:
+        digests = agent.digests(list(range(2 * spec.block_tokens)))
+
+        def broken(*args: object) -> Iterator[bytes]:
+            raise OverflowError("a bug below the agent")
+
+        monkeypatch.setattr(agent.client, "iter_views", broken)
+        match = agent.match("dev", digests)  # the real store: a miss, answered
+        assert match.blocks == 0
+        forced = type(match)("dev", match.digests, 2, spec.block_tokens)
+        assert agent.load(forced).shape[0] == 0
+        assert agent.stats.store_errors == 1
+    finally:
+        agent.close()

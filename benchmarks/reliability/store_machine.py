@@ -15,6 +15,7 @@ same-host arena. After every rule every name is read back and reconciled with
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import random
 import shutil
@@ -72,6 +73,8 @@ TRANSPORTS = {
 # campaign runs. Remove an entry when its xfail test starts passing.
 KNOWN_BUGS = frozenset({"same-batch-eviction"})
 MAX_RESTARTS = 3  # per example: server processes are the expensive part
+# What the runs of this process did (steps, kills, evictions...): for the reports.
+STATS: collections.Counter[str] = collections.Counter()
 
 
 # Who makes a call: mostly the tenant's owner (so that blocks accumulate and evict),
@@ -138,6 +141,10 @@ class StoreMachine(RuleBasedStateMachine):
         return self.clients[key]
 
     def teardown(self) -> None:
+        STATS["examples"] += 1
+        STATS["blocks_evicted"] += sum(len(v) for v in self.model.evicted.values())
+        for bug, count in self.model.tolerated.items():
+            STATS[f"tolerated:{bug}"] += count
         self._close_clients()
         if self.server is not None and self.server.alive():
             self.server.terminate()
@@ -147,6 +154,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     def observe(self) -> dict[Name, bytes]:
         """Every name of the universe read back by its tenant's owner, in random order."""
+        STATS["steps"] += 1
         names = [(t, m, d) for t in RULES for m in MODELS for d in DIGESTS]
         self.rng.shuffle(names)
         observed: dict[Name, bytes] = {}
@@ -335,6 +343,7 @@ class StoreMachine(RuleBasedStateMachine):
         assert self.server is not None
         self._close_clients()
         journal_at_stop = self.journal
+        STATS["kill9" if kill else "clean_restarts"] += 1
         if kill:
             self.server.kill9()
         else:

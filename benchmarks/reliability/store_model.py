@@ -53,9 +53,9 @@ class StoreModel:
     tenants: Mapping[str, TenantRules]
     budget_bytes: int
     present: dict[Name, bytes] = field(default_factory=dict)
-    # Names evicted since the last restart, with the bytes they had: with the journal, a
+    # Names evicted since the last restart, with every version they had: with the journal, a
     # kill -9 may bring these back instead of others of the same tenant.
-    evicted: dict[Name, bytes] = field(default_factory=dict)
+    evicted: dict[Name, set[bytes]] = field(default_factory=dict)
     versions: dict[Name, int] = field(default_factory=dict)
     # Known bugs (by name) whose violations are counted in `tolerated` instead of raised,
     # so that the rest of the campaign still runs while each has its own xfail test.
@@ -149,9 +149,12 @@ class StoreModel:
                 )
         # A block evicted by an earlier block of the same call and then stored again
         # was evicted too: its old bytes may still be in LMDB or the journal.
-        self.evicted.update({n: self.present[n] for n in stored if n in self.present})
+        for name in stored:
+            if name in self.present:
+                self.evicted.setdefault(name, set()).add(self.present[name])
+        for name, value in lost.items():
+            self.evicted.setdefault(name, set()).add(value)
         self.present = dict(observed)
-        self.evicted.update(lost)
 
     def expect_after_kill(self, observed: Mapping[Name, bytes], journal: bool, step: str) -> None:
         """Nothing acknowledged lost; see the module doc for what the journal allows."""
@@ -164,7 +167,7 @@ class StoreModel:
                     raise ModelViolation(f"{step}: {tenant}: {_diff(held, now)}")
                 continue
             for name, value in now.items():
-                if value not in (held.get(name), evicted.get(name)):
+                if value != held.get(name) and value not in evicted.get(name, ()):
                     raise ModelViolation(f"{step}: {_describe(name)} served bytes it never held")
             if len(now) > len(held):
                 self.violation(

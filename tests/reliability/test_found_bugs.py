@@ -61,3 +61,85 @@ def test_replay_after_kill_9_keeps_the_tenant_within_its_quota(serve: Serve) -> 
         assert client.get("beta", MODEL, DIGESTS[3:]) == PAYLOADS[3:]  # replayed
         assert _present(client) == 3
         assert _usage(client) == (3, QUOTA)
+
+
+# -- found by benchmarks/fuzz.py ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("authenticated", [True, False], ids=["token", "no-token"])
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: a request that is not a valid protobuf message ends with status UNKNOWN "
+    "(outside the contract) and a traceback in the server log (issue 15 F10)",
+)
+def test_a_malformed_request_gets_a_contract_status_and_no_traceback(
+    serve: Serve, authenticated: bool
+) -> None:
+    import grpc
+
+    server, tenancy = serve(BETA, OWNER)
+    metadata = (("authorization", f"Bearer {tenancy.tokens['b']}"),) if authenticated else ()
+    with grpc.insecure_channel(server.address) as channel:
+        lookup = channel.unary_unary("/kvshare.v1.BlockStore/Lookup")
+        with pytest.raises(grpc.RpcError) as refused:
+            lookup(b"\xff\xff\xff", metadata=metadata, timeout=10)
+    expected = (
+        grpc.StatusCode.INVALID_ARGUMENT if authenticated else grpc.StatusCode.UNAUTHENTICATED
+    )
+    assert refused.value.code() == expected  # type: ignore[attr-defined]
+    assert "Traceback" not in server.log_path.read_text()
+
+
+def _hostile_bulk_get(script: bytes, *, local: bool) -> BaseException | None:
+    """A BulkChannel.get against a server that answers `script`: what it raised."""
+    import os
+
+    from benchmarks.reliability.fuzz_wire import HostileServer
+    from kvcommon import bulkwire as w
+    from replica_agent.bulk import BulkChannel, Ticket
+
+    hostile = HostileServer()
+    hostile.script = script
+    hostile.arena = (1 << 20, True)
+    ticket = Ticket(
+        os.urandom(32),
+        hostile.address,
+        False,
+        hostile.local_name if local else "",
+        w.host_namespace(),
+        str(os.getuid()),
+    )
+    channel = BulkChannel(lambda _t: ticket, lambda s, m: RuntimeError(s), timeout_s=5)
+    try:
+        channel.get("t", "m", [bytes(32)])
+    except BaseException as error:  # what the caller would have to handle
+        return error
+    finally:
+        channel.close()
+    return None
+
+
+@pytest.mark.parametrize(
+    ("script", "local"),
+    [
+        # TCP: handshake OK, GET OK, then a block of 2^63 + 5 bytes
+        (bytes([0, 0]) + (2**63 + 5).to_bytes(8, "big"), False),
+        # same host: ARENA_REPLY OK, GET OK, then LOCAL_GET announcing 2^32 - 1 blocks
+        (bytes([0]) + (1 << 20).to_bytes(8, "big") + bytes([0]) + b"\xff\xff\xff\xff\x00", True),
+    ],
+    ids=["tcp-size-2^63", "arena-count-2^32"],
+)
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: a hostile bulk reply with a huge size or block count raises OverflowError/"
+    "MemoryError in the client (replica_agent/bulk.py, kvcommon/bulkwire.py) instead of an "
+    "error the client turns into a miss or a gRPC retry (issue 15 F9)",
+)
+def test_a_hostile_bulk_reply_ends_in_an_error_the_client_handles(
+    script: bytes, local: bool
+) -> None:
+    from replica_agent.bulk import UseGrpc
+
+    raised = _hostile_bulk_get(script, local=local)
+    assert raised is not None  # positive control: the reply is refused, one way or another
+    assert isinstance(raised, OSError | RuntimeError | UseGrpc), repr(raised)

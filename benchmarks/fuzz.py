@@ -36,7 +36,6 @@ import re
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's packages
@@ -224,5 +223,4 @@ def summarize(results: list[dict], crashes: int, logged: dict[str, int], rss_gro
 
 
 if __name__ == "__main__":
-    started = time.monotonic()
     raise SystemExit(main())

@@ -10,9 +10,10 @@ lookups then gets of a conversation it stored (most calls), new conversations of
 blocks (puts), batched gets of several conversations, and occasional deletes; every
 payload is derived from its digest, so any returned block can be checked.
 
-At the end every acknowledged block is fetched: a wrong byte is `corrupt`; a missing
-block of a `keep` tenant is `lost` (a `hot` one may have been evicted); a deleted
-block that is served again is `resurrected`. RSS of the server is sampled each
+At the end every acknowledged block of a `keep` tenant (and each client's last
+HOT_WINDOW of a `hot` one) is fetched: a wrong byte is `corrupt`; a missing block of a
+`keep` tenant is `lost` (a `hot` one may have been evicted); a deleted block that is
+served again is `resurrected`. RSS of the server is sampled each
 second. `--json` prints {"requests", "errors", "acknowledged_blocks", "lost_blocks",
 "corrupt_blocks", "rss_start_bytes", "rss_end_bytes", "p50_ms", "p99_ms", ...}.
 """
@@ -45,6 +46,7 @@ from benchmarks.reliability.harness import (
 MODEL = "soak/model@r1;L4;B256"
 BLOCK_BYTES = {"hot0": 32 << 10, "hot1": 64 << 10, "keep0": 32 << 10, "keep1": 16 << 10}
 QUOTAS = {"hot0": 4 << 20, "hot1": 6 << 20, "keep0": 1 << 30, "keep1": 1 << 30}
+HOT_WINDOW = 1000  # blocks per client of a hot tenant checked at the end
 STORAGE = {
     "journal_bytes": 64 << 20,
     "memory_budget_bytes": 48 << 20,
@@ -70,6 +72,7 @@ def worker(index: int, address: str, token: str, tenant: str, seconds: float, ou
     deleted: list[bytes] = []
     latencies: list[float] = []
     requests = errors = 0
+    kinds: dict[str, int] = {}
     deadline = time.monotonic() + seconds
     client = BlockClient(address, token, bulk=index % 4 != 3, timeout_s=30)
     while time.monotonic() < deadline:
@@ -88,6 +91,7 @@ def worker(index: int, address: str, token: str, tenant: str, seconds: float, ou
                 requests += 1
                 if any(block != payload(d, size) for d, block in zip(chain, got, strict=False)):
                     errors += 1  # a wrong block served: the final check counts it too
+                    kinds["wrong bytes"] = kinds.get("wrong bytes", 0) + 1
             elif op < 0.95:  # batched gets of several conversations
                 for chain in rng.sample(chains, min(len(chains), 4)):
                     client.get(tenant, MODEL, chain)
@@ -95,18 +99,23 @@ def worker(index: int, address: str, token: str, tenant: str, seconds: float, ou
                 chain = chains.pop(rng.randrange(len(chains)))
                 client.delete(tenant, MODEL, chain)
                 deleted += chain
-        except Exception:  # counted; the soak goes on
+        except Exception as error:  # counted, by kind; the soak goes on
             errors += 1
+            code = getattr(error, "code", None)
+            kind = code().name if callable(code) else type(error).__name__
+            kinds[kind] = kinds.get(kind, 0) + 1
         requests += 1
         latencies.append((time.perf_counter() - started) * 1000)
     client.close()
+    gone = set(deleted)
     out.write_text(
         json.dumps(
             {
                 "tenant": tenant,
                 "requests": requests,
                 "errors": errors,
-                "acked": [d.hex() for d in acked if d not in set(deleted)],
+                "error_kinds": kinds,
+                "acked": [d.hex() for d in acked if d not in gone],
                 "deleted": [d.hex() for d in deleted],
                 "latencies_ms": latencies,
             }
@@ -122,11 +131,11 @@ def main() -> int:
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--seconds", type=float, default=60)
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--worker", nargs=6, metavar="ARG", help=argparse.SUPPRESS)
+    parser.add_argument("--worker", metavar="JSON", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.worker:
-        index, address, token, tenant, seconds, out = args.worker
-        worker(int(index), address, token, tenant, float(seconds), Path(out))
+    if args.worker:  # one JSON argument: a token may start with "-"
+        w = json.loads(args.worker)
+        worker(w["index"], w["address"], w["token"], w["tenant"], w["seconds"], Path(w["out"]))
         return 0
     report = soak(args.clients, args.seconds)
     print(json.dumps(report) if args.json else "\n".join(f"{k}: {v}" for k, v in report.items()))
@@ -151,11 +160,17 @@ def soak(clients: int, seconds: float) -> dict:
             procs = []
             for i in range(clients):
                 tenant = tenants[i % len(tenants)]
-                argv = [str(i), server.address, tenancy.tokens[f"p-{tenant}"], tenant]
-                argv += [str(seconds), str(work / f"client{i}.json")]
+                spec = {
+                    "index": i,
+                    "address": server.address,
+                    "token": tenancy.tokens[f"p-{tenant}"],
+                    "tenant": tenant,
+                    "seconds": seconds,
+                    "out": str(work / f"client{i}.json"),
+                }
                 procs.append(
                     subprocess.Popen(
-                        [sys.executable, __file__, "--worker", *argv],
+                        [sys.executable, __file__, f"--worker={json.dumps(spec)}"],
                         stdin=subprocess.DEVNULL,
                         stderr=open(work / f"client{i}.log", "wb"),  # noqa: SIM115
                     )
@@ -164,7 +179,12 @@ def soak(clients: int, seconds: float) -> dict:
                 time.sleep(1)
                 rss.append(server.rss_bytes())
             results = [_load(work / f"client{i}.json") for i in range(clients)]
-            failed_clients = sum(1 for p in procs if p.returncode != 0)
+            # A client process that died: its last log line says why (counted once).
+            failures = [
+                f"client {i} exited {p.returncode}: {_last_line(work / f'client{i}.log')}"
+                for i, p in enumerate(procs)
+                if p.returncode != 0
+            ]
             verdict = verify(server.address, tenancy.tokens["root"], results)
             rss.append(server.rss_bytes())
             alive = server.alive()
@@ -175,7 +195,7 @@ def soak(clients: int, seconds: float) -> dict:
     half = rss[len(rss) // 2 :]
     return {
         "requests": sum(r.get("requests", 0) for r in results),
-        "errors": sum(r.get("errors", 0) for r in results) + failed_clients + (not alive),
+        "errors": sum(r.get("errors", 0) for r in results) + len(failures) + (not alive),
         "acknowledged_blocks": verdict["acknowledged"],
         "lost_blocks": verdict["lost"],
         "corrupt_blocks": verdict["corrupt"],
@@ -193,20 +213,40 @@ def soak(clients: int, seconds: float) -> dict:
         "rss_last_half_growth_bytes": (half[-1] - min(half)) if half else 0,
         "evicted_blocks": verdict["evicted"],
         "resurrected_blocks": verdict["resurrected"],
+        "error_kinds": _merge(r.get("error_kinds", {}) for r in results),
+        "client_failures": failures + ([] if alive else ["the server died"]),
         "clients": clients,
         "seconds": seconds,
     }
+
+
+def _merge(dicts: object) -> dict[str, int]:
+    merged: dict[str, int] = {}
+    for d in dicts:  # type: ignore[attr-defined]
+        for key, count in d.items():
+            merged[key] = merged.get(key, 0) + count
+    return merged
 
 
 def _load(path: Path) -> dict:
     try:
         return dict(json.loads(path.read_text()))
     except (OSError, ValueError):
-        return {"errors": 1}
+        return {}  # the client died: counted from its exit status
+
+
+def _last_line(path: Path) -> str:
+    try:
+        lines = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return lines[-1][:200] if lines else ""
 
 
 def verify(address: str, token: str, results: list[dict]) -> dict[str, int]:
-    """Fetch every acknowledged block (and every deleted one) and compare."""
+    """Fetch acknowledged blocks (and deleted ones) and compare. A `keep` tenant's are
+    all checked; of a `hot` tenant's, each client's last HOT_WINDOW (a hot tenant holds
+    far fewer: its quota), the older ones being evicted long since."""
     from replica_agent.client import BlockClient
 
     counts = {"acknowledged": 0, "lost": 0, "corrupt": 0, "evicted": 0, "resurrected": 0}
@@ -215,19 +255,35 @@ def verify(address: str, token: str, results: list[dict]) -> dict[str, int]:
             tenant = result.get("tenant")
             if tenant is None:
                 continue
-            size = BLOCK_BYTES[tenant]
-            for hexed in result["acked"]:
-                digest = bytes.fromhex(hexed)
-                counts["acknowledged"] += 1
-                got = client.get(tenant, MODEL, [digest])
-                if not got:
-                    counts["evicted" if tenant.startswith("hot") else "lost"] += 1
-                elif got[0] != payload(digest, size):
-                    counts["corrupt"] += 1
+            acked = [bytes.fromhex(h) for h in result["acked"]]
+            counts["acknowledged"] += len(acked)
+            hot = tenant.startswith("hot")
+            if hot:
+                counts["evicted"] += max(0, len(acked) - HOT_WINDOW)
+                acked = acked[-HOT_WINDOW:]
+            missing, corrupt = _check(client, tenant, acked)
+            counts["evicted" if hot else "lost"] += missing
+            counts["corrupt"] += corrupt
             for hexed in result["deleted"]:
                 if client.get(tenant, MODEL, [bytes.fromhex(hexed)]):
                     counts["resurrected"] += 1
     return counts
+
+
+def _check(client: object, tenant: str, digests: list[bytes]) -> tuple[int, int]:
+    """(missing, corrupt) among `digests`: batched gets, resumed after each miss."""
+    size = BLOCK_BYTES[tenant]
+    missing = corrupt = 0
+    at = 0
+    while at < len(digests):
+        batch = digests[at : at + 256]
+        got = client.get(tenant, MODEL, batch)  # type: ignore[attr-defined]
+        corrupt += sum(1 for d, b in zip(batch, got, strict=False) if b != payload(d, size))
+        at += len(got)
+        if len(got) < len(batch):
+            missing += 1  # the first miss; the batch goes on after it
+            at += 1
+    return missing, corrupt
 
 
 if __name__ == "__main__":

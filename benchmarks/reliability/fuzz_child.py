@@ -69,6 +69,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()))
     parser.add_argument("--journal-dir", type=Path, default=None)
     args = parser.parse_args()
+    tempfile.tempdir = str(args.work)  # the targets' scratch files: removed by the parent
     logging.basicConfig(level=logging.WARNING)
     errors = fuzz_wire.LoggedErrors()
     logging.getLogger().addHandler(errors)

@@ -34,7 +34,7 @@ def test_a_short_soak_loses_and_corrupts_nothing() -> None:
     report = json.loads(done.stdout)
     assert list(report)[: len(KEYS)] == KEYS
     assert report["requests"] > 100 and report["acknowledged_blocks"] > 10
-    assert report["errors"] == 0
+    assert report["errors"] == 0, (report["error_kinds"], report["client_failures"])
     assert report["lost_blocks"] == 0
     assert report["corrupt_blocks"] == 0
     assert report["resurrected_blocks"] == 0

@@ -195,9 +195,9 @@ def summarize(results: list[dict], crashes: int, logged: dict[str, int], rss_gro
     for result in results:
         verdicts: dict[str, int] = result.get("verdicts", {})
         for key, count in verdicts.items():
-            if key.startswith("live:internal"):
+            if key.startswith(("live:internal", "embedded:internal")):
                 findings[key] = findings.get(key, 0) + count
-                continue  # the live server's are counted from its log (one per event)
+                continue  # a server's INTERNAL is counted from its log (one per event)
             if ":internal" in key or key.startswith("harness:"):
                 internal += count
                 findings[key] = findings.get(key, 0) + count

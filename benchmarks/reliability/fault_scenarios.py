@@ -136,6 +136,8 @@ def kill9_cycles(env: Env, cycles: int) -> Outcome:
                     except Exception:  # the server died mid-call: not acknowledged
                         return
                     acked.extend(digests)
+                    # A steady load, not a flood: every cycle re-reads all blocks so far.
+                    time.sleep(0.005)
 
         thread = threading.Thread(target=write)
         thread.start()

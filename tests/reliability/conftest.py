@@ -42,7 +42,9 @@ def serve(tmp_path: Path, journal_dir: Path) -> Iterator[Serve]:
         storage: Storage | None = None,
         tokens: Mapping[str, str] | None = None,
     ) -> tuple[ServerProc, Tenancy]:
-        settings = {"journal_dir": str(journal_dir), **(storage or {})}
+        # A 16 MiB journal (the minimum) unless a test says otherwise: the default 2 GiB
+        # would have the server prefault 128 MiB of tmpfs ahead of its first puts.
+        settings = {"journal_dir": str(journal_dir), "journal_bytes": 16 << 20, **(storage or {})}
         tenancy = write_tenancy(tmp_path, tenants, principals, storage=settings, tokens=tokens)
         server = ServerProc(tenancy.path, tmp_path / "server.log")
         started.append(server)

@@ -242,3 +242,27 @@ def test_a_stalled_bulk_get_does_not_stop_another_tenants_puts(serve: Serve) -> 
     finally:
         stalled.kill()
         stalled.wait(30)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: with the journal on, a put refused because LMDB cannot take more (map "
+    "full; the disk full alike) says 'puts arrive faster than the disk takes them ... raise "
+    "[storage] journal_bytes' (cacheserver/journal.py reserve): the wrong advice",
+)
+def test_a_put_refused_for_a_full_map_says_what_to_change(serve: Serve) -> None:
+    import os
+
+    from replica_agent.client import BlockStoreError
+
+    storage = {"lmdb_map_bytes": 8 << 20, "disk_budget_bytes": 1 << 30}
+    server, tenancy = serve(ALPHA, BOTH, storage=storage)
+    with (
+        BlockClient(server.address, tenancy.tokens["a"]) as client,
+        pytest.raises(BlockStoreError) as refused,
+    ):
+        for _ in range(200):
+            digest = os.urandom(32)
+            client.put("alpha", MODEL, [digest], [digest * 8192])
+    assert refused.value.code().name == "RESOURCE_EXHAUSTED"
+    assert "lmdb_map_bytes" in refused.value.details()

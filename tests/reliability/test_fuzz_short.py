@@ -1,0 +1,54 @@
+"""A short run of the fuzzing campaign (benchmarks/fuzz.py) in CI: a few thousand
+inputs over every target, against a live `kvshare serve` and an embedded server.
+
+It must not crash the server or grow its memory, and every finding must be one of the
+known bugs below, each of which has its own xfail test in test_found_bugs.py (a new
+kind of finding fails this test with its name; a fixed bug simply stops appearing)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+from benchmarks.reliability.harness import REPO
+
+CASES = 3500
+# finding pattern -> the bug (and its xfail test in test_found_bugs.py)
+KNOWN_FINDINGS = {
+    # F10: a request that is not valid protobuf is decoded before the handler and the
+    # auth wrapper: UNKNOWN (or INTERNAL for a Put frame) and a logged traceback.
+    r"DecodeError|:unexpected:\w+ UNKNOWN$|:internal:Put$": (
+        "test_a_malformed_request_gets_a_contract_status_and_no_traceback"
+    ),
+    # F9: huge sizes or counts in a hostile bulk reply reach mmap/bytearray.
+    r"^client:internal:(OverflowError|MemoryError) at (bulk|bulkwire)\.py": (
+        "test_a_hostile_bulk_reply_ends_in_an_error_the_client_handles"
+    ),
+}
+
+
+def test_a_short_fuzzing_campaign_finds_only_known_bugs() -> None:
+    done = subprocess.run(
+        [sys.executable, "benchmarks/fuzz.py", "--cases", str(CASES), "--json", "--seed", "1"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=600,
+        check=True,
+    )
+    report = json.loads(done.stdout)
+    assert list(report)[:5] == [
+        "cases",
+        "server_crashes",
+        "internal_errors",
+        "unexpected_statuses",
+        "rss_growth_bytes",
+    ]
+    assert report["cases"] >= CASES - len(report["targets"])  # every target ran its share
+    assert all(t["cases"] > 0 for t in report["targets"].values())
+    assert report["server_crashes"] == 0
+    assert report["rss_growth_bytes"] < 64 << 20
+    unknown = [f for f in report["findings"] if not any(re.search(p, f) for p in KNOWN_FINDINGS)]
+    assert unknown == [], f"new kinds of findings: {unknown}"

@@ -166,7 +166,7 @@ class RequestCore:
         self.limits.check_digest_count(index + 1)
         key = self.policy.storage_key(put.tenant, put.model, parse_digest(digest, index))
         self.limits.check_block_bytes(index, size)
-        self.store.check_room(put.tenant, size)  # before any of its bytes are taken
+        self.store.check_room(put.tenant, key, size)  # before any of its bytes are taken
         return key
 
     # -- operations ----------------------------------------------------------------

@@ -246,12 +246,15 @@ class BlockStore:
             PutJob(key, tenant, self._epochs.get(tenant, 0), payload, model_tag)
         )
 
-    def check_room(self, tenant: TenantId, size: int) -> None:
+    def check_room(self, tenant: TenantId, key: StorageKey, size: int) -> None:
         """Refuse now (ResourceExhausted) a block of `size` bytes that could not be
         admitted — bigger than the tenant's quota or the budget, or no block left that
-        the rules let it evict — before its bytes are received."""
+        the rules let it evict — before its bytes are received. A block stored already
+        is not refused: its put is answered "already present" (first writer wins)."""
         tiers = self._tiers
         with tiers.lock:
+            if key in tiers.index:
+                return
             try:
                 tiers.index.victims_with_reasons(tenant, size)
             except NoRoom as error:

@@ -310,8 +310,10 @@ class SimCuda:
                     self.errors.append(error)
             with self._changed:
                 stream.queue.popleft()
+                # A finished copy lets go of its tensors before anyone can see it done:
+                # after `drain` or an event, `device_bytes` no longer counts them.
+                del op
                 self._changed.notify_all()
-            del op  # a finished copy must not keep its tensors alive
 
     def _ready_streams(self, now: float) -> tuple[list[SimStream], float | None]:
         """Streams whose head can run now, and when a stalled head will be done."""

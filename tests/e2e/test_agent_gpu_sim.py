@@ -154,14 +154,18 @@ def test_a_slow_store_keeps_device_memory_held_by_saves_under_its_bound(
     digests, produced = digests[:16], produced[:16]
     held: list[int] = []
     accepted: list[int] = []
+    engine = sim.current_stream(DEVICE)
     os.kill(server.proc.pid, signal.SIGSTOP)  # the store stops answering
     try:
         for i, values in enumerate(produced):
             block = sim.device_tensor(SMALL.block_shape, torch_dtype(SMALL))
-            sim.launch(sim.current_stream(DEVICE), partial(block.copy_, values))
+            sim.launch(engine, partial(block.copy_, values))  # the forward pass writes it
             if agent.save("dev", digests[i : i + 1], [block]):
                 accepted.append(i)
             del block
+            # The engine's own kernel, which holds the block until it has run, is done:
+            # whatever device memory is held now, the saves hold.
+            sim.synchronize(sim.record(engine))
             gc.collect()
             held.append(sim.device_bytes())
         sim.drain()  # every queued snapshot copy has run; the store is still stopped

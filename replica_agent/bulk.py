@@ -1,7 +1,9 @@
 """Client side of the bulk channel: GET and PUT requests (framing in `kvcommon.bulkwire`).
 
 One connection per thread and tenant (bulk_connect.py), opened with a one-time ticket
-and kept for reuse. `read` is the one read path: each leading present payload as a view,
+and kept for reuse; a kept connection the server closed meanwhile (a restart) is replaced
+before it is used, so a restart is no failure of the channel (no fallback, no backoff in
+client.py). `read` is the one read path: each leading present payload as a view,
 as soon as it arrived — into the connection's reused buffers, or, on the server's host,
 into the shared-memory arena the server wrote it to. With `keep=False` a view is valid
 until the next one is asked for (the restore path decodes block i while block i+1 is on
@@ -71,6 +73,9 @@ class BulkChannel:
         `tcp` asks for the TCP listener (a block too big for the arena)."""
         conns: dict[tuple[str, bool], Connection] = self._local.__dict__.setdefault("conns", {})
         conn = conns.get((tenant, tcp))
+        if conn is not None and conn.is_closed_by_peer():
+            self._drop(tenant, tcp=tcp)
+            conn = None
         if conn is None:
             conn = conns[(tenant, tcp)] = self._connect(tenant, tcp)
             with self._lock:

@@ -19,6 +19,7 @@ import fcntl
 import logging
 import mmap
 import os
+import select
 import socket
 import ssl
 from collections.abc import Sequence
@@ -83,6 +84,18 @@ class Connection:
     traced: bool  # the server reads TRACED requests
     arena: mmap.mmap | None  # same host: the server's shared-memory arena for payloads
     buffers: Buffers
+
+    def is_closed_by_peer(self) -> bool:
+        """Whether this idle connection can no longer carry a request: the server closed
+        it (it restarted, or its listener stopped) or sent bytes nobody asked for. One
+        poll that does not wait; a kept connection is checked before each use."""
+        if self.sock.fileno() < 0:
+            return True
+        if isinstance(self.sock, ssl.SSLSocket) and self.sock.pending():
+            return True
+        poller = select.poll()
+        poller.register(self.sock, select.POLLIN)
+        return bool(poller.poll(0))  # readable (end of stream, stray bytes) or hung up
 
     def close(self) -> None:
         try:

@@ -16,7 +16,8 @@ Transports. Payloads move over the server's bulk channel (grpc_calls.py for the 
 unless `bulk=False`; the choice and the fallback live here and only here:
 - a call the bulk channel cannot frame goes over gRPC (the server then answers with
   its own message);
-- a connection that fails (refused, reset, closed mid-frame) sends this call over gRPC
+- a connection that fails (refused, reset, closed mid-frame; a kept connection the
+  server closed while it was idle is only replaced, bulk.py) sends this call over gRPC
   and keeps the bulk channel off for a backoff that doubles up to a minute, counted in
   `transport_stats.bulk_fallbacks` and logged once per backoff window; then it is tried
   again. When gRPC cannot reach the server either, the channel was not at fault (the

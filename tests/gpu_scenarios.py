@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from functools import partial
+from typing import Any, Protocol, cast
 
 import torch
 
 from replica_agent.codec import encode_block, torch_dtype
-from replica_agent.device import BlockRestorer
 from replica_agent.device_ops import CudaOps, DeviceOps, Stream
 from replica_agent.device_snapshot import HostPool, Snapshotter
 from replica_agent.spec import ModelSpec
@@ -39,7 +39,7 @@ SMALL = ModelSpec(
 
 
 class Rig(Protocol):
-    def launch(self, stream: Stream, kernel: Callable[[], None]) -> None: ...
+    def launch(self, stream: Stream, kernel: Callable[[], object]) -> None: ...
     def stall(self, stream: Stream, seconds: float) -> None: ...
     def read(self, tensor: torch.Tensor, stream: Stream) -> torch.Tensor: ...
     def use_stream(self, stream: Stream) -> AbstractContextManager[None]: ...
@@ -53,6 +53,18 @@ class Rig(Protocol):
     def current_stream(self, device: torch.device) -> Stream: ...
 
 
+class Restorer(Protocol):
+    """What the restore scenarios call: `BlockRestorer`, or the pre-fix one in
+    tests/sim_pre_fix_restorer.py."""
+
+    spec: ModelSpec
+    device: torch.device
+
+    def restore(
+        self, payloads: Iterable[bytes | memoryview], max_blocks: int, /
+    ) -> tuple[torch.Tensor, object]: ...
+
+
 class CudaRig(CudaOps):
     """The rig on a real GPU: `stall` spins a kernel (`torch.cuda._sleep`)."""
 
@@ -60,23 +72,23 @@ class CudaRig(CudaOps):
         self.device = self.resolve(device)
         self._cycles_per_s = _calibrate_sleep(self.device)
 
-    def launch(self, stream: Stream, kernel: Callable[[], None]) -> None:
-        with torch.cuda.stream(stream):  # type: ignore[arg-type]
+    def launch(self, stream: Stream, kernel: Callable[[], object]) -> None:
+        with torch.cuda.stream(_cuda(stream)):
             kernel()
 
     def stall(self, stream: Stream, seconds: float) -> None:
-        with torch.cuda.stream(stream):  # type: ignore[arg-type]
-            torch.cuda._sleep(int(seconds * self._cycles_per_s))
+        with torch.cuda.stream(_cuda(stream)):
+            _spin(int(seconds * self._cycles_per_s))
 
     def read(self, tensor: torch.Tensor, stream: Stream) -> torch.Tensor:
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        with torch.cuda.stream(stream):  # type: ignore[arg-type]
+        with torch.cuda.stream(_cuda(stream)):
             host.copy_(tensor, non_blocking=True)
         self.synchronize(self.record(stream))
         return host
 
     def use_stream(self, stream: Stream) -> AbstractContextManager[None]:
-        return torch.cuda.stream(stream)  # type: ignore[arg-type,return-value]
+        return torch.cuda.stream(_cuda(stream))
 
     def upload(self, host: torch.Tensor) -> torch.Tensor:
         return host.to(self.device)
@@ -87,22 +99,37 @@ class CudaRig(CudaOps):
         return torch.full(tuple(shape), float("nan"), dtype=dtype, device=device or self.device)
 
 
+def _cuda(stream: Stream) -> torch.cuda.Stream:
+    return cast(torch.cuda.Stream, stream)  # what CudaOps hands out (replica_agent/device_ops.py)
+
+
+def _spin(cycles: int) -> None:
+    """A kernel that keeps the current stream busy for `cycles` GPU clock cycles."""
+    torch.cuda._sleep(cycles)  # type: ignore[no-untyped-call]  # torch leaves _sleep unannotated
+
+
+def _timing_event() -> torch.cuda.Event:
+    # torch leaves Event.__new__ unannotated
+    return torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+
+
 def _calibrate_sleep(device: torch.device) -> float:
     with torch.cuda.device(device):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(1000)  # warm
+        start, end = _timing_event(), _timing_event()
+        _spin(1000)  # warm
         start.record()
-        torch.cuda._sleep(10_000_000)
+        _spin(10_000_000)
         end.record()
         end.synchronize()
-        return 10_000_000 / (start.elapsed_time(end) / 1000)
+        elapsed_ms: float = start.elapsed_time(end)  # torch leaves the return unannotated
+        return 10_000_000 / (elapsed_ms / 1000)
 
 
 class WaitsDropped:
     """The negative control: `ops` with some of its waits removed (the named methods do
     nothing), so a harness that cannot see a missing wait is caught passing."""
 
-    def __init__(self, ops: Any, *dropped: str) -> None:
+    def __init__(self, ops: DeviceOps, *dropped: str) -> None:
         self._ops, self._dropped = ops, set(dropped)
 
     def __getattr__(self, name: str) -> Any:
@@ -149,7 +176,7 @@ def judge(
 
 def stalled_restore(
     rig: Rig,
-    restorer: BlockRestorer,
+    restorer: Restorer,
     *,
     count: int = 8,
     stall_s: float = 0.02,
@@ -167,7 +194,7 @@ def stalled_restore(
 
 def concurrent_restores(
     rig: Rig,
-    restorer: BlockRestorer,
+    restorer: Restorer,
     *,
     threads: int,
     count: int = 8,
@@ -219,7 +246,7 @@ def side_stream_snapshot(
         blocks = [rig.device_tensor(spec.block_shape, torch_dtype(spec), device) for _ in want]
         for block, values in zip(blocks, want, strict=True):
             source = rig.upload(values)
-            rig.launch(producer, lambda b=block, s=source: b.copy_(s))
+            rig.launch(producer, partial(block.copy_, source))
         snapshot = snapshots.take(blocks)
     assert not isinstance(snapshot, str), snapshot
     snapshots.wait(snapshot)

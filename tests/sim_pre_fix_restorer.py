@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import subprocess
 import types
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,14 +39,14 @@ def pre_fix_module(sim: SimCuda) -> types.ModuleType:
         text=True,
     ).stdout
 
-    def current(_: object) -> Any:
+    def current(_: object) -> types.SimpleNamespace:
         stream = sim.current_stream(DEVICE)
         return types.SimpleNamespace(
             s=stream, synchronize=lambda: sim.synchronize(sim.record(stream))
         )
 
     class Event:
-        def record(self, stream: Any) -> None:
+        def record(self, stream: types.SimpleNamespace) -> None:
             self.event = sim.record(stream.s)
 
         def synchronize(self) -> None:
@@ -54,15 +54,28 @@ def pre_fix_module(sim: SimCuda) -> types.ModuleType:
 
     class OnDevice(torch.Tensor):
         @classmethod
-        def __torch_function__(cls, func, types_, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        def __torch_function__(
+            cls,
+            func: Callable[..., Any],
+            types_: Iterable[type],
+            args: Sequence[Any] = (),  # whatever the intercepted torch call was given
+            kwargs: dict[str, Any] | None = None,
+        ) -> Any:
             kwargs = kwargs or {}
             if func is torch.Tensor.copy_ and kwargs.get("non_blocking"):
                 dst, src = args[0].as_subclass(torch.Tensor), args[1].as_subclass(torch.Tensor)
                 sim.copy(dst, src, current(None).s)
                 return args[0]
-            return super().__torch_function__(func, types_, args, kwargs)
+            # torch leaves Tensor.__torch_function__ unannotated
+            return super().__torch_function__(func, types_, args, kwargs)  # type: ignore[no-untyped-call]
 
-    def empty(shape: Any, dtype: Any = None, device: Any = None, pin_memory: bool = False) -> Any:
+    def empty(
+        shape: Sequence[int],
+        *,
+        dtype: torch.dtype,  # the old restorer always names it
+        device: torch.device | str | None = None,
+        pin_memory: bool = False,
+    ) -> torch.Tensor:
         if device is not None and torch.device(device).type == "cuda":
             return sim.device_tensor(shape, dtype).as_subclass(OnDevice)
         return torch.empty(shape, dtype=dtype)
@@ -84,19 +97,21 @@ class PreFixRestorer:
     def __init__(self, module: types.ModuleType, spec: ModelSpec) -> None:
         self.inner, self.spec, self.device = module.BlockRestorer(spec, "cuda"), spec, DEVICE
 
-    def restore(self, payloads: Iterable[bytes | memoryview], count: int) -> tuple[Any, None]:
+    def restore(
+        self, payloads: Iterable[bytes | memoryview], count: int
+    ) -> tuple[torch.Tensor, None]:
         return self.inner.restore(iter(payloads), count).as_subclass(torch.Tensor), None
 
 
 def main() -> None:
     sim = SimCuda()
     module = pre_fix_module(sim)
-    one = stalled_restore(sim, PreFixRestorer(module, SMALL), count=8)  # type: ignore[arg-type]
+    one = stalled_restore(sim, PreFixRestorer(module, SMALL), count=8)
     print("pre-fix restorer, 1 thread, stalled stream:", one.as_dict())
     for threads in (2, 4):
         for run in range(3):
             restorer = PreFixRestorer(module, SMALL)
-            outcomes = concurrent_restores(sim, restorer, threads=threads, count=8)  # type: ignore[arg-type]
+            outcomes = concurrent_restores(sim, restorer, threads=threads, count=8)
             print(
                 f"pre-fix restorer, {threads} threads, run {run}:", [o.as_dict() for o in outcomes]
             )

@@ -53,7 +53,7 @@ class SimEvent:
 
 @dataclass
 class _Op:
-    run: Callable[[], None] | None = None
+    run: Callable[[], object] | None = None  # a copy or kernel; what it returns is dropped
     after: SimEvent | None = None  # a wait: runnable once this happened
     stall_s: float = 0.0  # a busy stream: done this long after it reached the head
     instant: bool = False  # an event record: no copy-engine time
@@ -206,7 +206,7 @@ class SimCuda:
     def upload(self, host: torch.Tensor) -> torch.Tensor:
         return host  # a kernel's constant input: already where the "kernel" runs
 
-    def launch(self, stream: Stream, kernel: Callable[[], None]) -> None:
+    def launch(self, stream: Stream, kernel: Callable[[], object]) -> None:
         """A kernel: `kernel` runs on the engine, in `stream`'s order."""
         self._queue(stream, _Op(run=kernel))
 
@@ -310,8 +310,10 @@ class SimCuda:
                     self.errors.append(error)
             with self._changed:
                 stream.queue.popleft()
+                # A finished copy lets go of its tensors before anyone can see it done:
+                # after `drain` or an event, `device_bytes` no longer counts them.
+                del op
                 self._changed.notify_all()
-            del op  # a finished copy must not keep its tensors alive
 
     def _ready_streams(self, now: float) -> tuple[list[SimStream], float | None]:
         """Streams whose head can run now, and when a stalled head will be done."""

@@ -15,7 +15,8 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -41,11 +42,17 @@ def sim() -> Iterator[SimCuda]:
     assert not engine.violations
 
 
-def gpu_agent(client: BlockClient, sim: SimCuda, **kwargs: object) -> ReplicaAgent:
-    return ReplicaAgent(client, SMALL, device="cuda", device_ops=sim, **kwargs)  # type: ignore[arg-type]
+def gpu_agent(
+    client: BlockClient, sim: SimCuda, *, save_buffer_bytes: int | None = None
+) -> ReplicaAgent:
+    return ReplicaAgent(
+        client, SMALL, device="cuda", device_ops=sim, save_buffer_bytes=save_buffer_bytes
+    )
 
 
-def put_blocks(client: BlockClient, tenant: str, digests: list[bytes], blocks: list[torch.Tensor]):
+def put_blocks(
+    client: BlockClient, tenant: str, digests: list[bytes], blocks: list[torch.Tensor]
+) -> None:
     payloads = [encode_block(SMALL, block) for block in blocks]
     client.put(tenant, SMALL.wire_model(), digests, payloads)
 
@@ -77,7 +84,8 @@ def test_threads_of_different_tenants_on_one_agent_get_only_their_own_blocks(
     for t in range(threads):
         put_blocks(agent.client, tenants[t], digests[t], wants[t])
     start = threading.Barrier(threads)
-    outcomes, failures = {}, []
+    outcomes: dict[int, list[dict[str, int]]] = {}
+    failures: list[BaseException] = []
 
     def request(t: int) -> None:
         try:
@@ -117,7 +125,7 @@ def test_a_block_produced_on_a_side_stream_is_saved_as_produced(
         sim.stall(producer, 0.03)  # the forward pass that writes the KV is still running
         blocks = [sim.device_tensor(SMALL.block_shape, torch_dtype(SMALL)) for _ in produced]
         for block, values in zip(blocks, produced, strict=True):
-            sim.launch(producer, lambda b=block, v=values: b.copy_(v))
+            sim.launch(producer, partial(block.copy_, values))
         assert agent.save("dev", digests, blocks)
     del blocks  # the engine frees its tensors at once
     agent.flush()
@@ -144,15 +152,20 @@ def test_a_slow_store_keeps_device_memory_held_by_saves_under_its_bound(
     agent.flush()
     assert agent.stats.blocks_saved == 1
     digests, produced = digests[:16], produced[:16]
-    held, accepted = [], []
+    held: list[int] = []
+    accepted: list[int] = []
+    engine = sim.current_stream(DEVICE)
     os.kill(server.proc.pid, signal.SIGSTOP)  # the store stops answering
     try:
         for i, values in enumerate(produced):
             block = sim.device_tensor(SMALL.block_shape, torch_dtype(SMALL))
-            sim.launch(sim.current_stream(DEVICE), lambda b=block, v=values: b.copy_(v))
+            sim.launch(engine, partial(block.copy_, values))  # the forward pass writes it
             if agent.save("dev", digests[i : i + 1], [block]):
                 accepted.append(i)
             del block
+            # The engine's own kernel, which holds the block until it has run, is done:
+            # whatever device memory is held now, the saves hold.
+            sim.synchronize(sim.record(engine))
             gc.collect()
             held.append(sim.device_bytes())
         sim.drain()  # every queued snapshot copy has run; the store is still stopped
@@ -239,7 +252,7 @@ class TwoRanks:
         self._barrier = threading.Barrier(2, timeout=30)
         self._counts: dict[int, int] = {}
 
-    def agree_for(self, rank: int):  # type: ignore[no-untyped-def]
+    def agree_for(self, rank: int) -> Callable[[int], int]:
         def agree(count: int) -> int:
             self._counts[rank] = count
             self._barrier.wait()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import LlamaForCausalLM
+from transformers.cache_utils import Cache, DynamicLayer
 
 from replica_agent.adapters.hf import (
     blocks_from_cache,
@@ -22,6 +23,16 @@ from tests.conftest import Running
 from tests.gpu_hf_check import restored_matches_recompute
 
 BLOCK = 8
+
+
+def filled_keys_values(cache: Cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's keys and values; every layer is a filled full-attention one."""
+    kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for layer in cache.layers:
+        assert isinstance(layer, DynamicLayer), type(layer)
+        assert layer.keys is not None and layer.values is not None
+        kv.append((layer.keys, layer.values))
+    return kv
 
 
 @pytest.fixture(scope="module")
@@ -63,10 +74,9 @@ def test_a_shorter_restore_keeps_only_the_blocks_it_holds(
     agent.client.delete("dev", agent.model, digests[2:])  # evicted after the match
     cache, count = restore_cache(agent, match, model)
     assert count == 2 and int(cache.get_seq_length()) == 2 * BLOCK
-    for layer in cache.layers:
-        assert layer.keys is not None and layer.values is not None
-        per_layer = layer.keys.numel() * layer.keys.element_size()
-        assert layer.keys.untyped_storage().nbytes() == per_layer  # not a view of 4 blocks
+    for keys, _ in filled_keys_values(cache):
+        per_layer = keys.numel() * keys.element_size()
+        assert keys.untyped_storage().nbytes() == per_layer  # not a view of 4 blocks
     logits, _ = prefill(model, tokens, prefix_cache=cache, prefix_tokens=2 * BLOCK)
     full, _ = prefill(model, tokens)
     assert torch.max(torch.abs(logits - full)).item() < 1e-5
@@ -89,7 +99,7 @@ def test_cache_from_blocks_puts_each_layer_on_its_device(model: LlamaForCausalLM
     devices = layer_devices(model)
     assert devices == [torch.device("cpu")] * spec.num_layers
     cache = cache_from_blocks(blocks, spec, model.config, devices=devices)
-    assert [layer.keys.device for layer in cache.layers] == devices  # type: ignore[union-attr]
+    assert [keys.device for keys, _ in filled_keys_values(cache)] == devices
     with pytest.raises(ValueError, match="one per layer"):
         cache_from_blocks(blocks, spec, model.config, devices=devices[:1])
 

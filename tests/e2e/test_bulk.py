@@ -219,3 +219,42 @@ def test_a_failed_bulk_channel_is_retried_after_a_backoff_not_on_every_call(
         time.sleep(0.6)  # the window passes: the channel is tried again (and fails again)
         assert client.get("dev", MODEL, [digest]) == [b"v"]
         assert client.transport_stats.bulk_fallbacks == 2
+
+
+@TRANSPORTS
+def test_after_a_server_restart_the_bulk_channel_is_used_again_at_once(
+    tmp_path: object, same_host: bool
+) -> None:
+    """A restart closes the client's kept bulk connections while they are idle. The next
+    call opens a fresh one: no fallback to gRPC and no backoff window (which would send
+    every call of the window over gRPC), as if the channel had failed."""
+    from pathlib import Path
+
+    from cacheserver.config import ServerConfig
+    from cacheserver.embedded import EmbeddedServer
+
+    data_dir = Path(str(tmp_path)) / "data"
+    first = EmbeddedServer(ServerConfig(listen="127.0.0.1:0", data_dir=data_dir))
+    address = first.start()
+    token = (data_dir / "dev.token").read_text().strip()
+    digest = os.urandom(32)
+    with BlockClient(address, token, same_host=same_host) as client:
+        try:
+            assert client.put("dev", MODEL, [digest], [b"v"]) == [True]
+            assert client.get("dev", MODEL, [digest]) == [b"v"]  # the connection is kept
+        finally:
+            first.stop()
+        with EmbeddedServer(ServerConfig(listen=address, data_dir=data_dir)):
+            deadline = time.monotonic() + 30
+            while True:  # gRPC reconnects by itself (OpenBulk goes over it)
+                try:
+                    assert client.lookup("dev", MODEL, [digest]) == 1
+                    break
+                except BlockStoreError:
+                    assert time.monotonic() < deadline, "gRPC did not reconnect"
+                    time.sleep(0.1)
+            assert client.get("dev", MODEL, [digest]) == [b"v"]
+            assert client.put("dev", MODEL, [os.urandom(32)], [b"w"]) == [True]
+            assert client.transport_stats.bulk_fallbacks == 0  # both went over the channel
+            bulk = client._bulk
+            assert bulk is not None and len(bulk._all) == 1  # the closed one was let go

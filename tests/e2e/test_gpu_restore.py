@@ -74,7 +74,7 @@ def test_a_restore_under_a_stalled_stream_from_a_reused_buffer_is_exact(
 
 
 def test_negative_control_this_gpu_shows_a_removed_staging_wait(rig: CudaRig) -> None:
-    unsafe = BlockRestorer(LARGE["bfloat16"], "cuda", ops=WaitsDropped(rig, "synchronize"))  # type: ignore[arg-type]
+    unsafe = BlockRestorer(LARGE["bfloat16"], "cuda", ops=WaitsDropped(rig, "synchronize"))
     outcome = stalled_restore(rig, unsafe, count=8, stall_s=STALL_S)
     assert outcome.wrong >= 4
 

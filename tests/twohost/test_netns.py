@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -91,8 +93,8 @@ def test_leftovers_of_a_killed_run_are_removed_and_live_rigs_kept(rig: TwoHosts)
 
 
 def test_without_root_or_iproute2_the_reason_is_said(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
     assert netns._probe() == "network namespaces need root (CAP_NET_ADMIN); CI runs as root"
-    monkeypatch.setattr(netns.os, "geteuid", lambda: 0)
-    monkeypatch.setattr(netns.shutil, "which", lambda _name: None)
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(shutil, "which", lambda _name: None)
     assert "apt-get install -y iproute2" in (netns._probe() or "")

@@ -77,7 +77,7 @@ def test_a_stream_waits_for_an_event_and_others_do_not(sim: SimCuda) -> None:
 
 
 def test_negative_control_the_harness_sees_a_removed_staging_wait(sim: SimCuda) -> None:
-    unsafe = BlockRestorer(SMALL, "cuda", ops=WaitsDropped(sim, "synchronize"))  # type: ignore[arg-type]
+    unsafe = BlockRestorer(SMALL, "cuda", ops=WaitsDropped(sim, "synchronize"))
     outcome = stalled_restore(sim, unsafe, count=8)
     assert outcome.blocks == 8 and outcome.wrong >= 4  # buffers rewritten under queued copies
 
@@ -85,7 +85,7 @@ def test_negative_control_the_harness_sees_a_removed_staging_wait(sim: SimCuda) 
 def test_negative_control_the_harness_sees_a_removed_stream_wait() -> None:
     sim = SimCuda(copy_lag_s=0.02)  # the last copies are still queued when the read is
     try:
-        unsafe = BlockRestorer(SMALL, "cuda", ops=WaitsDropped(sim, "wait"))  # type: ignore[arg-type]
+        unsafe = BlockRestorer(SMALL, "cuda", ops=WaitsDropped(sim, "wait"))
         outcome = stalled_restore(sim, unsafe, count=8, stall_s=0)
     finally:
         sim.close()
@@ -218,7 +218,7 @@ def test_copies_land_after_the_callers_earlier_work_on_the_destination(
 ) -> None:
     """Memory the caller's stream still uses (an allocator hands it out again as soon as
     the caller frees it) is written by the restore only after that work."""
-    restorer = BlockRestorer(SMALL, "cuda", ops=WaitsDropped(sim, *dropped))  # type: ignore[arg-type]
+    restorer = BlockRestorer(SMALL, "cuda", ops=WaitsDropped(sim, *dropped))
     want = blocks_of(SMALL, 3, seed=11)
     destination = sim.device_tensor((3, *SMALL.block_shape), torch.float32)
     consumer = sim.current_stream(DEVICE)
@@ -251,7 +251,7 @@ def test_a_snapshot_waits_for_the_producers_side_stream(sim: SimCuda) -> None:
 def test_negative_control_a_snapshot_without_the_producer_wait_reads_poison(
     sim: SimCuda,
 ) -> None:
-    outcome = side_stream_snapshot(sim, WaitsDropped(sim, "wait"), DEVICE, count=4)  # type: ignore[arg-type]
+    outcome = side_stream_snapshot(sim, WaitsDropped(sim, "wait"), DEVICE, count=4)
     assert outcome.wrong == 4
 
 

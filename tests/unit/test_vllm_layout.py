@@ -63,7 +63,7 @@ def _nhd_cache() -> torch.Tensor:
 
 
 def _gpu_concat(kv: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-    keys, values = kv.transpose(1, 2).split(D, dim=-1)  # [B, N, H, D] each
+    keys, values = torch.split(kv.transpose(1, 2), D, dim=-1)  # [B, N, H, D] each
     return keys[b].transpose(0, 1), values[b].transpose(0, 1)
 
 

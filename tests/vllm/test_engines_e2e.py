@@ -146,7 +146,8 @@ def test_saved_blocks_hold_the_kv_transformers_computes(cluster: Cluster) -> Non
     )
     spec = ModelSpec("t", "r", 4, 2, 64, "float32", block_tokens=BLOCK)
     stored = decode_block(spec, plain)
-    model = LlamaForCausalLM.from_pretrained(cluster.model_dir, dtype=torch.float32).eval()
+    model = LlamaForCausalLM.from_pretrained(cluster.model_dir, dtype=torch.float32)
+    model.eval()  # type: ignore[no-untyped-call]  # transformers leaves eval unannotated
     with torch.no_grad():
         _, cache = prefill(model, prompt)
     (reference,) = blocks_from_cache(cache, spec, 0, 1)

@@ -37,7 +37,11 @@ class BlockStoreService(pb_grpc.BlockStoreServicer):
         self._core = core
 
     async def OpenBulk(self, request: pb.OpenBulkRequest, context: Context) -> pb.OpenBulkResponse:
-        offer = self._core.open_bulk(current_principal.get(), request.tenant)
+        # The sealed-payload channel's secret may only ever cross TLS.
+        sealed_channel = request.sealed_channel and _over_tls(context)
+        offer = self._core.open_bulk(
+            current_principal.get(), request.tenant, sealed_channel=sealed_channel
+        )
         endpoint = offer.endpoint
         return pb.OpenBulkResponse(
             ticket=offer.ticket,
@@ -46,6 +50,7 @@ class BlockStoreService(pb_grpc.BlockStoreServicer):
             local_namespace=offer.local_binding,
             ttl_ms=int(endpoint.tickets.ttl_s * 1000),
             trace_context=True,
+            channel_secret=offer.channel_secret,
         )
 
     async def Lookup(self, request: pb.LookupRequest, context: Context) -> pb.LookupResponse:
@@ -258,3 +263,8 @@ class _BlockAssembler:
 async def _blocking(function: Callable[..., _T], *args: Any) -> _T:
     """Run a blocking call (LMDB I/O, waiting for the writer) off the event loop."""
     return await asyncio.get_running_loop().run_in_executor(None, function, *args)
+
+
+def _over_tls(context: Context) -> bool:
+    """Whether this call came over TLS (gRPC's transport security, not a header)."""
+    return context.auth_context().get("transport_security_type") == [b"ssl"]

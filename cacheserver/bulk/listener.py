@@ -55,6 +55,9 @@ IDLE_TIMEOUT_S = 300.0  # an authenticated connection may idle between requests 
 # total, to finish TLS and present the ticket (cacheserver.bulk.slots).
 HANDSHAKE_TIMEOUT_S = 5.0
 BULK_SYSTEM = "kvshare_bulk"  # the `rpc.system` of this listener's spans
+# The sealed-payload channel's hello, counted apart: an operator sees which channel
+# replicas use (kvshare_rpc_requests_total{method="kvshare.bulk/SealedHello"}).
+SEALED_HELLO = "kvshare.bulk/SealedHello"
 
 
 class BulkServer:
@@ -194,7 +197,7 @@ class BulkServer:
         magic, ticket = w.HELLO.unpack(w.recv_bytes(conn, w.HELLO.size))
         if magic == w.MAGIC_SEALED and conn is raw:
             hello = SealedHello(raw, ticket, self._tickets)
-            grant = self._handshake(conn, raw, hello.redeem)
+            grant = self._handshake(conn, raw, hello.redeem, SEALED_HELLO)
             return None if grant is None else hello.accept(self._core, grant)
         tls_required = self._tls is not None
         grant = self._handshake(conn, raw, lambda: self._redeem(magic, ticket, conn, tls_required))
@@ -261,11 +264,15 @@ class BulkServer:
             self._connections.discard(conn)
 
     def _handshake(
-        self, conn: socket.socket, raw: socket.socket, redeem: Callable[[], Grant]
+        self,
+        conn: socket.socket,
+        raw: socket.socket,
+        redeem: Callable[[], Grant],
+        method: str = "kvshare.bulk/Hello",
     ) -> Grant | None:
         """Redeem the client's ticket (`redeem`) and take an authenticated slot for `raw`
         (the accepted socket); None (and an error frame sent) if either fails."""
-        with self._telemetry.rpc("kvshare.bulk/Hello", None, system=BULK_SYSTEM) as call:
+        with self._telemetry.rpc(method, None, system=BULK_SYSTEM) as call:
             try:
                 grant = redeem()
                 self._slots.authenticated(raw, grant.principal.name)

@@ -81,6 +81,10 @@ PROOF_BYTES = 16
 FRAME = struct.Struct(">I")  # a sealed header's length (ciphertext and tag)
 BLOCK = struct.Struct(">IQ")  # a sealed GET reply's block: index u32 | size u64 (0: end)
 TLS_RECORD_HANDSHAKE = 0x16  # the first byte of a TLS ClientHello
+# OpenSSL's SSL_OP_ENABLE_KTLS (Python 3.12 names it ssl.OP_ENABLE_KTLS; 3.11 passes the
+# bit through): record encryption moves into the kernel where it has the `tls` module,
+# else OpenSSL stays in user space, silently. Set on both ends of the TLS bulk channel.
+SSL_OP_ENABLE_KTLS = getattr(ssl, "OP_ENABLE_KTLS", 1 << 3)
 ARENA_REPLY = struct.Struct(">BQ")
 PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid (native)
 LOCAL_GET = struct.Struct(">IB")

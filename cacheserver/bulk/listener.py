@@ -355,6 +355,7 @@ def server_tls_context(
 
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.options |= w.SSL_OP_ENABLE_KTLS
     with tempfile.TemporaryDirectory() as tmp:
         cert_path, key_path = Path(tmp) / "cert.pem", Path(tmp) / "key.pem"
         cert_path.write_bytes(cert_chain)

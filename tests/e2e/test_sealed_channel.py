@@ -21,6 +21,7 @@ import grpc
 import pytest
 import torch
 
+from cacheserver.bulk import server_tls_context
 from cacheserver.config import BulkConfig
 from kvcommon import bulkwire as w
 from kvcommon.errors import InvalidArgument, Unauthenticated
@@ -420,3 +421,22 @@ def test_on_the_servers_host_the_arena_is_used_as_before(store: Running, mitm: M
         assert store.server.server is not None and store.server.server.bulk is not None
         assert store.server.server.bulk.arenas == 1
     assert mitm.connections == []  # nothing went over TCP
+
+
+def test_tenants_without_sealing_keep_tls_on_the_bulk_channel_with_kernel_tls_asked_for(
+    store: Running, mitm: Mitm, certs: Certs
+) -> None:
+    """beta does not require sealed blocks: its bulk connection is TLS (kTLS where the
+    kernel has the `tls` module; OpenSSL falls back to user space where it has not)."""
+    digest, payload = os.urandom(32), os.urandom(50_000)
+    with store.client("b", transport="bulk-tcp", sealed_channel=True) as client:
+        assert client.put("beta", MODEL, [digest], [payload]) == [True]
+        assert client.get("beta", MODEL, [digest]) == [payload]
+        assert client.transport_stats.bulk_fallbacks == 0
+    for connection in mitm.connections:
+        assert connection.sent[C2S][0] == w.TLS_RECORD_HANDSHAKE
+        assert payload[:64] not in connection.sent[C2S]
+    tls = store.tls()
+    assert tls is not None and tls.ssl_context().options & w.SSL_OP_ENABLE_KTLS
+    server = server_tls_context(certs.server.cert.read_bytes(), certs.server.key.read_bytes(), None)
+    assert server.options & w.SSL_OP_ENABLE_KTLS

@@ -6,6 +6,8 @@ server's user), the connection gets a shared-memory arena from the server; anywh
 else, or when the server has no arena to spare, it is a TCP (or TLS) connection to the
 address OpenBulk announced — or, when that address names no host (a wildcard), to the
 host this client dialed for gRPC (kvcommon.hostport, applied when the ticket is read).
+A ticket that carries a channel secret opens the sealed-payload channel there instead
+of TLS (replica_agent.bulk_sealed).
 
 Each connection keeps page-aligned receive buffers that grow to the largest reply seen,
 so steady-state transfers touch no fresh memory (a fresh buffer per call caps near

@@ -9,7 +9,10 @@ Security: a connection is opened only with a ticket from `OpenBulk`, which gRPC 
 after authenticating the caller (policy.TicketBook); the connection is then bound to
 that principal and tenant, and every request is admitted and named by the request core
 (cacheserver.requests), the same code the gRPC handlers call. With TLS on the gRPC
-port, this listener uses the same certificate (and client-certificate CA).
+port, this listener uses the same certificate (and client-certificate CA), and on the
+same port takes the sealed-payload channel (cacheserver.bulk.sealed): a client whose
+first byte does not start TLS must say "KVB2" and prove the secret OpenBulk gave it
+over TLS for a tenant that requires sealed blocks; a ticket in clear is refused.
 
 Same host: a second listener, on an abstract Unix socket with a random name (so no
 one can claim it before the server, and only a caller told it by OpenBulk finds it),

@@ -74,7 +74,10 @@ class SealedChannel:
     # -- frames -------------------------------------------------------------------------
 
     def _seal(self, header: bytes) -> bytes:
-        return w.sealed_frame(self._out.seal_header(header))
+        try:
+            return w.sealed_frame(self._out.seal_header(header))
+        except ChannelError:  # this connection's keys are used up: the next one is new
+            raise w.ChannelBroken("the sealed bulk connection is used up") from None
 
     def _request(self, op: int, model: str, digests: Sequence[bytes], tail: bytes) -> list[bytes]:
         """A request's two frames: its header (then admitted by the server before it

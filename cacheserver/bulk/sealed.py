@@ -120,7 +120,10 @@ class SealedHandler(BulkHandler):
         return memoryview(self._open(size, size))
 
     def _frame(self, header: bytes) -> bytes:
-        return w.sealed_frame(self._out.seal_header(header))
+        try:
+            return w.sealed_frame(self._out.seal_header(header))
+        except ChannelError:  # this connection's keys are used up: the client opens another
+            raise w.ChannelBroken("the sealed bulk connection is used up") from None
 
     def _reply(self, reply: bytes) -> None:
         self._conn.sendall(self._frame(reply))

@@ -440,3 +440,20 @@ def test_tenants_without_sealing_keep_tls_on_the_bulk_channel_with_kernel_tls_as
     assert tls is not None and tls.ssl_context().options & w.SSL_OP_ENABLE_KTLS
     server = server_tls_context(certs.server.cert.read_bytes(), certs.server.key.read_bytes(), None)
     assert server.options & w.SSL_OP_ENABLE_KTLS
+
+
+def test_a_connection_that_used_up_its_keys_is_replaced_and_no_call_goes_wrong(
+    store: Running, blocks: list[Sealed], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No nonce may repeat under a key: a connection ends after its last header (here
+    after 6 instead of 2^32), and the calls go on, right, over a new one or gRPC."""
+    from policy import bulkchannel
+
+    stored(store, blocks)
+    monkeypatch.setattr(bulkchannel, "MAX_HEADERS_PER_CONNECTION", 6)
+    digests, payloads = [b.digest for b in blocks], [b.sealed for b in blocks]
+    with sealed_client(store) as client:
+        for _ in range(4):
+            assert client.get("alpha", MODEL, digests[:1]) == payloads[:1]
+            assert client.put("alpha", MODEL, digests[1:], payloads[1:]) == [False, False]
+        assert client.transport_stats.bulk_fallbacks >= 1  # the used-up connection ended

@@ -145,3 +145,17 @@ def test_a_payload_checked_as_it_arrives_needs_the_same_tag() -> None:
     ]:
         with pytest.raises(ChannelError):
             check(index, data, with_tag)
+
+
+def test_a_connection_whose_keys_are_used_up_refuses_to_send_more(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No nonce repeats under one key: past MAX_HEADERS_PER_CONNECTION a side stops."""
+    from policy import bulkchannel
+
+    monkeypatch.setattr(bulkchannel, "MAX_HEADERS_PER_CONNECTION", 3)
+    (client_out, _), (_, server_in) = pair()
+    for n in (1, 2):
+        assert server_in.open_header(client_out.seal_header(b"request %d" % n)) == b"request %d" % n
+    with pytest.raises(ChannelError):
+        client_out.seal_header(b"request 3")

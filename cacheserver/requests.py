@@ -35,6 +35,7 @@ from cacheserver.store import BlockStore
 from cacheserver.writing import BlockSource, CheckedSource
 from kvcommon.errors import InvalidArgument, Unavailable
 from policy import AccessPolicy, Action, Principal
+from policy.bulkchannel import new_channel_secret
 from policy.tickets import TicketBook, local_binding
 from policy.types import (
     ModelName,
@@ -86,6 +87,7 @@ class BulkOffer:
     ticket: bytes
     endpoint: BulkEndpoint
     local_binding: str  # policy.tickets.local_binding: where the same-host listener counts
+    channel_secret: bytes = b""  # the sealed-payload channel's secret; b"": not granted
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,18 +216,25 @@ class RequestCore:
             return StatsView(tenants, {}, 0)
         return StatsView(tenants, self.store.tier_usage(), self.store.integrity_failures)
 
-    def open_bulk(self, principal: Principal, tenant: str) -> BulkOffer:
+    def open_bulk(
+        self, principal: Principal, tenant: str, *, sealed_channel: bool = False
+    ) -> BulkOffer:
         """A one-time ticket for the bulk listener, bound to `principal` and `tenant`.
-        Either action opens the connection; each request on it is admitted again."""
+        Either action opens the connection; each request on it is admitted again.
+        `sealed_channel`: the caller asked for the sealed-payload channel over TLS
+        (the transport checked both); granted only for a tenant with `require_sealed`."""
         if self.bulk is None:
             raise Unavailable("this server has no bulk listener; use Get and Put")
         action = Action.READ if Action.READ in principal.actions else Action.WRITE
         tenant_id = self.policy.admit(principal, tenant, action)
-        ticket = self.bulk.tickets.issue(principal, tenant_id)
+        secret = b""
+        if sealed_channel and self.policy.requires_sealed(tenant_id):
+            secret = new_channel_secret()
+        ticket = self.bulk.tickets.issue(principal, tenant_id, channel_secret=secret)
         binding = ""
         if self.bulk.local_address and self.bulk.local_namespace:
             binding = local_binding(ticket, self.bulk.local_namespace, self.bulk.local_uid)
-        return BulkOffer(ticket, self.bulk, binding)
+        return BulkOffer(ticket, self.bulk, binding, secret)
 
 
 def parse_model_bytes(raw: bytes | memoryview) -> str:

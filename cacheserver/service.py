@@ -47,7 +47,11 @@ class BlockStoreService(pb_grpc.BlockStoreServicer):
         self._workers.close()
 
     async def OpenBulk(self, request: pb.OpenBulkRequest, context: Context) -> pb.OpenBulkResponse:
-        offer = self._core.open_bulk(current_principal.get(), request.tenant)
+        # The sealed-payload channel's secret may only ever cross TLS.
+        sealed_channel = request.sealed_channel and _over_tls(context)
+        offer = self._core.open_bulk(
+            current_principal.get(), request.tenant, sealed_channel=sealed_channel
+        )
         endpoint = offer.endpoint
         return pb.OpenBulkResponse(
             ticket=offer.ticket,
@@ -56,6 +60,7 @@ class BlockStoreService(pb_grpc.BlockStoreServicer):
             local_namespace=offer.local_binding,
             ttl_ms=int(endpoint.tickets.ttl_s * 1000),
             trace_context=True,
+            channel_secret=offer.channel_secret,
         )
 
     async def Lookup(self, request: pb.LookupRequest, context: Context) -> pb.LookupResponse:
@@ -298,3 +303,8 @@ class _BlockAssembler:
                 f"block {self._count} ended after {self._received} of "
                 f"{self._expected} bytes; nothing of it was stored"
             )
+
+
+def _over_tls(context: Context) -> bool:
+    """Whether this call came over TLS (gRPC's transport security, not a header)."""
+    return context.auth_context().get("transport_security_type") == [b"ssl"]

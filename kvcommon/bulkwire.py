@@ -19,6 +19,23 @@ After `OpenBulk` (gRPC) issues a ticket, the client opens a TCP (or TLS) connect
 Integers are big-endian. Payloads are raw bytes with no per-message framing, so both
 sides move them with one `sendmsg`/`recv_into` each, without copies.
 
+Sealed-payload channel (docs/secure-channel.md; the cryptography is
+policy.bulkchannel's): for tenants that require sealed blocks, when OpenBulk (over
+TLS) granted a channel secret, the client connects over plain TCP to the same port and
+every header travels as a FRAME: length u32 | AES-256-GCM ciphertext and tag, under
+its direction's key and the next counter of that direction.
+
+    client: HELLO_SEALED = b"KVB2" | ticket (32) | client proof (16)
+    server: status u8 (0) | server proof (16); else an error frame in clear, and the
+            connection closes (it is not authenticated: the client only gives up)
+    client: FRAME(REQUEST | [trace]) then FRAME(model | count x digest | PUT: count x
+            size u64); PUT then sends each payload followed by its 16-byte GMAC tag
+    server: every reply header is a FRAME whose plaintext starts with a status u8; not
+            0: the rest of an error frame, and the connection closes.
+            GET  -> per block FRAME(0 | BLOCK(index, size)) then the payload in clear
+                    (a sealed block), then FRAME(0 | BLOCK(blocks served, 0))
+            PUT  -> FRAME(0 | count x outcome u8)
+
 Same host: the server also listens on an abstract Unix socket (`local_address` of
 OpenBulk). There the handshake is the same HELLO, answered by ARENA_REPLY (status u8 |
 arena size u64) with a file descriptor attached (SCM_RIGHTS): a sealed memfd of that
@@ -59,6 +76,16 @@ OK = 0
 END = SIZE.pack(0)
 OUTCOME_STORED = 1
 OUTCOME_ALREADY_PRESENT = 2
+MAGIC_SEALED = b"KVB2"
+HELLO_SEALED = struct.Struct(">4s32s16s")
+PROOF_BYTES = 16
+FRAME = struct.Struct(">I")  # a sealed header's length (ciphertext and tag)
+BLOCK = struct.Struct(">IQ")  # a sealed GET reply's block: index u32 | size u64 (0: end)
+TLS_RECORD_HANDSHAKE = 0x16  # the first byte of a TLS ClientHello
+# OpenSSL's SSL_OP_ENABLE_KTLS (Python 3.12 names it ssl.OP_ENABLE_KTLS; 3.11 passes the
+# bit through): record encryption moves into the kernel where it has the `tls` module,
+# else OpenSSL stays in user space, silently. Set on both ends of the TLS bulk channel.
+SSL_OP_ENABLE_KTLS = getattr(ssl, "OP_ENABLE_KTLS", 1 << 3)
 ARENA_REPLY = struct.Struct(">BQ")
 PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid (native)
 LOCAL_GET = struct.Struct(">IB")
@@ -69,6 +96,25 @@ MAX_IOV = 512  # below Linux's IOV_MAX (1024) per sendmsg
 
 class ConnectionClosed(ConnectionError):
     """The peer closed the connection in the middle of a frame."""
+
+
+class ChannelBroken(ConnectionError):
+    """A sealed-channel frame failed authentication or does not fit the exchange: the
+    connection cannot be trusted any more and is closed (the client falls back)."""
+
+
+def sealed_frame(sealed: bytes) -> bytes:
+    """A sealed header as it crosses the wire: its length, then its bytes."""
+    return FRAME.pack(len(sealed)) + sealed
+
+
+def recv_frame(sock: socket.socket, min_size: int, max_size: int) -> bytearray:
+    """The next sealed header's bytes (still sealed). A length outside what this point
+    of the exchange allows is refused before anything is allocated for it."""
+    (size,) = FRAME.unpack(recv_bytes(sock, FRAME.size))
+    if not min_size <= size <= max_size:
+        raise ChannelBroken("a sealed bulk frame of an impossible length")
+    return recv_bytes(sock, size)
 
 
 class Deadline:

@@ -220,6 +220,10 @@ class AccessPolicy:
     def is_shared(self, tenant: TenantId) -> bool:
         return tenant in self._shared
 
+    def requires_sealed(self, tenant: TenantId) -> bool:
+        """Whether `tenant` accepts only sealed blocks (`require_sealed`)."""
+        return tenant in self._sealed_only
+
     # -- names and audit ----------------------------------------------------------------
 
     def epoch(self, tenant: TenantId) -> int:

@@ -27,6 +27,7 @@ Every failure raises the one error `ChannelError`, and the connection must then 
 
 from __future__ import annotations
 
+import hmac
 import secrets
 from collections.abc import Iterable
 
@@ -110,6 +111,23 @@ class _Direction:
             raise ChannelError("a bulk frame failed authentication") from None
 
 
+class PayloadMac:
+    """The GMAC of one payload, fed as its bytes arrive (`update`), checked by `verify`."""
+
+    def __init__(self, key: bytes, nonce: bytes, header_tag: bytes) -> None:
+        self._tagger = Cipher(algorithms.AES(key), modes.GCM(nonce)).encryptor()
+        self._tagger.authenticate_additional_data(header_tag)
+
+    def update(self, data: Buffer) -> None:
+        self._tagger.authenticate_additional_data(data)
+
+    def verify(self, tag: Buffer) -> None:
+        """ChannelError unless `tag` is the GMAC of all the bytes given (constant time)."""
+        self._tagger.finalize()
+        if not hmac.compare_digest(self._tagger.tag, bytes(tag)):
+            raise ChannelError("a bulk frame failed authentication")
+
+
 class Sender(_Direction):
     """The sending side of one direction."""
 
@@ -148,6 +166,10 @@ class Receiver(_Direction):
     def check_payload(self, index: int, payload: Buffer, tag: bytes) -> None:
         """Block `index` of the last header's message is what the peer sent."""
         self._check_gmac(_nonce(self.counter, index + 1), [self.header_tag, payload], tag)
+
+    def payload_mac(self, index: int) -> PayloadMac:
+        """`check_payload` for a payload that arrives in pieces (the same tag)."""
+        return PayloadMac(self._key, _nonce(self.counter, index + 1), self.header_tag)
 
 
 def client_side(secret: bytes, ticket: bytes) -> tuple[Sender, Receiver]:

@@ -20,7 +20,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvcommon.encoding import enc
 from kvcommon.errors import Unauthenticated
@@ -37,6 +37,8 @@ MAX_OUTSTANDING = 65536  # bound the registry against a caller minting tickets i
 class Grant:
     principal: Principal
     tenant: TenantId
+    # The sealed-payload channel's secret (policy.bulkchannel), or b"": a TLS ticket.
+    channel_secret: bytes = field(default=b"", repr=False)
 
 
 class TicketBook:
@@ -53,7 +55,9 @@ class TicketBook:
         # sha256(ticket) -> (grant, deadline); deadlines increase with insertion order
         self._grants: OrderedDict[bytes, tuple[Grant, float]] = OrderedDict()
 
-    def issue(self, principal: Principal, tenant: TenantId) -> bytes:
+    def issue(
+        self, principal: Principal, tenant: TenantId, *, channel_secret: bytes = b""
+    ) -> bytes:
         ticket = secrets.token_bytes(TICKET_BYTES)
         now = self._clock()
         with self._lock:
@@ -62,10 +66,19 @@ class TicketBook:
             if len(self._grants) >= MAX_OUTSTANDING:
                 self._grants.popitem(last=False)  # the oldest
             self._grants[hashlib.sha256(ticket).digest()] = (
-                Grant(principal, tenant),
+                Grant(principal, tenant, channel_secret),
                 now + self.ttl_s,
             )
         return ticket
+
+    def peek(self, ticket: bytes) -> Grant | None:
+        """The grant of a valid, unused, unexpired ticket, left in the book: the sealed
+        channel checks the client's proof of the channel secret before it redeems."""
+        with self._lock:
+            entry = self._grants.get(hashlib.sha256(ticket).digest())
+        if entry is None or len(ticket) != TICKET_BYTES or entry[1] < self._clock():
+            return None
+        return entry[0]
 
     def redeem(self, ticket: bytes) -> Grant:
         """The grant of a valid, unused, unexpired ticket; Unauthenticated otherwise."""

@@ -145,7 +145,10 @@ class ReplicaAgent:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         **kwargs: object,
     ) -> ReplicaAgent:
-        client = BlockClient(address, token, tls=tls, timeout_s=timeout_s)
+        # The agent opens every block it reads when it has a sealer: it may then use
+        # the sealed-payload channel (BlockClient).
+        sealed = kwargs.get("sealer") is not None
+        client = BlockClient(address, token, tls=tls, timeout_s=timeout_s, sealed_channel=sealed)
         return cls(client, spec, **kwargs)  # type: ignore[arg-type]
 
     # -- hashing ----------------------------------------------------------------------

@@ -140,9 +140,23 @@ class BulkChannel:
         _check_framable(model, digests)
         conn = self._connection(tenant)
         conn.buffers.reset()
+        if conn.sealed is not None:
+            return self._read_sealed(tenant, conn, model, digests, keep=keep)
         if conn.arena is None:
             return self._read_streamed(tenant, conn, model, digests, keep=keep, tcp=False)
         return self._read_arena(tenant, conn, model, digests, keep=keep)
+
+    def _read_sealed(
+        self, tenant: str, conn: Connection, model: str, digests: Sequence[bytes], *, keep: bool
+    ) -> Iterator[memoryview]:
+        assert conn.sealed is not None
+        finished = False
+        try:
+            yield from conn.sealed.get(conn.sock, conn.buffers, model, digests, keep=keep)
+            finished = True
+        finally:
+            if not finished:
+                self._drop(tenant, tcp=False)  # stopped mid-stream, or a frame failed
 
     def _read_streamed(
         self,
@@ -231,6 +245,12 @@ class BulkChannel:
         conn, tcp = self._connection(tenant), False
         if conn.arena is not None and max(sizes, default=0) > len(conn.arena):
             conn, tcp = self._connection(tenant, tcp=True), True  # bigger than the arena
+        if conn.sealed is not None:
+            try:
+                return conn.sealed.put(conn.sock, model, digests, payloads)
+            except Exception:
+                self._drop(tenant, tcp=False)
+                raise
         if conn.arena is None:
             return self._put_request(tenant, conn, model, digests, sizes, payloads, tcp=tcp)
         outcomes: list[bool] = []

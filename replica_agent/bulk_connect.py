@@ -1,4 +1,4 @@
-"""Opening a bulk-channel connection: TCP/TLS, or the same-host arena.
+"""Opening a bulk-channel connection: TCP/TLS, the sealed-payload channel, or the same-host arena.
 
 A connection is opened with a one-time ticket from OpenBulk. On the server's host (the
 ticket names a same-host listener in this very network namespace, owned by the
@@ -6,6 +6,8 @@ server's user), the connection gets a shared-memory arena from the server; anywh
 else, or when the server has no arena to spare, it is a TCP (or TLS) connection to the
 address OpenBulk announced — or, when that address names no host (a wildcard), to the
 host this client dialed for gRPC (kvcommon.hostport, applied when the ticket is read).
+A ticket that carries a channel secret opens the sealed-payload channel there instead
+of TLS (replica_agent.bulk_sealed).
 
 Each connection keeps page-aligned receive buffers that grow to the largest reply seen,
 so steady-state transfers touch no fresh memory (a fresh buffer per call caps near
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 
 from kvcommon import bulkwire as w
 from policy.tickets import is_local_binding
+from replica_agent.bulk_sealed import SealedChannel
 from replica_agent.errors import store_error
 from replica_agent.grpc_calls import Ticket
 
@@ -84,6 +87,7 @@ class Connection:
     traced: bool  # the server reads TRACED requests
     arena: mmap.mmap | None  # same host: the server's shared-memory arena for payloads
     buffers: Buffers
+    sealed: SealedChannel | None = None  # the sealed-payload channel's frames
 
     def is_closed_by_peer(self) -> bool:
         """Whether this idle connection can no longer carry a request: the server closed
@@ -110,11 +114,18 @@ class Connection:
 def connect_tcp(
     ticket: Ticket, tls: ssl.SSLContext | None, server_name: str | None, timeout_s: float | None
 ) -> Connection:
+    """A connection to the TCP listener: the sealed-payload channel when the ticket
+    carries its secret (plain TCP, replica_agent.bulk_sealed), else TLS when `tls`."""
     host, _, port = ticket.address.rpartition(":")
     host = host.strip("[]")  # an IPv6 literal, as a socket and TLS want it
     sock = socket.create_connection((host, int(port)), timeout=timeout_s)
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if ticket.channel_secret:
+            sealed = SealedChannel.hello(sock, ticket.channel_secret, ticket.ticket, ticket.traced)
+            if timeout_s is not None:  # kernel timeouts: receives wait for whole blocks
+                w.kernel_timeouts(sock, timeout_s)
+            return Connection(sock, ticket.traced, None, Buffers(), sealed)
         if tls is not None:
             sock = tls.wrap_socket(sock, server_hostname=server_name or host)
         sock.sendall(w.HELLO.pack(w.MAGIC, ticket.ticket))

@@ -73,6 +73,7 @@ class ClientTls:
     def ssl_context(self) -> ssl.SSLContext:
         """The same trust for the bulk channel as for gRPC."""
         context = ssl.create_default_context(cafile=self.root_ca)
+        context.options |= w.SSL_OP_ENABLE_KTLS  # kernel TLS where the kernel has it
         if self.client_cert is not None and self.client_key is not None:
             context.load_cert_chain(self.client_cert, self.client_key)
         return context
@@ -135,12 +136,17 @@ class BlockClient:
         options: Sequence[tuple[str, Any]] = (),
         bulk: bool = True,
         same_host: bool = True,
+        sealed_channel: bool = False,
     ) -> None:
         """`bulk`: move payloads over the server's bulk channel (one-time tickets from
         OpenBulk, same credentials and policy); gRPC otherwise. `same_host`: on the
         server's own host, move them through a shared-memory arena the server hands
         out over a Unix socket (no TCP, no TLS: the bytes never leave the host's
-        kernel); off, or elsewhere, over TCP/TLS."""
+        kernel); off, or elsewhere, over TCP/TLS. `sealed_channel`: this caller opens
+        every block it reads under the tenant's key before use (the replica agent with
+        a keyring); then, over TLS, a tenant that requires sealed blocks gets the
+        sealed-payload channel (replica_agent.bulk_sealed): headers under AEAD, sealed
+        payloads not encrypted a second time."""
         channel_options = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -158,7 +164,14 @@ class BlockClient:
         else:
             self._channel = grpc.insecure_channel(address, channel_options)
         # A wildcard bulk address means the host this client dialed (kvcommon.hostport).
-        self._grpc = GrpcCalls(self._channel, address, token, timeout_s, frame_bytes)
+        self._grpc = GrpcCalls(
+            self._channel,
+            address,
+            token,
+            timeout_s,
+            frame_bytes,
+            sealed_channel=sealed_channel and tls is not None,  # its secret crosses TLS only
+        )
         self.transport_stats = ClientStats()
         self._bulk_backoff = _Backoff(FIRST_BACKOFF_S, MAX_BACKOFF_S)
         self._local_backoff = _Backoff(LOCAL_RETRY_S, LOCAL_RETRY_S)

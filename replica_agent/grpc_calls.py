@@ -8,7 +8,7 @@ trace context (W3C `traceparent`), so the server's span joins the caller's trace
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -36,6 +36,8 @@ class Ticket:
     local_address: str = ""  # the same-host listener's name; "": none
     # where that listener counts, bound to this ticket (policy.tickets.local_binding)
     local_binding: str = ""
+    # The sealed-payload channel's secret (replica_agent.bulk_sealed); b"": TLS as usual.
+    channel_secret: bytes = field(default=b"", repr=False)
 
 
 class NoBulkListener(Exception):
@@ -50,8 +52,12 @@ class GrpcCalls:
         token: str,
         timeout_s: float | None,
         frame_bytes: int,
+        *,
+        sealed_channel: bool = False,
     ) -> None:
+        """`sealed_channel`: ask OpenBulk for the sealed-payload channel (BlockClient)."""
         self._stub = pb_grpc.BlockStoreStub(channel)
+        self._sealed_channel = sealed_channel
         self._target = target
         self._metadata = (("authorization", f"Bearer {token}"),)
         self.timeout_s = timeout_s
@@ -68,7 +74,7 @@ class GrpcCalls:
     def open_bulk(self, tenant: str) -> Ticket:
         try:
             response = self._stub.OpenBulk(
-                pb.OpenBulkRequest(tenant=tenant),
+                pb.OpenBulkRequest(tenant=tenant, sealed_channel=self._sealed_channel),
                 timeout=self.timeout_s,
                 metadata=self._metadata + outgoing_metadata(),
             )
@@ -82,6 +88,9 @@ class GrpcCalls:
             response.trace_context,
             response.local_address,
             response.local_namespace,
+            # Used only where it was asked for: over TLS (BlockClient), by a caller that
+            # opens every block it reads.
+            response.channel_secret if self._sealed_channel else b"",
         )
 
     def lookup(self, tenant: str, model: str, digests: Sequence[bytes]) -> int:

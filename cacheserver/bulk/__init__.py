@@ -2,7 +2,9 @@
 
 `listener` accepts and authenticates connections (one-time tickets from OpenBulk);
 `handler` frames each request around the request core (cacheserver.requests);
-`arena` is the same-host transport's shared memory. Framing: kvcommon.bulkwire.
+`sealed` is the sealed-payload channel's framing (AEAD headers, tagged PUT payloads,
+sealed-only GETs) for tenants that require sealed blocks; `arena` is the same-host
+transport's shared memory. Framing: kvcommon.bulkwire.
 """
 
 from cacheserver.bulk.listener import BulkServer, server_tls_context

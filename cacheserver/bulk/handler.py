@@ -21,7 +21,7 @@ from cacheserver.bulk.arena import Arena
 from cacheserver.requests import DISK_BATCH_BYTES, RequestCore, parse_model_bytes
 from cacheserver.writing import BlockSource
 from kvcommon import bulkwire as w
-from kvcommon.errors import InvalidArgument
+from kvcommon.errors import InvalidArgument, KvshareError
 from policy import Action
 from policy.tickets import Grant
 from policy.types import StorageKey
@@ -47,7 +47,11 @@ class Pace:
 
 
 class BulkHandler:
-    """Serves the requests of one connection (its grant, and its arena if same-host)."""
+    """Serves the requests of one connection (its grant, and its arena if same-host).
+
+    The framing of headers (`recv_request`, `_recv`, `_reply`, `send_error`), of GET
+    replies (`_get`) and of put payloads (`_source`) is what the sealed-payload channel
+    (cacheserver.bulk.sealed) replaces; admission and the store calls are shared."""
 
     def __init__(
         self,
@@ -63,6 +67,25 @@ class BulkHandler:
         self._arena = arena
         self._pace = pace
 
+    def recv_request(self) -> tuple[int, int, int, bytes | None]:
+        """The next request's op (TRACED cleared), model length, digest count and trace
+        context (None: none); ConnectionClosed when the peer closed between requests."""
+        op, model_len, count = w.REQUEST.unpack(w.recv_bytes(self._conn, w.REQUEST.size))
+        if not op & w.TRACED:
+            return op, model_len, count, None
+        trace = bytes(w.recv_bytes(self._conn, w.TRACE_CONTEXT_BYTES))
+        return op & ~w.TRACED, model_len, count, trace
+
+    def send_error(self, error: KvshareError) -> None:
+        self._conn.sendall(w.error_frame(error))
+
+    def _recv(self, size: int) -> memoryview:
+        return memoryview(w.recv_bytes(self._conn, size))
+
+    def _reply(self, reply: bytes) -> None:
+        """A reply header (status OK and what follows it)."""
+        self._conn.sendall(reply)
+
     def handle(self, op: int, model_len: int, count: int) -> None:
         """One request whose header was read; raises KvshareError to refuse it."""
         if op not in OPS:
@@ -73,7 +96,7 @@ class BulkHandler:
         tenant = self._core.admit_tenant(principal, self._grant.tenant, action)
         self._core.limits.check_digest_count(count)
         sizes_len = w.SIZE.size * count if op == w.OP_PUT else 0
-        body = memoryview(w.recv_bytes(self._conn, model_len + 32 * count + sizes_len))
+        body = self._recv(model_len + 32 * count + sizes_len)
         model = parse_model_bytes(body[:model_len])
         raw = body[model_len : model_len + 32 * count]
         digests = [bytes(raw[i : i + 32]) for i in range(0, len(raw), 32)]
@@ -124,7 +147,7 @@ class BulkHandler:
                     sizes.append(size)
                     offset += size + (-size % w.ARENA_ALIGN)
         reply = [bytes([w.OK]), w.LOCAL_GET.pack(len(sizes), truncated)]
-        self._conn.sendall(b"".join(reply + [w.SIZE.pack(size) for size in sizes]))
+        self._reply(b"".join(reply + [w.SIZE.pack(size) for size in sizes]))
 
     # -- PUT ---------------------------------------------------------------------------
 
@@ -139,7 +162,7 @@ class BulkHandler:
         futures = []
         for index, (key, size) in enumerate(zip(keys, sizes, strict=True)):
             source: BlockSource = (
-                _SocketSource(self._conn, size, self._pace)
+                self._source(index, size)
                 if offsets is None or self._arena is None
                 else _ArenaSource(self._arena, offsets[index], size)
             )
@@ -147,7 +170,11 @@ class BulkHandler:
         outcomes = bytes(
             w.OUTCOME_STORED if future.result() else w.OUTCOME_ALREADY_PRESENT for future in futures
         )
-        self._conn.sendall(bytes([w.OK]) + outcomes)
+        self._reply(bytes([w.OK]) + outcomes)
+
+    def _source(self, index: int, size: int) -> BlockSource:
+        """Block `index` of a put, as it arrives on the connection."""
+        return _SocketSource(self._conn, size, self._pace)
 
 
 class _SocketSource:

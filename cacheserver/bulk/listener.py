@@ -9,7 +9,10 @@ Security: a connection is opened only with a ticket from `OpenBulk`, which gRPC 
 after authenticating the caller (policy.TicketBook); the connection is then bound to
 that principal and tenant, and every request is admitted and named by the request core
 (cacheserver.requests), the same code the gRPC handlers call. With TLS on the gRPC
-port, this listener uses the same certificate (and client-certificate CA).
+port, this listener uses the same certificate (and client-certificate CA), and on the
+same port takes the sealed-payload channel (cacheserver.bulk.sealed): a client whose
+first byte does not start TLS must say "KVB2" and prove the secret OpenBulk gave it
+over TLS for a tenant that requires sealed blocks; a ticket in clear is refused.
 
 Same host: a second listener, on an abstract Unix socket with a random name (so no
 one can claim it before the server, and only a caller told it by OpenBulk finds it),
@@ -39,6 +42,7 @@ from collections.abc import Callable, Iterator
 
 from cacheserver.bulk.arena import Arena, listen_locally
 from cacheserver.bulk.handler import OPS, BulkHandler, Pace
+from cacheserver.bulk.sealed import SealedHello
 from cacheserver.bulk.slots import ConnectionSlots
 from cacheserver.config import BulkConfig
 from cacheserver.requests import RequestCore
@@ -54,6 +58,9 @@ IDLE_TIMEOUT_S = 300.0  # an authenticated connection may idle between requests 
 # total, to finish TLS and present the ticket (cacheserver.bulk.slots).
 HANDSHAKE_TIMEOUT_S = 5.0
 BULK_SYSTEM = "kvshare_bulk"  # the `rpc.system` of this listener's spans
+# The sealed-payload channel's hello, counted apart: an operator sees which channel
+# replicas use (kvshare_rpc_requests_total{method="kvshare.bulk/SealedHello"}).
+SEALED_HELLO = "kvshare.bulk/SealedHello"
 
 
 class BulkServer:
@@ -173,21 +180,35 @@ class BulkServer:
             try:
                 raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 raw.settimeout(self.handshake_timeout_s)
-                if self._tls is not None:
+                if self._tls is not None and _opens_tls(raw):
                     conn = self._tls.wrap_socket(raw, server_side=True)
-                grant = self._handshake(conn, raw)
-                if grant is None:
+                handler = self._hello_tcp(conn, raw)
+                if handler is None:
                     return
-                conn.sendall(bytes([w.OK]))
                 if conn is raw:  # plain TCP: kernel timeouts, so receives can wait for all
                     w.kernel_timeouts(raw, IDLE_TIMEOUT_S)
                 else:
                     conn.settimeout(IDLE_TIMEOUT_S)
-                handler = BulkHandler(self._core, conn, grant, None, self._pace)
-                while self._serve_one(conn, handler):
+                while self._serve_one(handler):
                     pass
             finally:
                 _close_quietly(conn)
+
+    def _hello_tcp(self, conn: socket.socket, raw: socket.socket) -> BulkHandler | None:
+        """The TCP listener's hello: a ticket over TLS (plain TCP where the server has
+        no TLS), or the sealed-payload channel's "KVB2" over plain TCP, whose ticket
+        only opens with its proof (cacheserver.bulk.sealed). None: refused."""
+        magic, ticket = w.HELLO.unpack(w.recv_bytes(conn, w.HELLO.size))
+        if magic == w.MAGIC_SEALED and conn is raw:
+            hello = SealedHello(raw, ticket, self._tickets)
+            grant = self._handshake(conn, raw, hello.redeem, SEALED_HELLO)
+            return None if grant is None else hello.accept(self._core, grant, self._pace)
+        tls_required = self._tls is not None
+        grant = self._handshake(conn, raw, lambda: self._redeem(magic, ticket, conn, tls_required))
+        if grant is None:
+            return None
+        conn.sendall(bytes([w.OK]))
+        return BulkHandler(self._core, conn, grant, None, self._pace)
 
     def _serve_local(self, conn: socket.socket) -> None:
         """A same-host connection: the same handshake and requests as `_serve`, with
@@ -196,7 +217,8 @@ class BulkServer:
         with self._connection_scope(conn):
             try:
                 conn.settimeout(self.handshake_timeout_s)
-                grant = self._handshake(conn, conn)
+                magic, ticket = w.HELLO.unpack(w.recv_bytes(conn, w.HELLO.size))
+                grant = self._handshake(conn, conn, lambda: self._redeem(magic, ticket, conn))
                 arena = None if grant is None else self._open_arena(conn)
                 if grant is None or arena is None:
                     return
@@ -206,7 +228,7 @@ class BulkServer:
                     arena.close_fd()  # the client holds its own descriptor now
                 w.kernel_timeouts(conn, IDLE_TIMEOUT_S)
                 handler = BulkHandler(self._core, conn, grant, arena, self._pace)
-                while self._serve_one(conn, handler):
+                while self._serve_one(handler):
                     pass
             finally:
                 _close_quietly(conn)
@@ -245,16 +267,18 @@ class BulkServer:
         with self._lock:
             self._connections.discard(conn)
 
-    def _handshake(self, conn: socket.socket, raw: socket.socket) -> Grant | None:
-        """Redeem the client's ticket and take an authenticated slot for `raw` (the
-        accepted socket); None (and an error frame sent) if either fails."""
-        hello = w.recv_bytes(conn, w.HELLO.size)
-        magic, ticket = w.HELLO.unpack(hello)
-        with self._telemetry.rpc("kvshare.bulk/Hello", None, system=BULK_SYSTEM) as call:
+    def _handshake(
+        self,
+        conn: socket.socket,
+        raw: socket.socket,
+        redeem: Callable[[], Grant],
+        method: str = "kvshare.bulk/Hello",
+    ) -> Grant | None:
+        """Redeem the client's ticket (`redeem`) and take an authenticated slot for `raw`
+        (the accepted socket); None (and an error frame sent) if either fails."""
+        with self._telemetry.rpc(method, None, system=BULK_SYSTEM) as call:
             try:
-                if magic != w.MAGIC:
-                    raise InvalidArgument("not a kvshare bulk client (bad magic)")
-                grant = self._tickets.redeem(ticket)
+                grant = redeem()
                 self._slots.authenticated(raw, grant.principal.name)
                 return grant
             except KvshareError as error:
@@ -262,17 +286,24 @@ class BulkServer:
                 conn.sendall(w.error_frame(error))
                 return None
 
-    def _serve_one(self, conn: socket.socket, handler: BulkHandler) -> bool:
+    def _redeem(
+        self, magic: bytes, ticket: bytes, conn: socket.socket, tls_required: bool = False
+    ) -> Grant:
+        if magic != w.MAGIC:
+            raise InvalidArgument("not a kvshare bulk client (bad magic)")
+        if tls_required and not isinstance(conn, ssl.SSLSocket):
+            raise InvalidArgument(
+                "this bulk listener speaks TLS, as the gRPC port does; connect with TLS"
+            )
+        return self._tickets.redeem(ticket)
+
+    def _serve_one(self, handler: BulkHandler) -> bool:
         """One request; False when the connection should close."""
         try:
-            header = w.recv_bytes(conn, w.REQUEST.size)
+            op, model_len, count, trace = handler.recv_request()
         except w.ConnectionClosed:
             return False
-        op, model_len, count = w.REQUEST.unpack(header)
-        parent = None
-        if op & w.TRACED:
-            op &= ~w.TRACED
-            parent = context_from_binary(w.recv_bytes(conn, w.TRACE_CONTEXT_BYTES))
+        parent = None if trace is None else context_from_binary(trace)
         name = OPS.get(op, "Invalid")
         with self._telemetry.rpc(f"kvshare.bulk/{name}", parent, system=BULK_SYSTEM) as call:
             try:
@@ -280,8 +311,14 @@ class BulkServer:
                 return True
             except KvshareError as error:
                 call.status = error.status
-                conn.sendall(w.error_frame(error))
+                handler.send_error(error)
                 return False  # the rest of the request may be in flight: resync by closing
+
+
+def _opens_tls(raw: socket.socket) -> bool:
+    """Whether the client's first byte starts a TLS handshake (else: the sealed
+    channel's hello, or a client that is refused)."""
+    return raw.recv(1, socket.MSG_PEEK) == bytes([w.TLS_RECORD_HANDSHAKE])
 
 
 def _bind_listener(host: str, port: int) -> socket.socket:
@@ -322,6 +359,7 @@ def server_tls_context(
 
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.options |= w.SSL_OP_ENABLE_KTLS
     with tempfile.TemporaryDirectory() as tmp:
         cert_path, key_path = Path(tmp) / "cert.pem", Path(tmp) / "key.pem"
         cert_path.write_bytes(cert_chain)

@@ -487,15 +487,22 @@ class OpenBulkRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     TENANT_FIELD_NUMBER: _builtins.int
+    SEALED_CHANNEL_FIELD_NUMBER: _builtins.int
     tenant: _builtins.str
+    sealed_channel: _builtins.bool
+    """Ask for the sealed-payload channel (docs/secure-channel.md): the caller opens every
+    block it reads under the tenant's key before use. Granted only over TLS and only
+    for a tenant with `require_sealed`; otherwise the answer is the usual TLS ticket.
+    """
     def __init__(
         self,
         *,
         tenant: _builtins.str = ...,
+        sealed_channel: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["sealed_channel", b"sealed_channel", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -512,6 +519,7 @@ class OpenBulkResponse(_message.Message):
     LOCAL_ADDRESS_FIELD_NUMBER: _builtins.int
     LOCAL_NAMESPACE_FIELD_NUMBER: _builtins.int
     LOCAL_OWNER_FIELD_NUMBER: _builtins.int
+    CHANNEL_SECRET_FIELD_NUMBER: _builtins.int
     ticket: _builtins.bytes
     """32 random bytes, single use"""
     address: _builtins.str
@@ -538,6 +546,12 @@ class OpenBulkResponse(_message.Message):
     """
     local_owner: _builtins.str
     """No longer sent (was the server's uid in clear; now part of local_namespace)."""
+    channel_secret: _builtins.bytes
+    """Set only when the sealed-payload channel was asked for and granted: 32 random
+    bytes, this ticket's channel secret. The client then connects to `address` over
+    plain TCP with the "KVB2" hello (kvcommon/bulkwire.py), and each direction's key is
+    HKDF-SHA256(channel_secret, salt = ticket). Empty: connect as usual (TLS).
+    """
     def __init__(
         self,
         *,
@@ -548,10 +562,11 @@ class OpenBulkResponse(_message.Message):
         local_address: _builtins.str = ...,
         local_namespace: _builtins.str = ...,
         local_owner: _builtins.str = ...,
+        channel_secret: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "local_address", b"local_address", "local_namespace", b"local_namespace", "local_owner", b"local_owner", "ticket", b"ticket", "trace_context", b"trace_context", "ttl_ms", b"ttl_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "channel_secret", b"channel_secret", "local_address", b"local_address", "local_namespace", b"local_namespace", "local_owner", b"local_owner", "ticket", b"ticket", "trace_context", b"trace_context", "ttl_ms", b"ttl_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

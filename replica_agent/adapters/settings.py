@@ -89,6 +89,9 @@ class StoreSettings:
             timeout_s=self.timeout_s,
             bulk=self.bulk,
             same_host=self.same_host,
+            # With a keyring every block read is opened before use: over TLS, a tenant
+            # that requires sealed blocks gets the sealed-payload channel.
+            sealed_channel=self.keyring_file is not None,
         )
 
 

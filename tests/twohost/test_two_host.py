@@ -144,6 +144,37 @@ def test_an_agent_on_the_far_host_restores_kv_exactly(rig: TwoHosts, tmp_path: P
         server.stop()
 
 
+def test_the_production_configuration_restores_kv_exactly_over_the_sealed_channel(
+    rig: TwoHosts, tmp_path: Path
+) -> None:
+    """TLS, a tenant that requires sealed blocks, agents with a keyring: the bulk channel
+    is the sealed-payload channel (C50), across the veth, and the KV is exact."""
+    config, keyring, token = sealed_store(tmp_path)
+    text = config.read_text()
+    config.write_text(text.replace('id = "alpha"', 'id = "alpha"\nrequire_sealed = true', 1))
+    ca = TestCA(tmp_path / "ca")
+    cert = ca.server_cert(ips=(rig.server.address,))
+    server = wildcard_server(
+        rig, tmp_path, config, "--tls-cert", str(cert.cert), "--tls-key", str(cert.key)
+    )
+    try:
+        writer = {"address": f"{rig.server.address}:{GRPC_PORT}", "token": token,
+                  "keyring": str(keyring), "prompts": prompts(7, 3), "tenant": "alpha",
+                  "root_ca": str(ca.cert_path)}  # fmt: skip
+        assert run_in(rig.client, "save", writer)["blocks_saved"] == 6
+        report = run_in(rig.client, "restore", writer)
+        assert report["restored_tokens"] == 6 * BLOCK_TOKENS
+        assert report["max_logit_difference"] < 1e-4 and report["same_tokens"]
+        assert report["open_failures"] == report["store_errors"] == 0
+        assert report["warnings"] == []  # no fallback
+        samples = server.scrape()
+        assert_bulk_carried_the_payloads(samples)
+        assert calls(samples, "kvshare.bulk/SealedHello") >= 2  # the saver's, the restorer's
+        assert calls(samples, "kvshare.bulk/Hello") == 0  # no TLS bulk connection
+    finally:
+        server.stop()
+
+
 class Replica:
     """A long-lived replica on the far host: one line of prompts in, one report out."""
 

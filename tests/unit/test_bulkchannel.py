@@ -120,3 +120,42 @@ def test_a_hello_without_the_secret_is_refused() -> None:
     (impostor_out, _) = client_side(new_channel_secret(), TICKET)
     with pytest.raises(ChannelError):
         server_in.check_hello(impostor_out.hello_proof())
+
+
+def test_a_payload_checked_as_it_arrives_needs_the_same_tag() -> None:
+    """The server checks a PUT payload piece by piece (PayloadMac) as it receives it."""
+    block = os.urandom(3 * 4096 + 17)
+    (client_out, _), (_, server_in) = pair()
+    server_in.open_header(client_out.seal_header(b"PUT one block"))
+    tag = client_out.payload_tag(0, block)
+
+    def check(index: int, data: bytes, with_tag: bytes, piece: int = 1000) -> None:
+        mac = server_in.payload_mac(index)
+        for start in range(0, len(data), piece):
+            mac.update(memoryview(data)[start : start + piece])
+        mac.verify(with_tag)
+
+    check(0, block, tag)  # positive control, in pieces of any size
+    check(0, block, tag, piece=len(block))
+    for index, data, with_tag in [
+        (1, block, tag),  # another position
+        (0, flipped(block, 5000), tag),  # altered
+        (0, block[:-1], tag),  # truncated
+        (0, block, flipped(tag, 15)),  # forged tag
+    ]:
+        with pytest.raises(ChannelError):
+            check(index, data, with_tag)
+
+
+def test_a_connection_whose_keys_are_used_up_refuses_to_send_more(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No nonce repeats under one key: past MAX_HEADERS_PER_CONNECTION a side stops."""
+    from policy import bulkchannel
+
+    monkeypatch.setattr(bulkchannel, "MAX_HEADERS_PER_CONNECTION", 3)
+    (client_out, _), (_, server_in) = pair()
+    for n in (1, 2):
+        assert server_in.open_header(client_out.seal_header(b"request %d" % n)) == b"request %d" % n
+    with pytest.raises(ChannelError):
+        client_out.seal_header(b"request 3")

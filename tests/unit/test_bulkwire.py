@@ -15,6 +15,7 @@ from kvcommon.bulkwire import (
     GIL_FREE_COPY_BYTES,
     MAX_IOV,
     MAX_MESSAGE_CHARS,
+    ChannelBroken,
     ConnectionClosed,
     arena_offsets,
     copy_into,
@@ -24,6 +25,8 @@ from kvcommon.bulkwire import (
     recv_bytes,
     recv_error,
     recv_exact,
+    recv_frame,
+    sealed_frame,
     send_parts,
 )
 from kvcommon.errors import WIRE_ERRORS, InvalidArgument, ResourceExhausted, error_class
@@ -191,3 +194,17 @@ def test_peer_uid_names_the_user_at_the_other_end(
 ) -> None:
     left, right = pair
     assert peer_uid(left) == peer_uid(right) == os.getuid()
+
+
+def test_a_sealed_frame_of_a_length_the_exchange_does_not_allow_is_refused(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    """The length prefix is in clear: it is checked before anything is allocated."""
+    left, right = pair
+    left.sendall(sealed_frame(b"x" * 40) + sealed_frame(b"y" * 10)[:4])
+    assert recv_frame(right, 17, 64) == b"x" * 40
+    with pytest.raises(ChannelBroken):
+        recv_frame(right, 17, 64)  # too short for this point of the exchange
+    left.sendall(b"\xff\xff\xff\xff")
+    with pytest.raises(ChannelBroken):
+        recv_frame(right, 17, 64)  # 4 GiB announced: refused, not allocated

@@ -223,3 +223,25 @@ def test_a_full_ticket_book_drops_expired_tickets_then_the_oldest(
             book.redeem(ticket)
     assert book.redeem(later[1]).tenant == "t"  # positive control
     assert book.redeem(newest).principal == who
+
+
+def test_peek_leaves_a_ticket_unspent_and_its_channel_secret_is_never_printed() -> None:
+    """The sealed channel checks the hello's proof with the grant's secret before it
+    redeems the ticket (policy.tickets.TicketBook.peek)."""
+    from policy import tickets
+    from policy.identity import Principal
+
+    now = [0.0]
+    book = tickets.TicketBook(ttl_s=10, clock=lambda: now[0])
+    who = Principal("p", frozenset({TenantId("t")}), frozenset({Action.READ}))
+    secret = bytes(range(32))
+    ticket = book.issue(who, TenantId("t"), channel_secret=secret)
+    peeked = book.peek(ticket)
+    assert peeked is not None and peeked.channel_secret == secret
+    assert secret.hex() not in repr(peeked) and repr(secret) not in repr(peeked)
+    assert book.peek(b"x" * 32) is None
+    assert book.redeem(ticket) == peeked  # still there after the peek
+    assert book.peek(ticket) is None  # used
+    expiring = book.issue(who, TenantId("t"))
+    now[0] = 11.0
+    assert book.peek(expiring) is None

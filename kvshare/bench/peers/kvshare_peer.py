@@ -13,7 +13,13 @@ system with options, so their ratio to a base within a round is the cost of an o
   `kvshare-tcp`;
 - `kvshare-sealed`: the client seals each block with the agent's `BlockSealer`
   (AES-256-GCM, `policy.sealing`) before PUT and opens it after GET, as the replica
-  agent does; figures count plaintext bytes; `kvshare-tls-sealed` does both;
+  agent does; figures count plaintext bytes. The server runs the production tenant
+  config (a config file: tenant `dev` with `require_sealed = true`, a principal of
+  its own) instead of dev mode;
+- `kvshare-tls-sealed`: both, the configuration the docs recommend for production
+  across hosts: the client opens every block, so it asks for the sealed-payload
+  channel (`BlockClient(sealed_channel=True)`, docs/secure-channel.md), which OpenBulk
+  grants over TLS for a tenant that requires sealed blocks;
 - `kvshare-nosync`: `--no-sync-writes` (PUT acknowledged before fsync). Opt-in.
 - `kvshare-grpc`: the client's bulk channel off, payloads over gRPC streams only (the
   fallback path). Opt-in.
@@ -28,6 +34,7 @@ without TLS.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import secrets
 import sys
@@ -45,6 +52,7 @@ MODEL = "kvshare-bench"
 SERVING_LINE = r"serving on (\S+):(\d+)"
 METRICS_LINE = r"metrics on (\S+) "
 DATA_KEY_BYTES = 32
+SEALED_HELLO_METHOD = "kvshare.bulk/SealedHello"  # cacheserver.bulk.listener.SEALED_HELLO
 
 
 @dataclass(frozen=True)
@@ -63,7 +71,12 @@ class KvshareClientSpec:
 
         tls = None if self.tls_root_ca is None else ClientTls(root_ca=Path(self.tls_root_ca))
         client = BlockClient(
-            self.address, token=self.token, tls=tls, bulk=self.bulk, same_host=self.same_host
+            self.address,
+            token=self.token,
+            tls=tls,
+            bulk=self.bulk,
+            same_host=self.same_host,
+            sealed_channel=self.data_key is not None,  # every block read is opened
         )
         sealer = None
         if self.data_key is not None:
@@ -163,6 +176,10 @@ class KvshareSystem:
             cert_path, key_path = write_self_signed(workdir, self._at.server_host)
             argv += ["--tls-cert", str(cert_path), "--tls-key", str(key_path)]
             root_ca = str(cert_path)
+        token = None
+        if self._sealed:  # the production tenant config: sealed blocks required
+            token = secrets.token_urlsafe(32)
+            argv += ["--config", str(_write_sealed_config(workdir / f"{self.name}.toml", token))]
         if not self._sync_writes:
             argv.append("--no-sync-writes")
         argv += ["--metrics-listen", f"{self._at.server_host}:0"]  # where the harness can reach
@@ -172,7 +189,7 @@ class KvshareSystem:
         try:
             match = self._server.wait_for_line(SERVING_LINE)
             self._metrics = self._server.wait_for_line(METRICS_LINE).group(1)
-            token = (data_dir / "dev.token").read_text().strip()
+            token = token or (data_dir / "dev.token").read_text().strip()
         except (BenchError, OSError) as error:
             self.stop()
             raise BenchError(f"kvshare serve did not start: {error}") from error
@@ -199,11 +216,17 @@ class KvshareSystem:
 
     def _check_no_grpc_fallback(self) -> None:
         """With the bulk channel on, payloads must never have gone over gRPC: a client
-        that fell back (unreachable bulk address, TLS failure) measures the fallback."""
+        that fell back (unreachable bulk address, TLS failure) measures the fallback.
+        `kvshare-tls-sealed` must have used the sealed-payload channel, not TLS."""
         if not self._bulk or not self._metrics:
             return
         with urllib.request.urlopen(f"http://{self._metrics}/metrics", timeout=10) as response:
             text = response.read().decode("utf-8")
+        if self._tls and self._sealed and not _counted(text, SEALED_HELLO_METHOD):
+            raise BenchError(
+                f"{self.name}: no connection used the sealed-payload channel (see the "
+                "server log): its figures would be those of sealed blocks over TLS"
+            )
         fallbacks = sum(
             float(line.rsplit(" ", 1)[1])
             for line in text.splitlines()
@@ -221,3 +244,31 @@ class KvshareSystem:
         if self._server is not None:
             self._server.stop()
             self._server = None
+
+
+def _counted(metrics: str, method: str) -> bool:
+    """Whether the server counted a successful call of `method`."""
+    prefix = f'kvshare_rpc_requests_total{{method="{method}",status="OK"}} '
+    return any(
+        line.startswith(prefix) and float(line.rsplit(" ", 1)[1]) > 0
+        for line in metrics.splitlines()
+    )
+
+
+def _write_sealed_config(path: Path, token: str) -> Path:
+    """Tenant `dev` requiring sealed blocks, and one principal (unlimited rate) whose
+    bearer token is `token`: what a production config says, in the bench's terms."""
+    digest = hashlib.sha256(token.encode("utf-8")).hexdigest()
+    path.write_text(
+        "[[tenants]]\n"
+        f'id = "{TENANT}"\n'
+        "require_sealed = true\n\n"
+        "[[principals]]\n"
+        'name = "bench"\n'
+        f'token_sha256 = "{digest}"\n'
+        f'tenants = ["{TENANT}"]\n'
+        'actions = ["read", "write"]\n'
+        "requests_per_s = 0\n",
+        encoding="utf-8",
+    )
+    return path

@@ -1,0 +1,222 @@
+"""The sealed-payload channel's server side: plain TCP, AEAD headers, sealed payloads.
+
+For a tenant that requires sealed blocks, over a TLS deployment, OpenBulk can hand the
+client a channel secret with its ticket (docs/secure-channel.md). The client then
+connects to the TCP listener without TLS and says "KVB2" (kvcommon.bulkwire); from the
+secret and the ticket each direction gets its own key (policy.bulkchannel), and:
+
+- the hello: the client proves it holds the secret before its ticket is redeemed (a
+  ticket read off the wire opens nothing), then the server proves it in turn;
+- every header both ways (request, body of digests and sizes, reply block headers,
+  outcomes, errors) is AES-256-GCM under the direction's key and the next counter;
+- a PUT payload arrives in the clear (it is a sealed block) followed by its GMAC tag,
+  bound to the request's body frame, its counter and the block's index; the tag is
+  checked as soon as the bytes are in, before the store's own checks and the commit
+  (a failing tag gives the block up: nothing is stored or acknowledged);
+- a GET reply sends only blocks in the sealed format (a block stored before the tenant
+  required sealing ends the reply there, as a miss): the agent opens each under its
+  tenant key, whose associated data names tenant, model, digest and key version.
+
+Any frame that fails its check raises `ChannelBroken` and the connection closes.
+Admission and the store calls are BulkHandler's, as on every transport.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Sequence
+
+from cacheserver.bulk.handler import DISCARD_CHUNK_BYTES, BulkHandler, Pace
+from cacheserver.requests import DISK_BATCH_BYTES, RequestCore
+from cacheserver.writing import BlockSource
+from kvcommon import bulkwire as w
+from kvcommon.errors import KvshareError, Unauthenticated
+from policy.bulkchannel import TAG_BYTES, ChannelError, PayloadMac, Receiver, Sender, server_side
+from policy.sealing import looks_sealed
+from policy.tickets import Grant, TicketBook
+from policy.types import StorageKey
+
+log = logging.getLogger(__name__)
+Buffer = bytes | bytearray | memoryview
+
+
+class SealedHello:
+    """A "KVB2" hello whose magic and ticket were read: `redeem`, then `accept`."""
+
+    def __init__(self, conn: socket.socket, ticket: bytes, tickets: TicketBook) -> None:
+        self._conn = conn
+        self._ticket = ticket
+        self._tickets = tickets
+        self._sides: tuple[Sender, Receiver] | None = None
+
+    def redeem(self) -> Grant:
+        """The ticket's grant, once the client proved it holds the ticket's channel
+        secret; Unauthenticated otherwise (the ticket then stays unused)."""
+        proof = bytes(w.recv_bytes(self._conn, w.PROOF_BYTES))
+        grant = self._tickets.peek(self._ticket)
+        if grant is None or not grant.channel_secret:
+            raise Unauthenticated(
+                "bulk ticket is invalid, used, expired or not for the sealed channel; "
+                "call OpenBulk again"
+            )
+        sender, receiver = server_side(grant.channel_secret, self._ticket)
+        try:
+            receiver.check_hello(proof)
+        except ChannelError:
+            raise Unauthenticated(
+                "the sealed channel's hello does not prove the ticket's secret"
+            ) from None
+        self._sides = sender, receiver
+        return self._tickets.redeem(self._ticket)
+
+    def accept(self, core: RequestCore, grant: Grant, pace: Pace) -> SealedHandler:
+        """Answer with the server's proof; the connection's handler."""
+        assert self._sides is not None, "redeem first"
+        sender, receiver = self._sides
+        self._conn.sendall(bytes([w.OK]) + sender.hello_proof())
+        return SealedHandler(core, self._conn, grant, sender, receiver, pace)
+
+
+class SealedHandler(BulkHandler):
+    """BulkHandler with every header sealed, tagged put payloads and sealed-only GETs."""
+
+    def __init__(
+        self,
+        core: RequestCore,
+        conn: socket.socket,
+        grant: Grant,
+        sender: Sender,
+        receiver: Receiver,
+        pace: Pace,
+    ) -> None:
+        super().__init__(core, conn, grant, None, pace)
+        self._out = sender
+        self._in = receiver
+
+    def _open(self, min_size: int, max_size: int) -> bytes:
+        """The next header from the client, opened, of `min_size` to `max_size` bytes."""
+        frame = w.recv_frame(self._conn, min_size + TAG_BYTES, max_size + TAG_BYTES)
+        try:
+            return self._in.open_header(frame)
+        except ChannelError:
+            raise self._broken() from None
+
+    def _broken(self) -> w.ChannelBroken:
+        return _authentication_failed(self._grant.principal.name)
+
+    def recv_request(self) -> tuple[int, int, int, bytes | None]:
+        header = self._open(w.REQUEST.size, w.REQUEST.size + w.TRACE_CONTEXT_BYTES)
+        op, model_len, count = w.REQUEST.unpack_from(header)
+        traced = bool(op & w.TRACED)
+        if len(header) != w.REQUEST.size + (w.TRACE_CONTEXT_BYTES if traced else 0):
+            raise w.ChannelBroken("a sealed request header of the wrong length")
+        trace = header[w.REQUEST.size :] if traced else None
+        return op & ~w.TRACED, model_len, count, trace
+
+    def send_error(self, error: KvshareError) -> None:
+        self._reply(w.error_frame(error))
+
+    def _recv(self, size: int) -> memoryview:
+        return memoryview(self._open(size, size))
+
+    def _frame(self, header: bytes) -> bytes:
+        try:
+            return w.sealed_frame(self._out.seal_header(header))
+        except ChannelError:  # this connection's keys are used up: the client opens another
+            raise w.ChannelBroken("the sealed bulk connection is used up") from None
+
+    def _reply(self, reply: bytes) -> None:
+        self._conn.sendall(self._frame(reply))
+
+    def _source(self, index: int, size: int) -> BlockSource:
+        mac = self._in.payload_mac(index)
+        deadline = self._pace.deadline(size)
+        return _SealedSource(self._conn, mac, size, self._grant.principal.name, deadline)
+
+    def _get(self, keys: Sequence[StorageKey]) -> None:
+        """Per block a sealed header then the payload as stored (a sealed block); the
+        first block not in the sealed format ends the reply (a miss from there)."""
+        parts: list[Buffer] = []
+        served = nbytes = 0
+        with self._core.store.read(self._grant.tenant, keys) as reading:
+            while (batch := reading.next_batch(DISK_BATCH_BYTES)) is not None:
+                sealed = _leading_sealed(batch.payloads)
+                for payload in batch.payloads[:sealed]:
+                    parts += [self._frame(_block(served, len(payload))), payload]
+                    served += 1
+                    nbytes += len(payload)
+                if sealed < len(batch.payloads):
+                    reading.unsent(len(batch.payloads) - sealed)  # never sent in clear
+                    break
+                if batch.final:
+                    break
+                # the next batch reads the disk: send these first
+                w.send_parts(self._conn, parts, self._pace.deadline(nbytes))
+                parts, nbytes = [], 0
+            end = self._frame(_block(served, 0))
+            w.send_parts(self._conn, [*parts, end], self._pace.deadline(nbytes))
+
+
+def _authentication_failed(principal: str) -> w.ChannelBroken:
+    log.warning(
+        "sealed bulk connection of principal %r: a frame failed authentication; closing",
+        principal,
+    )
+    return w.ChannelBroken("a sealed bulk frame failed authentication")
+
+
+def _block(index: int, size: int) -> bytes:
+    return bytes([w.OK]) + w.BLOCK.pack(index, size)
+
+
+def _leading_sealed(payloads: Sequence[Buffer]) -> int:
+    for index, payload in enumerate(payloads):
+        if not looks_sealed(payload):
+            return index
+    return len(payloads)
+
+
+class _SealedSource:
+    """A put's block as it arrives, then its tag, checked before the store sees it."""
+
+    def __init__(
+        self,
+        conn: socket.socket,
+        mac: PayloadMac,
+        size: int,
+        principal: str,
+        deadline: w.Deadline,
+    ) -> None:
+        self._conn = conn
+        self._mac = mac
+        self.size = size
+        self._principal = principal
+        self._deadline = deadline  # for the block and its tag (cacheserver.bulk.handler.Pace)
+
+    def payload(self) -> None:
+        return None
+
+    def fill(self, target: memoryview) -> None:
+        w.recv_exact(self._conn, target, self._deadline)
+        self._mac.update(target)
+        self._check_tag()
+
+    def skip(self) -> None:
+        """Receive and drop the block (the store holds it already), checked all the same:
+        a connection carries nothing unauthenticated."""
+        scratch = memoryview(bytearray(min(self.size, DISCARD_CHUNK_BYTES)))
+        left = self.size
+        while left:
+            step = min(left, len(scratch))
+            w.recv_exact(self._conn, scratch[:step], self._deadline)
+            self._mac.update(scratch[:step])
+            left -= step
+        self._check_tag()
+
+    def _check_tag(self) -> None:
+        tag = w.recv_bytes(self._conn, TAG_BYTES)
+        try:
+            self._mac.verify(tag)
+        except ChannelError:
+            raise _authentication_failed(self._principal) from None

@@ -43,6 +43,7 @@ from replica_agent.adapters.sglang_pages import (
     PageStore,
     namespace_spec,
     page_digest,
+    parse_put_bytes,
 )
 from replica_agent.adapters.store_gate import StoreGate, StoreStats
 from replica_agent.breaker import CircuitBreaker
@@ -68,6 +69,7 @@ ENGINE_KEYS = frozenset(
         "hicache_storage_pass_prefix_keys",
     }
 )
+OWN_KEYS = frozenset({"put_bytes"})  # this backend's, beside the store settings
 KV_POOL = "kv"
 
 
@@ -76,7 +78,10 @@ class KVShareHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self, storage_config: HiCacheStorageConfig, kwargs: Mapping[str, Any] | None = None
     ) -> None:
         extra = storage_config.extra_config if storage_config.extra_config is not None else {}
-        self.settings = parse_store_settings(extra, source=SOURCE, engine_keys=ENGINE_KEYS)
+        self.settings = parse_store_settings(
+            extra, source=SOURCE, engine_keys=ENGINE_KEYS | OWN_KEYS
+        )
+        self.put_bytes = parse_put_bytes(extra, source=SOURCE)
         if storage_config.is_mla_model:
             raise ConfigError(
                 "kvshare's SGLang backend stores MHA pages only; MLA models are not supported yet"
@@ -94,6 +99,7 @@ class KVShareHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self._client = self.settings.connect()
         self._pages: HostPages | None = None
         self._store: PageStore | None = None
+        self.namespace: str | None = None  # the store's model name of these pages
         if "interface_v1" not in extra:  # SGLang reads it after building the backend
             extra["interface_v1"] = 1
             log.info("kvshare HiCache backend: using SGLang's page interface (interface_v1)")
@@ -108,8 +114,14 @@ class KVShareHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         if not isinstance(kv_buffer, torch.Tensor):
             raise ConfigError("the host pool has no kv_buffer tensor: not an MHA host pool")
         self._pages = HostPages(kv_buffer, layout, spec)
+        self.namespace = spec.wire_model()
         self._store = PageStore(
-            self._client, spec, self.tenant, sealer=self._sealer, gate=self._gate
+            self._client,
+            spec,
+            self.tenant,
+            sealer=self._sealer,
+            gate=self._gate,
+            put_bytes=self.put_bytes,
         )
         log.info(
             "kvshare HiCache backend: %s pages of %d tokens, %s",

@@ -19,7 +19,8 @@ layout, and a header of another shape is refused before anything is written.
 
 Invariants:
 - One store round trip per batch: a Lookup for `leading`, one Get stream for `load`,
-  one Put for `save`. Each page is copied once, straight between the pool's memory
+  one Put for `save` (one per `put_bytes` of pages, so a save holds a bounded amount
+  of memory). Each page is copied once, straight between the pool's memory
   and the client's buffer (plus the AEAD pass when sealed).
 - A page reaches the pool only after it opened (sealed) and its header matched; the
   first page that fails ends the load, and the pages after it are not touched.
@@ -32,7 +33,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -59,10 +60,22 @@ PAGE_AXES = {
     "page_head": "KHPLD",
 }
 PAGE_INDEXED = frozenset({"page_first_direct", "page_head"})  # pages are their own axis
+# Pages per Put: SGLang saves up to 128 pages a call, which for a large model's pages
+# is gigabytes; a Put holds its payloads in memory, and the server refuses more pending
+# bytes than its max_pending_write_bytes (1 GiB by default).
+DEFAULT_PUT_BYTES = 64 << 20
 _HEX_KEY = re.compile(r"[0-9a-f]{64}")
 KEY_LABEL = "kvshare/sglang/key/v1"
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _NOT_ID_CHARS = re.compile(r"[^A-Za-z0-9._/:+-]")
+
+
+def parse_put_bytes(raw: Mapping[str, Any], *, source: str) -> int:
+    """The `put_bytes` key of the extra config (ours, not SGLang's)."""
+    value = raw.get("put_bytes", DEFAULT_PUT_BYTES)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{source}: put_bytes must be a positive number of bytes per Put")
+    return value
 
 
 def page_digest(key: str) -> bytes:
@@ -210,8 +223,10 @@ class PageStore:
         *,
         sealer: BlockSealer | None,
         gate: StoreGate,
+        put_bytes: int = DEFAULT_PUT_BYTES,
     ) -> None:
         self.client = client
+        self.put_bytes = put_bytes
         self.spec = spec
         self.model = spec.wire_model()
         self.tenant = tenant
@@ -270,29 +285,39 @@ class PageStore:
         return done, None
 
     def save(self, digests: Sequence[bytes], pages: Sequence[torch.Tensor]) -> list[bool]:
-        """Store `pages` in one Put; all True (stored or already there) or all False."""
+        """Store `pages`: one Put per `put_bytes` of pages (one for a batch of small
+        pages); True for each page stored or already there. The first Put that fails
+        ends the save: the pages after it are dropped (False), never waited for."""
         count = len(digests)
+        stored = [False] * count
         if not count:
-            return []
+            return stored
         if self.gate.is_open():  # no copies for a store that is down
             self._dropped(count, "breaker_open")
-            return [False] * count
+            return stored
+        per_put = max(1, self.put_bytes // self.spec.block_payload_bytes)
         with self.gate.telemetry.span("kvshare.agent.save", self.tenant) as span:
-            try:
-                payloads = [self._payload(d, p) for d, p in zip(digests, pages, strict=True)]
-            except Exception:  # a bug in the copy must not reach SGLang: drop the save
-                self._dropped(count, "error")
-                log.exception("copying pages out for a save failed; dropped")
-                return [False] * count
-            put = self.gate.call(
-                "put", lambda: self.client.put(self.tenant, self.model, digests, payloads)
-            )
-            if put is None:
-                self._dropped(count, "error")
-                return [False] * count
-            self.stats.blocks_saved += count
-            self.gate.telemetry.saved(span, self.tenant, count)
-        return [True] * count
+            for start in range(0, count, per_put):
+                end = min(count, start + per_put)
+                if not self._put(digests[start:end], pages[start:end]):
+                    self._dropped(count - start, "error")
+                    break
+                stored[start:end] = [True] * (end - start)
+            saved = stored.count(True)
+            self.stats.blocks_saved += saved
+            self.gate.telemetry.saved(span, self.tenant, saved)
+        return stored
+
+    def _put(self, digests: Sequence[bytes], pages: Sequence[torch.Tensor]) -> bool:
+        try:
+            payloads = [self._payload(d, p) for d, p in zip(digests, pages, strict=True)]
+        except Exception:  # a bug in the copy must not reach SGLang: drop the save
+            log.exception("copying pages out for a save failed; dropped")
+            return False
+        put = self.gate.call(
+            "put", lambda: self.client.put(self.tenant, self.model, digests, payloads)
+        )
+        return put is not None
 
     def _payload(self, digest: bytes, page: torch.Tensor) -> Payload:
         block = bytearray(HEADER_BYTES + self.spec.block_payload_bytes)

@@ -14,14 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvcommon.errors import ConfigError
 from policy.sealing import BlockSealer, Keyring, new_key_entry
-from replica_agent.adapters.sglang_pages import HostPages, PageStore, page_digest
+from replica_agent.adapters.sglang_pages import HostPages, PageStore, page_digest, parse_put_bytes
 from replica_agent.adapters.store_gate import StoreGate, StoreStats
 from replica_agent.breaker import BreakerState, CircuitBreaker
 from replica_agent.client import BlockClient
 from replica_agent.spec import ModelSpec
 from replica_agent.telemetry import AgentTelemetry
-from tests.conftest import Running, launch, write_config
+from tests.conftest import Running, launch, read_allocated, write_config
 
 LAYERS, HEADS, DIM, PAGE, TOKENS = 2, 2, 8, 16, 128
 SPEC = ModelSpec("sglang/test", "sglang:mha:pp0/1:cp0/1", LAYERS, HEADS, DIM, "float32", PAGE)
@@ -83,6 +84,19 @@ def test_pages_saved_by_one_replica_fill_another_replicas_pool(
     assert b.stats.blocks_loaded == 6 and b.stats.blocks_failed == 1
 
 
+def test_a_save_larger_than_put_bytes_goes_in_several_puts(server: Running) -> None:
+    source, target = pool(fill=True), pool(fill=False)
+    gate = StoreGate(CircuitBreaker(), AgentTelemetry(), StoreStats())
+    small = PageStore(server.client("engine"), SPEC, "alpha", sealer=None, gate=gate, put_bytes=1)
+    assert small.save(DIGESTS[:3], [source.page(i * PAGE) for i in range(3)]) == [True] * 3
+    assert small.stats.blocks_saved == 3
+    assert small.load(DIGESTS[:3], [target.page(i * PAGE) for i in range(3)]) == [True] * 3
+    assert torch.equal(target.kv_buffer[:, : 3 * PAGE], source.kv_buffer[:, : 3 * PAGE])
+    assert parse_put_bytes({}, source="x") == 64 << 20
+    with pytest.raises(ConfigError, match="put_bytes must be"):
+        parse_put_bytes({"put_bytes": 0}, source="x")
+
+
 def test_leading_counts_only_the_pages_before_the_first_miss(server: Running) -> None:
     source = pool(fill=True)
     store = replica(server.client("engine"))
@@ -92,9 +106,7 @@ def test_leading_counts_only_the_pages_before_the_first_miss(server: Running) ->
     assert store.leading([]) == 0
 
 
-def test_a_tampered_page_is_refused_and_never_written(
-    server: Running, sealer: BlockSealer
-) -> None:
+def test_a_tampered_page_is_refused_and_never_written(server: Running, sealer: BlockSealer) -> None:
     source = pool(fill=True)
     replica(server.client("engine"), sealer=sealer).save(
         DIGESTS[:2], [source.page(0), source.page(PAGE)]
@@ -129,9 +141,7 @@ def test_a_page_of_another_layout_is_refused(server: Running) -> None:
     assert not target.kv_buffer.any()
 
 
-def test_tenant_b_never_sees_or_loads_tenant_as_pages(
-    server: Running, sealer: BlockSealer
-) -> None:
+def test_tenant_b_never_sees_or_loads_tenant_as_pages(server: Running, sealer: BlockSealer) -> None:
     source = pool(fill=True)
     replica(server.client("engine"), sealer=sealer).save(DIGESTS[:2], [source.page(0)] * 2)
     beta = replica(server.client("engine"), "beta", sealer)
@@ -150,6 +160,25 @@ def test_tenant_b_never_sees_or_loads_tenant_as_pages(
     assert stranger.load(DIGESTS[:1], [target.page(PAGE)]) == [False]
     assert stranger.stats.refused_calls == 3 and stranger.stats.store_errors == 0
     assert stranger.gate.breaker.state is BreakerState.CLOSED
+
+
+def test_sglang_page_keys_never_reach_the_servers_disk(
+    server: Running, sealer: BlockSealer
+) -> None:
+    """SGLang's page keys hash only tokens (no tenant, no model): stored raw they would
+    let anyone with the disk test a guessed prompt. The server keeps keyed names."""
+    source = pool(fill=True)
+    keys = [hashlib.sha256(f"page {i}".encode()).hexdigest() for i in range(4)]
+    store = replica(server.client("engine"), sealer=sealer)
+    assert store.save(DIGESTS, [source.page(i * PAGE) for i in range(4)]) == [True] * 4
+    sealed = server.client("engine").get("alpha", SPEC.wire_model(), DIGESTS[:1])[0]
+    server.stop()
+    written = b"".join(
+        read_allocated(path) for path in sorted(server.data_dir.rglob("*")) if path.is_file()
+    )
+    assert sealed[-64:] in written  # positive control: the pages are on this disk
+    for key, digest in zip(keys, DIGESTS, strict=True):
+        assert digest not in written and key.encode() not in written
 
 
 def test_the_store_down_gives_misses_and_dropped_saves_never_an_exception(

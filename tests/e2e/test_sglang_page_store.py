@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ from tests.conftest import Running, launch, read_allocated, write_config
 
 LAYERS, HEADS, DIM, PAGE, TOKENS = 2, 2, 8, 16, 128
 SPEC = ModelSpec("sglang/test", "sglang:mha:pp0/1:cp0/1", LAYERS, HEADS, DIM, "float32", PAGE)
+SPEC_BYTES = SPEC.block_payload_bytes
 DIGESTS = [page_digest(hashlib.sha256(f"page {i}".encode()).hexdigest()) for i in range(4)]
 
 
@@ -87,8 +89,18 @@ def test_pages_saved_by_one_replica_fill_another_replicas_pool(
 def test_a_save_larger_than_put_bytes_goes_in_several_puts(server: Running) -> None:
     source, target = pool(fill=True), pool(fill=False)
     gate = StoreGate(CircuitBreaker(), AgentTelemetry(), StoreStats())
-    small = PageStore(server.client("engine"), SPEC, "alpha", sealer=None, gate=gate, put_bytes=1)
+    client = server.client("engine")
+    puts: list[int] = []
+    real_put = client.put
+
+    def counted_put(*args: Any) -> list[bool]:  # the real Put, counted
+        puts.append(len(args[2]))
+        return real_put(*args)
+
+    client.put = counted_put  # type: ignore[method-assign,assignment]
+    small = PageStore(client, SPEC, "alpha", sealer=None, gate=gate, put_bytes=2 * SPEC_BYTES)
     assert small.save(DIGESTS[:3], [source.page(i * PAGE) for i in range(3)]) == [True] * 3
+    assert puts == [2, 1]  # two pages per Put
     assert small.stats.blocks_saved == 3
     assert small.load(DIGESTS[:3], [target.page(i * PAGE) for i in range(3)]) == [True] * 3
     assert torch.equal(target.kv_buffer[:, : 3 * PAGE], source.kv_buffer[:, : 3 * PAGE])

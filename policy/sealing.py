@@ -173,7 +173,7 @@ class BlockSealer:
         tenant: str,
         model: str,
         digest: bytes,
-        plaintext: bytes,
+        plaintext: bytes | bytearray | memoryview,
         *,
         nonce: bytes | None = None,
     ) -> bytes:

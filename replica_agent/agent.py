@@ -330,7 +330,7 @@ class ReplicaAgent:
             for digest, encoded in zip(job.digests, job.encoded, strict=True):
                 if self.sealer is not None:
                     # seal reads any buffer (AESGCM takes the buffer protocol): no copy first
-                    sealed = self.sealer.seal(job.tenant, self.model, digest, encoded)  # type: ignore[arg-type]
+                    sealed = self.sealer.seal(job.tenant, self.model, digest, encoded)
                     payloads.append(sealed)
                 else:
                     payloads.append(encoded)

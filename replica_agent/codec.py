@@ -150,6 +150,20 @@ def decode_block(
     """
     if out is not None:
         _check_out(spec, out)
+    payload = np.frombuffer(tensor_bytes(spec, data), dtype=np.uint8)
+    if out is not None and out.device.type == "cpu":
+        _uint8_numpy(out)[:] = payload
+        return out
+    result = torch.empty(spec.block_shape, dtype=torch_dtype(spec))
+    _uint8_numpy(result)[:] = payload
+    if out is not None:
+        return out.copy_(result)
+    return result
+
+
+def tensor_bytes(spec: ModelSpec, data: bytes | bytearray | memoryview) -> memoryview:
+    """The tensor bytes of a block of `spec` (a view into `data`, no copy), or
+    `BlockFormatError`: for callers that copy them straight to where they belong."""
     view = memoryview(data).cast("B")
     header = parse_header(view)
     expected = BlockHeader.for_spec(spec)
@@ -160,15 +174,7 @@ def decode_block(
             f"block is {view.nbytes} bytes; a block of this spec is "
             f"{HEADER_BYTES + expected.payload_bytes} (truncated or padded payload)"
         )
-    payload = np.frombuffer(view, dtype=np.uint8, offset=HEADER_BYTES)
-    if out is not None and out.device.type == "cpu":
-        _uint8_numpy(out)[:] = payload
-        return out
-    result = torch.empty(spec.block_shape, dtype=torch_dtype(spec))
-    _uint8_numpy(result)[:] = payload
-    if out is not None:
-        return out.copy_(result)
-    return result
+    return view[HEADER_BYTES:]
 
 
 def _uint8_numpy(tensor: torch.Tensor) -> npt.NDArray[np.uint8]:

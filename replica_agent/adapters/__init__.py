@@ -1,6 +1,10 @@
 """Engine adapters: move KV blocks between the codec's canonical layout and an engine's cache.
 
 `hf` serves transformers models (`DynamicCache`); `vllm` is a vLLM v1 KV connector
-(`KVShareConnector`, with `vllm_plan`, `vllm_store` and `vllm_layout`; only `vllm`
-imports vLLM). Each adapter is the only place that knows its engine's cache layout.
+(`KVShareConnector`, with `vllm_plan`, `vllm_store` and `vllm_layout`); `sglang` is an
+SGLang HiCache storage backend (`KVShareHiCacheStorage`, with `sglang_pages`). Only
+`vllm` imports vLLM and only `sglang` imports SGLang, and nothing imports either of them
+(the engines load them by module path). `settings` (the extra-config keys) and
+`store_gate` (breaker, deadline, block verification) are shared. Each adapter is the
+only place that knows its engine's cache layout.
 """

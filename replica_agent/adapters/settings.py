@@ -31,6 +31,7 @@ from typing import Any
 
 from kvcommon.errors import ConfigError
 from policy.sealing import BlockSealer, Keyring
+from policy.types import is_valid_tenant_id
 from replica_agent.client import BlockClient, ClientTls
 
 DEFAULT_TIMEOUT_S = 5.0
@@ -107,6 +108,8 @@ def parse_store_settings(
     for required in ("target", "token_file", "tenant"):
         if not raw.get(required):
             raise ConfigError(f"{source}: `{required}` is required")
+    if not is_valid_tenant_id(str(raw["tenant"])):
+        raise ConfigError(f"{source}: tenant must match [a-z0-9][a-z0-9._-]{{0,62}}")
     target = raw["target"]
     targets = (target,) if isinstance(target, str) else tuple(target)
     if not targets or not all(isinstance(t, str) and ":" in t for t in targets):

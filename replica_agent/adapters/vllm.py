@@ -36,6 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvcommon.errors import ConfigError
 from replica_agent.adapters.settings import parse_store_settings
+from replica_agent.adapters.store_gate import StoreGate, StoreStats
 from replica_agent.adapters.vllm_layout import PagedLayout, detect_layout, learn_page_layout
 from replica_agent.adapters.vllm_plan import (
     ENGINE_KEYS,
@@ -49,7 +50,7 @@ from replica_agent.adapters.vllm_plan import (
     request_tenant,
     store_block_tokens,
 )
-from replica_agent.adapters.vllm_store import PagedCache, StoreGate, StoreStats, WorkerStore
+from replica_agent.adapters.vllm_store import PagedCache, WorkerStore
 from replica_agent.breaker import CircuitBreaker
 from replica_agent.spec import ModelSpec
 from replica_agent.telemetry import AgentTelemetry

@@ -21,14 +21,13 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypeVar
 
 import torch
 
-from kvcommon.errors import InvalidArgument, KvshareError, PermissionDenied, ResourceExhausted
-from policy.sealing import BlockSealer, SealError
+from policy.sealing import BlockSealer
+from replica_agent.adapters.store_gate import StoreGate, verified
 from replica_agent.adapters.vllm_layout import (
     PagedLayout,
     kernel_block_ids,
@@ -36,80 +35,12 @@ from replica_agent.adapters.vllm_layout import (
     to_store_blocks,
 )
 from replica_agent.adapters.vllm_plan import LoadPlan, SavePlan
-from replica_agent.breaker import CircuitBreaker
 from replica_agent.client import BlockClient
-from replica_agent.codec import BlockFormatError, decode_block, encode_block
+from replica_agent.codec import decode_block, encode_block
 from replica_agent.spec import ModelSpec
-from replica_agent.telemetry import AgentTelemetry, DropReason
+from replica_agent.telemetry import DropReason
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-# Refusals about this request (its tenant, its size, a quota), not signs of a sick store:
-# they are misses but do not count towards opening the breaker.
-_REQUEST_ERRORS = (PermissionDenied, InvalidArgument, ResourceExhausted)
-
-
-@dataclass
-class StoreStats:
-    lookups_failed: int = 0
-    store_errors: int = 0  # failed or timed-out calls (breaker failures)
-    refused_calls: int = 0  # PERMISSION_DENIED, INVALID_ARGUMENT, RESOURCE_EXHAUSTED
-    skipped_breaker_open: int = 0
-    blocks_loaded: int = 0
-    blocks_failed: int = 0  # store blocks of a load plan that did not reach the cache
-    open_failures: int = 0  # sealed blocks that failed to open (tampered, moved, bad key)
-    format_errors: int = 0  # opened blocks whose layout did not match
-    blocks_queued: int = 0
-    blocks_dropped: int = 0  # not saved: queue over its byte bound, breaker open, error
-    blocks_saved: int = 0
-    blocks_unflushed: int = 0  # still queued when `close` ran out of time
-
-
-class StoreGate:
-    """Breaker, deadline and error triage around every store call of one side."""
-
-    def __init__(
-        self, breaker: CircuitBreaker, telemetry: AgentTelemetry, stats: StoreStats
-    ) -> None:
-        self.breaker = breaker
-        self.telemetry = telemetry
-        self.stats = stats
-        telemetry.watch_breaker(breaker)
-
-    def allow(self) -> bool:
-        if self.breaker.allow():
-            return True
-        self.stats.skipped_breaker_open += 1
-        self.telemetry.breaker_skip()
-        return False
-
-    def call(self, operation: str, action: Callable[[], T]) -> T | None:
-        """`action()`, or None when the breaker is open or the call failed."""
-        if not self.allow():
-            return None
-        try:
-            result = action()
-        except Exception as error:  # any failure of the cache is a miss, never a crash
-            self.failed(operation, error)
-            return None
-        self.breaker.record_success()
-        return result
-
-    def failed(self, operation: str, error: Exception) -> None:
-        if isinstance(error, _REQUEST_ERRORS):
-            self.stats.refused_calls += 1
-            self.breaker.record_success()  # the store answered; the request was refused
-            log.info("store %s refused (%s); serving a miss", operation, type(error).__name__)
-            return
-        self.stats.store_errors += 1
-        self.telemetry.store_error(operation)
-        self.breaker.record_failure()
-        code = getattr(error, "code", None)
-        status = code().name if callable(code) else type(error).__name__
-        if not isinstance(error, KvshareError):
-            log.exception("store %s failed unexpectedly; serving a miss", operation)
-        else:
-            log.warning("store %s failed (%s); serving a miss", operation, status)
 
 
 @dataclass(frozen=True)
@@ -213,18 +144,8 @@ class WorkerStore:
     def _verified(
         self, tenant: str, digest: bytes, payload: bytes | memoryview
     ) -> torch.Tensor | None:
-        try:
-            if self.sealer is not None:
-                payload = self.sealer.open(tenant, self.model, digest, payload)
-            return decode_block(self.spec, payload)
-        except SealError:
-            self.stats.open_failures += 1
-            self.gate.telemetry.open_failure()
-            log.warning("a block failed to open; vLLM recomputes it")
-        except BlockFormatError:
-            self.stats.format_errors += 1
-            log.warning("a block does not match this engine's KV layout; vLLM recomputes it")
-        return None
+        where = (tenant, self.model, digest)
+        return verified(self.gate, self.sealer, self.spec, where, payload, decode_block)
 
     @staticmethod
     def _write(cache: PagedCache, block: torch.Tensor, vllm_ids: Sequence[int], skip: int) -> None:

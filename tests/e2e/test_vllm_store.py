@@ -18,9 +18,10 @@ import pytest
 import torch
 
 from policy.sealing import BlockSealer, Keyring, new_key_entry
+from replica_agent.adapters.store_gate import StoreGate, StoreStats
 from replica_agent.adapters.vllm_layout import ConcatLastDim
 from replica_agent.adapters.vllm_plan import LoadPlan, SavePlan
-from replica_agent.adapters.vllm_store import PagedCache, StoreGate, StoreStats, WorkerStore
+from replica_agent.adapters.vllm_store import PagedCache, WorkerStore
 from replica_agent.breaker import CircuitBreaker
 from replica_agent.client import BlockClient
 from replica_agent.spec import ModelSpec

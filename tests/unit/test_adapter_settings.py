@@ -47,6 +47,7 @@ def test_several_targets_round_robin(tmp_path: Path) -> None:
         ({"target": "h:1", "token_file": "x", "tenant": "a", "timeout_s": 0}, "timeout_s"),
         ({"target": "h:1", "token_file": "x", "tenant": "a", "bulk": "yes"}, "bulk"),
         ({"target": "h:1", "token_file": "x", "tenant": "a", "tls_cert": "c"}, "tls_key"),
+        ({"target": "h:1", "token_file": "x", "tenant": "Acme Corp"}, "tenant must match"),
     ],
 )
 def test_bad_settings_name_what_to_fix(raw: dict[str, object], message: str) -> None:

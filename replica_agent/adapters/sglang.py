@@ -1,0 +1,236 @@
+"""`KVShareHiCacheStorage`: kvshare as SGLang's HiCache storage tier (DESIGN §7).
+
+    python -m sglang.launch_server --model-path MODEL --enable-hierarchical-cache \\
+      --page-size 64 --hicache-storage-backend dynamic \\
+      --hicache-storage-backend-extra-config '{"backend_name": "kvshare",
+        "module_path": "replica_agent.adapters.sglang",
+        "class_name": "KVShareHiCacheStorage", "interface_v1": 1,
+        "target": "HOST:PORT", "token_file": "PATH", "tenant": "ID",
+        "keyring_file": "PATH"}'
+
+SGLang's cache controller builds one backend per rank (`cls(storage_config, kwargs)`),
+registers its host KV pool, then calls it from background threads: `batch_exists`
+(how many leading pages the store holds), `batch_get_v1` / `batch_set_v1` (pages
+between the store and host-pool slots; with `"interface_v1": 1`, which the backend
+sets when the key is absent) or the older `get/batch_get/set/batch_set/exists`. Page
+keys are SGLang's chained SHA-256 hex strings, one per page of tokens; their 32 bytes
+are kvshare's block digests, and the server names blocks by a keyed hash of them.
+
+Tenancy: SGLang gives a storage backend no per-request identity, so the tenant is fixed
+per deployment (`tenant`): one tenant per SGLang server, and per-user separation only
+through SGLang's own `extra_key` / `cache_salt`, which seed its key chain.
+
+Namespace: the model name (`model`, else SGLang's served model) with "sglang", the
+attention kind (MHA; MLA pools are refused), PP and attention-CP rank/size, then the
+codec layout (dtype, layers, KV heads, head dim, page tokens, TP rank/size), so pages
+of different shapes never mix. Everything about pages and the store is in
+`sglang_pages`; this module is the only one in kvshare that imports SGLang.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+
+from kvcommon.errors import ConfigError
+from replica_agent.adapters.settings import parse_store_settings
+from replica_agent.adapters.sglang_pages import (
+    HostPages,
+    PageStore,
+    namespace_spec,
+    page_digest,
+    parse_put_bytes,
+)
+from replica_agent.adapters.store_gate import StoreGate, StoreStats
+from replica_agent.breaker import CircuitBreaker
+from replica_agent.telemetry import AgentTelemetry
+
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+SOURCE = "--hicache-storage-backend-extra-config"
+# SGLang's own keys in the same JSON object (it pops some before the backend sees them).
+ENGINE_KEYS = frozenset(
+    {
+        "backend_name",
+        "module_path",
+        "class_name",
+        "interface_v1",
+        "tp_lcm_size",
+        "prefetch_threshold",
+        "prefetch_timeout_base",
+        "prefetch_timeout_per_ki_token",
+        "hicache_storage_pass_prefix_keys",
+    }
+)
+OWN_KEYS = frozenset({"put_bytes"})  # this backend's, beside the store settings
+KV_POOL = "kv"
+
+
+class KVShareHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
+    def __init__(
+        self, storage_config: HiCacheStorageConfig, kwargs: Mapping[str, Any] | None = None
+    ) -> None:
+        extra = storage_config.extra_config if storage_config.extra_config is not None else {}
+        self.settings = parse_store_settings(
+            extra, source=SOURCE, engine_keys=ENGINE_KEYS | OWN_KEYS
+        )
+        self.put_bytes = parse_put_bytes(extra, source=SOURCE)
+        if storage_config.is_mla_model:
+            raise ConfigError(
+                "kvshare's SGLang backend stores MHA pages only; MLA models are not supported yet"
+            )
+        self.storage_config = storage_config
+        self.tenant = self.settings.tenant
+        self._sealer = self.settings.sealer()
+        if self._sealer is not None and self.tenant not in self._sealer.keyring.tenants():
+            raise ConfigError(
+                f"{SOURCE}: the keyring has no data key for tenant {self.tenant!r}; add one "
+                "(kvshare admin keyring) or drop keyring_file"
+            )
+        self.stats = StoreStats()
+        self._gate = StoreGate(CircuitBreaker(), AgentTelemetry(), self.stats)
+        self._client = self.settings.connect()
+        self._pages: HostPages | None = None
+        self._store: PageStore | None = None
+        self.namespace: str | None = None  # the store's model name of these pages
+        if "interface_v1" not in extra:  # SGLang reads it after building the backend
+            extra["interface_v1"] = 1
+            log.info("kvshare HiCache backend: using SGLang's page interface (interface_v1)")
+
+    # -- set-up ---------------------------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        spec = namespace_spec(self.storage_config, mem_pool_host, self.settings.model)
+        layout = str(getattr(mem_pool_host, "layout", ""))
+        kv_buffer = getattr(mem_pool_host, "kv_buffer", None)
+        if not isinstance(kv_buffer, torch.Tensor):
+            raise ConfigError("the host pool has no kv_buffer tensor: not an MHA host pool")
+        self._pages = HostPages(kv_buffer, layout, spec)
+        self.namespace = spec.wire_model()
+        self._store = PageStore(
+            self._client,
+            spec,
+            self.tenant,
+            sealer=self._sealer,
+            gate=self._gate,
+            put_bytes=self.put_bytes,
+        )
+        log.info(
+            "kvshare HiCache backend: %s pages of %d tokens, %s",
+            layout,
+            spec.block_tokens,
+            "sealed" if self._sealer is not None else "not sealed (no keyring_file)",
+        )
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        if str(host_pool_name) != KV_POOL:
+            raise ConfigError(
+                f"this model has a HiCache pool {str(host_pool_name)!r} besides its KV "
+                "(Mamba, SWA, indexer state): kvshare's SGLang backend stores KV pages only"
+            )
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+
+    # -- the page interface ---------------------------------------------------------------
+
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        """How many leading pages of `keys` the store holds (0 when it cannot say)."""
+        return self._safely("lookup", 0, lambda store, _: store.leading(_digests(keys)))
+
+    def batch_get_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
+    ) -> list[bool]:
+        """Fill the host pages at `host_indices` from the store; True for each page
+        filled, always a prefix: SGLang uses the pages up to the first False."""
+
+        def load(store: PageStore, pages: HostPages) -> list[bool]:
+            targets = pages.pages(host_indices.tolist(), len(keys))
+            return store.load(_digests(keys), targets)
+
+        return self._safely("get", [False] * len(keys), load)
+
+    def batch_set_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
+    ) -> list[bool]:
+        """Save the host pages at `host_indices`; all True, or all False (dropped)."""
+
+        def save(store: PageStore, pages: HostPages) -> list[bool]:
+            return store.save(_digests(keys), pages.pages(host_indices.tolist(), len(keys)))
+
+        return self._safely("put", [False] * len(keys), save)
+
+    # -- the older interface: flat pages in the host layout's order ------------------------
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def get(
+        self, key: str, target_location: Any = None, target_sizes: Any = None
+    ) -> torch.Tensor | None:
+        return self.batch_get([key], None if target_location is None else [target_location])[0]
+
+    def batch_get(
+        self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
+    ) -> list[torch.Tensor | None]:
+        def load(store: PageStore, pages: HostPages) -> list[torch.Tensor | None]:
+            targets = [pages.new_flat() for _ in keys]
+            if target_locations is not None:
+                targets = list(target_locations)
+            if len(targets) != len(keys):
+                raise ValueError(f"{len(keys)} keys but {len(targets)} target locations")
+            done = store.load(_digests(keys), [pages.flat(t) for t in targets])
+            return [t if ok else None for t, ok in zip(targets, done, strict=True)]
+
+        return self._safely("get", [None] * len(keys), load)
+
+    def set(
+        self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None
+    ) -> bool:
+        return value is not None and self.batch_set([key], [value])
+
+    def batch_set(
+        self,
+        keys: list[str],
+        values: Any = None,
+        target_locations: Any = None,
+        target_sizes: Any = None,
+    ) -> bool:
+        def save(store: PageStore, pages: HostPages) -> bool:
+            flats = [pages.flat(v) for v in values]
+            return len(flats) == len(keys) and all(store.save(_digests(keys), flats))
+
+        return bool(values is not None and self._safely("put", False, save))
+
+    # -- the rest -------------------------------------------------------------------------
+
+    def clear(self) -> None:
+        """SGLang's /clear_hicache_storage_backend: the store is shared with other
+        replicas (and tenants), so an engine does not empty it; an admin can
+        (`kvshare admin`, a tenant's epoch, or Delete with admin rights)."""
+        log.warning("kvshare HiCache backend: clear ignored; the store is shared")
+
+    def close(self) -> None:
+        self._client.close()
+
+    def _safely(self, what: str, miss: T, action: Callable[[PageStore, HostPages], T]) -> T:
+        """`action`, or `miss` before a host pool is registered or if anything raised:
+        nothing reaches SGLang's storage threads but a miss or a dropped save."""
+        store, pages = self._store, self._pages
+        if store is None or pages is None:
+            return miss
+        try:
+            return action(store, pages)
+        except Exception:
+            log.exception("kvshare HiCache %s failed; serving a miss", what)
+            return miss
+
+
+def _digests(keys: Sequence[str]) -> list[bytes]:
+    return [page_digest(key) for key in keys]

@@ -4,8 +4,9 @@ and the transports' reads (`cacheserver.reading.ReadSource`).
 Invariants of the facade (the store's own are in `cacheserver.store.tiering`):
 - A put is acknowledged (its future True) only once its block is visible and a crash
   of the server cannot lose it; the caller never learns whether it was journaled.
-- `lookup` and `read_from_memory` never block (the index and memory tier, under the
-  lock): safe on the event loop. Methods marked Blocking run off it.
+- `read_from_memory` never blocks (the index and memory tier, under the lock): safe on
+  the event loop; nor does `lookup` unless a shared tier is configured
+  (`lookup_blocks`, issue 17). Methods marked Blocking run off it.
 - Everything countable (hits, misses, blocks and bytes per tier, evictions, refusals,
   integrity failures) is reported to `events` as it happens; the events carry
   tenants and sizes, never keys.
@@ -129,6 +130,8 @@ class BlockStore:
                 if not index.touch(key):
                     break
                 present += 1
+        if tiers.shared is not None:  # issue 17: an index miss asks the shared tier (blocks)
+            present += tiers.shared.count_leading(tenant, keys, present)
         self.events.looked_up(tenant, len(keys), present)
         return present
 
@@ -158,7 +161,7 @@ class BlockStore:
                 if payload is None or not index.touch(key):
                     break
                 out.append(payload)
-            more = len(out) < len(keys) and keys[len(out)] in index
+            more = len(out) < len(keys) and (keys[len(out)] in index or tiers.shared is not None)
         return out, more
 
     def read_through(
@@ -179,6 +182,8 @@ class BlockStore:
                 wanted.append(key)
                 total += entry.size
             held = journaled.held(wanted) if journaled is not None else {}
+        if not wanted and tiers.shared is not None:  # issue 17: an index miss
+            return tiers.shared.read_leading(tenant, keys, max_bytes)
         below = [key for key in wanted if key not in held]
         read = tiers.read_below(below) if below else {}
         out: list[Payload] = []
@@ -196,7 +201,9 @@ class BlockStore:
                 if touched and key not in held and tiers.memory.admit(key, tenant, payload):
                     self.events.stored(tenant, "memory", len(payload))
                 out.append(payload)
-            more = len(out) < len(keys) and keys[len(out)] in tiers.index
+            more = len(out) < len(keys) and (
+                keys[len(out)] in tiers.index or tiers.shared is not None
+            )
         return out, more
 
     # -- writes -----------------------------------------------------------------------
@@ -215,7 +222,10 @@ class BlockStore:
         commit acknowledges them all)."""
         journaled = self._tiers.journaled
         if journaled is not None:
-            return done(journaled.put(tenant, key, model_tag, source))
+            stored = journaled.put(tenant, key, model_tag, source)
+            if stored and self._tiers.shared is not None:  # issue 17: now, not at the drain
+                self._tiers.shared.share(tenant, key, model_tag)
+            return done(stored)
         tiers = self._tiers
         with tiers.lock:
             if key in tiers.index:
@@ -253,12 +263,14 @@ class BlockStore:
         with tiers.lock:
             present = [k for k in keys if k in tiers.index]
         self._forget(present)
+        shared = tiers.shared  # issue 17: it deletes the other servers' copies too
+        held = shared.delete_held(keys) if shared is not None else set()
         for tier in tiers.behind:  # they may hold blocks this index no longer lists
-            tier.delete(keys)
-        if not present:
-            return 0
-        tiers.disk.delete(present)
-        return len(present)
+            if tier is not shared:
+                tier.delete(keys)
+        if present:
+            tiers.disk.delete(present)
+        return len(held.union(present))
 
     def delete_tenant(self, tenant: TenantId, model_tag: ModelTag | None = None) -> int:
         """Every block of the tenant, or (with `model_tag`) of one model of it. Blocking."""
@@ -266,10 +278,11 @@ class BlockStore:
         with tiers.lock:
             keys = tiers.index.keys_of(tenant, model_tag)
         self._forget(keys)
-        if not keys:
-            return 0
-        tiers.delete_below(keys)
-        return len(keys)
+        shared = tiers.shared  # issue 17: blocks of other servers, and their copies
+        held = shared.delete_namespace(tenant, model_tag) if shared is not None else set()
+        if keys:
+            tiers.delete_below(keys)
+        return len(held.union(keys))
 
     def _forget(self, keys: Sequence[StorageKey]) -> None:
         """Forget `keys`, journaled ones included, then wait until the writer has passed
@@ -285,6 +298,57 @@ class BlockStore:
         with tiers.lock:
             tiers.remove_everywhere(keys)
         self._writer.barrier()
+
+    # -- issue 17: what the shared tier (cacheserver.cluster) asks of this server ------
+
+    @property
+    def lookup_blocks(self) -> bool:
+        """Whether `lookup` may block (it asks a shared tier on index misses)."""
+        return self._tiers.shared is not None
+
+    def local_keys(self, tenant: TenantId) -> list[StorageKey]:
+        """The keys this server holds of `tenant`."""
+        with self._tiers.lock:
+            return self._tiers.index.keys_of(tenant)
+
+    def local_copy(self, key: StorageKey) -> bytes | bytearray | None:
+        """This server's copy of a block (memory, journal or LMDB; never a tier behind
+        LMDB), as bytes that stay valid; None if it holds none. Blocking."""
+        tiers = self._tiers
+        unpin = self.pin()
+        try:
+            with tiers.lock:
+                if key not in tiers.index:
+                    return None
+                payload = tiers.memory.get(key)
+                if payload is None and tiers.journaled is not None:
+                    payload = tiers.journaled.held([key]).get(key)
+            if payload is None:
+                payload = tiers.disk.read_many([key])[0]
+            if payload is None or isinstance(payload, bytes | bytearray):
+                return payload
+            return bytes(payload)  # a view of a journal record, valid only while pinned
+        finally:
+            unpin()
+
+    def forget_local(
+        self,
+        keys: Sequence[StorageKey] = (),
+        namespace: tuple[TenantId, ModelTag | None] | None = None,
+    ) -> int:
+        """Drop this server's copies of `keys`, or of a namespace (tenant, model tag or
+        None for all of it), and no other tier's: a delete made through another server.
+        Returns how many it held. Blocking."""
+        tiers = self._tiers
+        with tiers.lock:
+            if namespace is not None:
+                present = tiers.index.keys_of(*namespace)
+            else:
+                present = [k for k in keys if k in tiers.index]
+        if present:
+            self._forget(present)
+            tiers.disk.delete(present)
+        return len(present)
 
     def tenant_usage(self, tenant: TenantId) -> tuple[int, int]:
         tiers = self._tiers

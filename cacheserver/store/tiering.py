@@ -26,7 +26,14 @@ from cacheserver.index import BlockIndex, Entry, EvictReason, NoRoom
 from cacheserver.lmdb_tier import LmdbTier
 from cacheserver.memory_tier import MemoryTier
 from cacheserver.store.jobs import PutJob
-from cacheserver.tiers import JournalCheckpoint, LowerTier, Payload, PendingWrite, Tier
+from cacheserver.tiers import (
+    JournalCheckpoint,
+    LowerTier,
+    Payload,
+    PendingWrite,
+    SharedTier,
+    Tier,
+)
 from kvcommon.errors import KvshareError, ResourceExhausted, Unavailable
 from policy.types import StorageKey, TenantId
 
@@ -52,6 +59,11 @@ class Tiers:
         self.disk = disk
         self.behind = tuple(behind)
         self.lower: tuple[LowerTier, ...] = (disk, *self.behind)
+        # Issue 17: the tier behind LMDB that other servers share (the Redis Cluster),
+        # if any: the facade asks it on index misses and sends deletes through it.
+        self.shared: SharedTier | None = next(
+            (tier for tier in self.behind if isinstance(tier, SharedTier)), None
+        )
         self.events = events
         # Set once at start-up when puts are journaled (cacheserver.store.journaled).
         self.journaled: JournaledPuts | None = None

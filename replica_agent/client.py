@@ -46,6 +46,7 @@ from kvcommon.v1 import kvshare_pb2 as pb
 from replica_agent.bulk import BulkChannel, UseGrpc
 from replica_agent.errors import BlockStoreError, store_error
 from replica_agent.grpc_calls import GrpcCalls, NoBulkListener
+from replica_agent.targets import balancing_options, grpc_target
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +126,7 @@ class _Backoff:
 class BlockClient:
     def __init__(
         self,
-        address: str,
+        address: str | Sequence[str],
         token: str,
         *,
         tls: ClientTls | None = None,
@@ -139,7 +140,10 @@ class BlockClient:
         OpenBulk, same credentials and policy); gRPC otherwise. `same_host`: on the
         server's own host, move them through a shared-memory arena the server hands
         out over a Unix socket (no TCP, no TLS: the bytes never leave the host's
-        kernel); off, or elsewhere, over TCP/TLS."""
+        kernel); off, or elsewhere, over TCP/TLS. `address`: one server, or several
+        that share a store (a list, or an `ipv4:`/`dns:` target; replica_agent.targets):
+        calls round-robin across them and move off one that goes away."""
+        address = grpc_target(address)
         channel_options = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -148,6 +152,7 @@ class BlockClient:
             ("grpc.initial_reconnect_backoff_ms", 250),
             ("grpc.min_reconnect_backoff_ms", 250),
             ("grpc.max_reconnect_backoff_ms", 2000),
+            *balancing_options(address),
             *options,
         ]
         if tls is not None:

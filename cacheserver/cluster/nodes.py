@@ -248,6 +248,16 @@ class ClusterNodes:
 
     # -- state --------------------------------------------------------------------------
 
+    def node_of(self, key: bytes) -> str | None:
+        """The `host:port` of the node that holds `key`'s slot now (None: unknown)."""
+        client = self._client
+        if client is None:
+            return None
+        try:
+            return str(client.get_node_from_key(key).name)
+        except (RedisClusterException, RedisError):
+            return None
+
     def primaries(self) -> list[ClusterNode]:
         client = self._client
         return [] if client is None else list(client.get_primaries())

@@ -97,7 +97,9 @@ class LocalRedisCluster:
             self._wait_listening(node, timeout_s)
         create = [REDIS_CLI, "--cluster", "create", *self.seeds]
         create += ["--cluster-replicas", str(self.replicas), "--cluster-yes"]
-        done = subprocess.run(create, capture_output=True, text=True, timeout=timeout_s, check=False)
+        done = subprocess.run(
+            create, capture_output=True, text=True, timeout=timeout_s, check=False
+        )
         if done.returncode != 0:
             self.stop()
             raise RuntimeError(f"redis-cli --cluster create failed: {done.stdout[-400:]}")
@@ -158,11 +160,20 @@ class LocalRedisCluster:
         deadline = time.monotonic() + timeout_s
         survivors = self.running()
         while time.monotonic() < deadline:
-            views = [n.cli("cluster", "info") for n in survivors]
-            if all("cluster_state:ok" in v and "cluster_slots_ok:16384" in v for v in views):
+            if all(self._promoted_in(n, dead) for n in survivors):
                 return
             time.sleep(0.1)
         raise RuntimeError(f"no replica took over from node {dead.port}")
+
+    @staticmethod
+    def _promoted_in(view: RedisNode, dead: RedisNode) -> bool:
+        """Whether `view` sees `dead` failed, owning no slot, and every slot served."""
+        for line in view.cli("cluster", "nodes").splitlines():
+            fields = line.split()
+            is_dead = len(fields) >= 8 and fields[1].split("@")[0] == dead.address
+            if is_dead and ("fail" not in fields[2].split(",") or len(fields) > 8):
+                return False
+        return "cluster_slots_ok:16384" in view.cli("cluster", "info")
 
     def flushall(self) -> None:
         for node in self.primary_nodes():

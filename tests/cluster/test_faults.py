@@ -123,6 +123,7 @@ def test_with_replicas_a_failover_completes_and_service_continues(
         )
         cluster.kill(victim)
         cluster.wait_promoted(victim)
+
         # Each server re-reads the slot map and says the cluster is whole again...
         def whole(address: str) -> Callable[[], bool]:
             return lambda: health(address, "kvshare.cluster") == SERVING

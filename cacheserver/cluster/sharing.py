@@ -87,6 +87,7 @@ class Sharing:
         self._store: LocalStore | None = None
         self._cond = threading.Condition()
         self._queue: deque[_Share] = deque()
+        self._queued: set[StorageKey] = set()
         self._queued_bytes = 0
         self._busy = False
         self._touches: dict[Tenant, dict[StorageKey, None]] = {}
@@ -127,12 +128,15 @@ class Sharing:
             return
         size = len(payload) if payload is not None else 0
         with self._cond:
+            if key in self._queued:  # acknowledged, and now drained to LMDB: once is enough
+                return
             full = len(self._queue) >= MAX_QUEUED_BLOCKS or (
                 self._queued_bytes + size > self._tier.config.write_queue_bytes
             )
             if not full:
                 generation = self._tier.deletes.generation
                 self._queue.append(_Share(tenant, key, model_tag, payload, generation))
+                self._queued.add(key)
                 self._queued_bytes += size
                 self._cond.notify()
         if full:
@@ -167,7 +171,7 @@ class Sharing:
 
     def pending(self) -> set[StorageKey]:
         with self._cond:
-            return {item.key for item in self._queue}
+            return set(self._queued)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until every queued write and touch is done (tests, benchmarks)."""
@@ -221,6 +225,7 @@ class Sharing:
         size = 0
         while self._queue and len(batch) < BATCH_BLOCKS and size < BATCH_BYTES:
             item = self._queue.popleft()
+            self._queued.discard(item.key)
             held = len(item.payload) if item.payload is not None else 0
             self._queued_bytes -= held
             size += held

@@ -46,6 +46,7 @@ from policy.types import ModelTag, StorageKey, TenantId
 
 log = logging.getLogger(__name__)
 FIRST_READ_WINDOW = 4  # blocks asked at once before their size is known
+FIRST_LOOKUP_WINDOW = 32
 
 
 @dataclass
@@ -115,16 +116,17 @@ class ClusterTier:
             return 0
         self.sharing.touch(known, keys[:local])
         rest = keys[local:]
-        if not rest:
-            return 0
-        names = [self.keys.block(key) for key in rest]
-        present = 0
-        for answer in self.nodes.run([(name, ("EXISTS", name)) for name in names]):
-            if answer != 1:
-                self.count(misses=1, failures=int(isinstance(answer, Failed)))
-                break
-            present += 1
-        self.sharing.touch(known, rest[:present])
+        present, window = 0, FIRST_LOOKUP_WINDOW
+        while present < len(rest):  # windows that double: a long miss tail costs little
+            names = [self.keys.block(key) for key in rest[present : present + window]]
+            for answer in self.nodes.run([(name, ("EXISTS", name)) for name in names]):
+                if answer != 1:
+                    self.count(misses=1, failures=int(isinstance(answer, Failed)))
+                    self.sharing.touch(known, rest[:present])
+                    return present
+                present += 1
+            window *= 2
+        self.sharing.touch(known, rest)
         return present
 
     def read_leading(

@@ -42,9 +42,9 @@ class RedisClusterConfig:
     # Keep blocks read from the cluster in this server's memory tier and LMDB (warm
     # reads are local); off, every read of a block another server wrote goes to Redis.
     local_copies: bool = True
-    # How long the delete stream keeps entries (a server behind by more reconciles its
-    # local copies against the cluster instead of replaying them).
-    delete_stream_entries: int = 100_000
+    # Entries the delete stream keeps (each up to 256 keys, 8 KiB): a server behind by
+    # more reconciles its local copies against the cluster instead of replaying them.
+    delete_stream_entries: int = 10_000
 
 
 _CONTRACT_DEFAULTS = RedisClusterConfig(nodes=())

@@ -107,6 +107,7 @@ class ClusterNodes:
         if self.config.tls:  # certificates verified, host names checked
             options["ssl"] = True
             options["ssl_cert_reqs"] = "required"
+            options["ssl_check_hostname"] = True
             options["ssl_ca_certs"] = str(self.config.tls_ca) if self.config.tls_ca else None
         try:
             client = RedisCluster(

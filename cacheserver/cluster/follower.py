@@ -169,15 +169,27 @@ class Follower:
 
     def _resume(self, saved: bytes | None) -> None:
         """Follow from `saved` if the stream still holds everything after it, else
-        reconcile and follow from the stream's end."""
+        reconcile and follow from the stream's end. With no position ever saved this
+        server has not been part of the cluster: nothing it holds can have been deleted
+        through another server, so it shares its blocks instead of dropping them."""
         if saved is not None and self._covers(saved):
             self.position = saved
             return
         last = self._last_id()
         if last is None:
             return
-        self._reconcile()
+        if saved is None and not self._path.exists():
+            self._share_local()
+        else:
+            self._reconcile()
         self.position = last
+        self._save(force=True)
+
+    def _share_local(self) -> None:
+        tier, store = self._tier, self._store
+        for tenant in tier.tenants.values():
+            for key, model_tag in store.local_keys(tenant.id):
+                tier.sharing.enqueue(tenant, key, model_tag, None)
 
     def _covers(self, position: bytes) -> bool:
         """Whether every entry after `position` is still in the stream."""
@@ -206,7 +218,7 @@ class Follower:
         pending = tier.sharing.pending()
         dropped = 0
         for tenant in tier.tenants.values():
-            local = [k for k in store.local_keys(tenant.id) if k not in pending]
+            local = [k for k, _ in store.local_keys(tenant.id) if k not in pending]
             for start in range(0, len(local), RECONCILE_CHUNK):
                 chunk = local[start : start + RECONCILE_CHUNK]
                 names = [tier.keys.block(key) for key in chunk]

@@ -45,7 +45,7 @@ from policy import AccessPolicy
 from policy.types import ModelTag, StorageKey, TenantId
 
 log = logging.getLogger(__name__)
-FIRST_READ_WINDOW = 4  # blocks asked at once before their size is known
+FIRST_READ_WINDOW = 2  # blocks asked at once before their size is known
 FIRST_LOOKUP_WINDOW = 32
 
 

@@ -306,10 +306,11 @@ class BlockStore:
         """Whether `lookup` may block (it asks a shared tier on index misses)."""
         return self._tiers.shared is not None
 
-    def local_keys(self, tenant: TenantId) -> list[StorageKey]:
-        """The keys this server holds of `tenant`."""
+    def local_keys(self, tenant: TenantId) -> list[tuple[StorageKey, ModelTag]]:
+        """The keys this server holds of `tenant`, each with its model tag."""
+        index = self._tiers.index
         with self._tiers.lock:
-            return self._tiers.index.keys_of(tenant)
+            return [(k, ModelTag(e.tag)) for k in index.keys_of(tenant) if (e := index.get(k))]
 
     def local_copy(self, key: StorageKey) -> bytes | bytearray | None:
         """This server's copy of a block (memory, journal or LMDB; never a tier behind

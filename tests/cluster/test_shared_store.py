@@ -6,9 +6,12 @@ never held the block: what it finds, it found in the cluster.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from cacheserver.cluster.layout import unpack_header
+from cacheserver.config import StorageConfig
 from kvshare.bench.redis_cluster import LocalRedisCluster
 from policy.types import BlockDigest, ModelName, StorageKey, TenantId
 from tests.cluster.conftest import (
@@ -20,6 +23,7 @@ from tests.cluster.conftest import (
     eventually,
     tier_of,
 )
+from tests.conftest import launch, write_config
 
 ALPHA = TenantId("alpha")
 
@@ -114,3 +118,37 @@ def test_a_quota_holds_across_servers_and_evicts_the_tenants_least_recently_used
     third = start_servers(cluster, 1, quotas={"alpha": quota, "beta": quota})[0]
     assert third.client("b", transport="grpc").get("beta", MODEL, beta_digests) == beta_payloads
     assert third.client("a", transport="grpc").get("alpha", MODEL, digests[32:]) == payloads[32:]
+
+
+def test_without_the_put_journal_puts_reach_the_cluster_behind_the_lmdb_commit(
+    cluster: LocalRedisCluster, start_servers: Callable[..., Servers]
+) -> None:
+    servers = start_servers(cluster, storage=StorageConfig(journal_bytes=0))
+    digests, payloads = blocks(4)
+    servers[0].client("a", transport="grpc").put("alpha", MODEL, digests, payloads)
+    servers.settle()
+    reader = servers[1].client("a", transport="grpc")
+    assert reader.get("alpha", MODEL, digests) == payloads
+    servers.settle()
+    assert servers[1].store.tenant_usage(ALPHA)[0] == 4  # kept, through the LMDB commit
+
+
+def test_a_server_joining_the_cluster_shares_what_it_holds(
+    cluster: LocalRedisCluster, start_servers: Callable[..., Servers], tmp_path: Path
+) -> None:
+    secret = tmp_path / "server.secret"  # the one start_servers gives the cluster's servers
+    secret.write_bytes(os.urandom(32))
+    secret.chmod(0o600)
+    (tmp_path / "alone").mkdir()
+    tenancy = write_config(tmp_path / "alone", extra=f'secret_file = "{secret}"')
+    alone = launch(tenancy, data_dir=tmp_path / "joining")
+    digests, payloads = blocks(3)
+    alone.client("a", transport="grpc").put("alpha", MODEL, digests, payloads)
+    alone.stop()  # a server without a cluster, with blocks in its LMDB
+    servers = start_servers(cluster)
+    joining = launch(servers.tenancy, data_dir=tmp_path / "joining")
+    try:
+        assert tier_of(joining).sharing.flush(30)
+        assert servers[1].client("a", transport="grpc").get("alpha", MODEL, digests) == payloads
+    finally:
+        joining.stop()

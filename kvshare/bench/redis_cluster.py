@@ -48,10 +48,49 @@ def _pick_port(taken: set[int]) -> int:
     raise RuntimeError("no free loopback port pair for a Redis Cluster node")
 
 
+@dataclass(frozen=True)
+class ClusterAccess:
+    """TLS (a CA and the nodes' certificate and key) and an ACL user, both optional."""
+
+    ca: Path | None = None
+    cert: Path | None = None
+    key: Path | None = None
+    # The certificate nodes present to each other on the cluster bus (which always
+    # checks peers): one for client authentication, signed by `ca`.
+    peer_cert: Path | None = None
+    peer_key: Path | None = None
+    username: str = ""
+    password: str = ""
+    key_pattern: str = "*"  # the ACL user's keys, e.g. "kvshare:*"
+
+    def server_args(self, port: int) -> list[str]:
+        args = ["--port", str(port)]
+        if self.ca is not None:
+            args = ["--port", "0", "--tls-port", str(port), "--tls-cluster", "yes"]
+            args += ["--tls-replication", "yes", "--tls-auth-clients", "no"]
+            args += ["--tls-cert-file", str(self.cert), "--tls-key-file", str(self.key)]
+            args += ["--tls-ca-cert-file", str(self.ca)]
+            if self.peer_cert is not None:
+                args += ["--tls-client-cert-file", str(self.peer_cert)]
+                args += ["--tls-client-key-file", str(self.peer_key)]
+        if self.username:
+            rule = [self.username, "on", f">{self.password}", f"~{self.key_pattern}", "&*"]
+            args += ["--user", *rule, "+@all", "--user", "default", "off"]
+            args += ["--masteruser", self.username, "--masterauth", self.password]
+        return args
+
+    def cli_args(self) -> list[str]:
+        args = ["--tls", "--cacert", str(self.ca)] if self.ca is not None else []
+        if self.username:
+            args += ["--user", self.username, "--pass", self.password, "--no-auth-warning"]
+        return args
+
+
 @dataclass
 class RedisNode:
     port: int
     directory: Path
+    access: ClusterAccess = field(default_factory=ClusterAccess)
     process: subprocess.Popen[bytes] | None = None
     log: IO[bytes] | None = field(default=None, repr=False)
 
@@ -61,7 +100,7 @@ class RedisNode:
 
     def cli(self, *args: str, timeout_s: float = 10) -> str:
         done = subprocess.run(
-            [REDIS_CLI, "-p", str(self.port), *args],
+            [REDIS_CLI, "-p", str(self.port), *self.access.cli_args(), *args],
             capture_output=True,
             text=True,
             timeout=timeout_s,
@@ -72,9 +111,16 @@ class RedisNode:
 
 class LocalRedisCluster:
     def __init__(
-        self, workdir: Path, *, primaries: int = 3, replicas: int = 0, node_timeout_ms: int = 1000
+        self,
+        workdir: Path,
+        *,
+        primaries: int = 3,
+        replicas: int = 0,
+        node_timeout_ms: int = 1000,
+        access: ClusterAccess | None = None,
     ) -> None:
         self.workdir = workdir
+        self.access = access or ClusterAccess()
         self.primaries = primaries
         self.replicas = replicas
         self.node_timeout_ms = node_timeout_ms
@@ -89,13 +135,13 @@ class LocalRedisCluster:
         for index in range((1 + self.replicas) * self.primaries):
             port = _pick_port(taken)
             taken.add(port)
-            node = RedisNode(port, self.workdir / f"redis-{index}")
+            node = RedisNode(port, self.workdir / f"redis-{index}", self.access)
             node.directory.mkdir(parents=True, exist_ok=True)
             self.nodes.append(node)
             self._launch(node)
         for node in self.nodes:
             self._wait_listening(node, timeout_s)
-        create = [REDIS_CLI, "--cluster", "create", *self.seeds]
+        create = [REDIS_CLI, *self.access.cli_args(), "--cluster", "create", *self.seeds]
         create += ["--cluster-replicas", str(self.replicas), "--cluster-yes"]
         done = subprocess.run(
             create, capture_output=True, text=True, timeout=timeout_s, check=False
@@ -109,7 +155,7 @@ class LocalRedisCluster:
     def _launch(self, node: RedisNode) -> None:
         argv = [
             REDIS_SERVER,
-            "--port", str(node.port),
+            *self.access.server_args(node.port),
             "--bind", "127.0.0.1",
             "--cluster-enabled", "yes",
             "--cluster-config-file", "nodes.conf",

@@ -258,7 +258,7 @@ class Follower:
                 continue
             for epoch in sorted(epochs):
                 if epoch < tenant.epoch:
-                    held, _ = tier.delete_tenant_blocks(tenant, None, [epoch])
+                    held, _ = tier.erasure.delete_tenant_blocks(tenant, None, [epoch])
                     log.info("reclaimed %d block(s) of a retired epoch from the cluster", len(held))
                 elif epoch > tenant.epoch and (tenant.tag, epoch) not in self._warned_epochs:
                     self._warned_epochs.add((tenant.tag, epoch))

@@ -297,7 +297,7 @@ class Sharing:
             ):
                 undo.append(item.key)
         if undo:  # deleted while it was being written: delete it again
-            tier.delete_blocks(undo)
+            tier.erasure.delete_blocks(undo)
 
     # -- the keeper thread --------------------------------------------------------------
 

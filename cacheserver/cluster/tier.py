@@ -34,9 +34,9 @@ from pathlib import Path
 
 from cacheserver.cluster.accounting import Accounting, Tenant
 from cacheserver.cluster.config import RedisClusterConfig
-from cacheserver.cluster.deletes import DeleteEntry, DeleteLog
+from cacheserver.cluster.deletes import DeleteEntry, DeleteLog, Erasure
 from cacheserver.cluster.follower import Follower, announce
-from cacheserver.cluster.layout import HEADER_BYTES, Keys, open_value, unpack_header
+from cacheserver.cluster.layout import Keys, open_value, unpack_header
 from cacheserver.cluster.nodes import ClusterNodes, Failed
 from cacheserver.cluster.sharing import Keep, LocalStore, Sharing
 from cacheserver.tiers import Payload, PendingWrite
@@ -81,6 +81,7 @@ class ClusterTier:
         self.nodes = ClusterNodes(config)
         self.accounting = Accounting(self.nodes, self.keys)
         self.deletes = DeleteLog()
+        self.erasure = Erasure(self.nodes, self.keys, self.accounting)
         self.counts = ClusterCounts()
         self.counts_lock = threading.Lock()
         self.data_dir = data_dir
@@ -239,7 +240,7 @@ class ClusterTier:
         if not keys:
             return set()
         self.deletes.record(DeleteEntry(keys=frozenset(keys)))
-        held, complete = self.delete_blocks(keys)
+        held, complete = self.erasure.delete_blocks(keys)
         if held or announce_always:
             complete = announce(self, [DeleteEntry(keys=frozenset(keys))]) and complete
         if self._store is not None:
@@ -251,36 +252,13 @@ class ClusterTier:
             )
         return held
 
-    def delete_blocks(self, keys: Sequence[StorageKey]) -> tuple[set[StorageKey], bool]:
-        """Delete blocks from the cluster and their accounting: (those held, whether
-        every node answered). Each header says which tenant's list to change."""
-        names = [self.keys.block(key) for key in keys]
-        ranges = self.nodes.run([(n, ("GETRANGE", n, 0, HEADER_BYTES - 1)) for n in names])
-        complete = not any(isinstance(r, Failed) for r in ranges)
-        groups: dict[tuple[bytes, int], list[StorageKey]] = {}
-        for key, raw in zip(keys, ranges, strict=True):
-            header = None if isinstance(raw, Failed) else unpack_header(raw)
-            if header is not None:
-                groups.setdefault((header.tenant_tag, header.epoch), []).append(key)
-        for (tag, epoch), members in groups.items():
-            complete = (
-                not isinstance(self.accounting.release(tag, epoch, members), Failed) and complete
-            )
-        held = set()
-        deleted = self.nodes.run([(n, ("DEL", n)) for n in names])
-        for key, answer in zip(keys, deleted, strict=True):
-            complete = complete and not isinstance(answer, Failed)
-            if answer == 1:
-                held.add(key)
-        return held, complete
-
     def delete_namespace(self, tenant: TenantId, model_tag: ModelTag | None) -> set[StorageKey]:
         known = self.tenants.get(tenant)
         if known is None:
             return set()
         entry = DeleteEntry(tenant_tag=known.tag, model_tag=model_tag or b"")
         self.deletes.record(entry)
-        held, complete = self.delete_tenant_blocks(known, model_tag)
+        held, complete = self.erasure.delete_tenant_blocks(known, model_tag)
         complete = announce(self, [entry]) and complete
         if self._store is not None:
             self._store.forget_local(namespace=(tenant, model_tag))
@@ -290,58 +268,6 @@ class ClusterTier:
                 "servers (a node did not answer); retry it"
             )
         return held
-
-    def delete_tenant_blocks(
-        self, tenant: Tenant, model_tag: ModelTag | None, epochs: Iterable[int] | None = None
-    ) -> tuple[set[StorageKey], bool]:
-        """Every block of the tenant (or of one model of it) in the given epochs (all it
-        has, by default): (those deleted, whether every node answered)."""
-        if epochs is None:
-            found = self.accounting.epochs(tenant)
-            if isinstance(found, Failed):
-                return set(), False
-            epochs = found
-        held: set[StorageKey] = set()
-        complete = True
-        for epoch in sorted(epochs):
-            if model_tag is None:
-                gone, ok = self._take_all(tenant, epoch)
-            else:
-                gone, ok = self._delete_model(tenant, epoch, model_tag)
-            held |= gone
-            complete = complete and ok
-        return held, complete
-
-    def _take_all(self, tenant: Tenant, epoch: int) -> tuple[set[StorageKey], bool]:
-        held: set[StorageKey] = set()
-        while True:
-            taken = self.accounting.take(tenant, epoch)
-            if isinstance(taken, Failed):
-                return held, False
-            if not taken:
-                return held, True
-            names = [self.keys.block(key) for key in taken]
-            for key, answer in zip(
-                taken, self.nodes.run([(n, ("DEL", n)) for n in names]), strict=True
-            ):
-                if answer == 1:
-                    held.add(key)
-
-    def _delete_model(
-        self, tenant: Tenant, epoch: int, model_tag: ModelTag
-    ) -> tuple[set[StorageKey], bool]:
-        listed = self.accounting.listed(tenant, epoch)
-        if isinstance(listed, Failed):
-            return set(), False
-        names = [self.keys.block(key) for key in listed]
-        ranges = self.nodes.run([(n, ("GETRANGE", n, 0, HEADER_BYTES - 1)) for n in names])
-        ours = []
-        for key, raw in zip(listed, ranges, strict=True):
-            header = None if isinstance(raw, Failed) else unpack_header(raw)
-            if header is not None and header.model_tag == model_tag:
-                ours.append(key)
-        held, complete = self.delete_blocks(ours) if ours else (set(), True)
-        return held, complete and not any(isinstance(r, Failed) for r in ranges)
 
     def stop(self) -> None:
         """Stop the threads (before the store closes: they read from it). Idempotent."""

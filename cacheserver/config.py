@@ -2,7 +2,8 @@
 
 The TOML keys `listen`, `data_dir`, `[[tenants]]` and `[[principals]]` are a contract
 (DESIGN §8); `[storage]`, `[limits]`, `[tls]`, `[telemetry]`, `[bulk]` and `audit_log` are optional
-with the defaults below.
+with the defaults below; `[redis_cluster]` (DESIGN §6) is parsed by
+`cacheserver.cluster.config`.
 Command-line flags override the file. Unknown keys anywhere are errors naming the key
 and its line.
 """
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from cacheserver.cluster.config import RedisClusterConfig, parse_redis_cluster
 from kvcommon.errors import ConfigError, InvalidArgument
 from kvcommon.hostport import HostPort, parse_host_port
 from policy.audit import AUDIT_FILE
@@ -41,6 +43,7 @@ TOP_KEYS = frozenset(
         "bulk",
         "audit_log",
         "secret_file",
+        "redis_cluster",
     }
 )
 TLS_KEYS = frozenset({"cert", "key", "client_ca"})
@@ -190,6 +193,8 @@ class ServerConfig:
     secret_file: Path | None = None  # None: <data_dir>/server.secret
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     bulk: BulkConfig = field(default_factory=BulkConfig)
+    # The shared tier several servers use at once (cacheserver.cluster); None: none.
+    redis_cluster: RedisClusterConfig | None = None
 
     @property
     def audit_log_path(self) -> Path:
@@ -338,6 +343,11 @@ def load_config(path: Path) -> ServerConfig:
         secret_file=Path(secret_file) if secret_file else None,
         telemetry=_parse_telemetry(_table(raw, "telemetry", source, text), source, text),
         bulk=_parse_bulk(_table(raw, "bulk", source, text), source, text),
+        redis_cluster=parse_redis_cluster(
+            _table(raw, "redis_cluster", source, text),
+            source,
+            lambda key: _line_in_table(text, "redis_cluster", key),
+        ),
     )
 
 

@@ -19,7 +19,7 @@ import socket
 import ssl
 import stat
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -50,9 +50,13 @@ from policy.ratelimit import RequestRateLimiter
 from policy.tickets import TicketBook
 from policy.types import TenantId
 
+if TYPE_CHECKING:
+    from cacheserver.cluster.tier import ClusterTier
+
 log = logging.getLogger(__name__)
 SERVICE_NAME = kvshare_pb2.DESCRIPTOR.services_by_name["BlockStore"].full_name
 SHUTDOWN_GRACE_S = 10.0
+CLUSTER_HEALTH_SERVICE = "kvshare.cluster"  # SERVING while every Redis node answers
 GRPC_SLACK_BYTES = 1 << 20  # room for protobuf framing around max_message_bytes of payload
 
 __all__ = ["Server", "TlsFiles", "serve"]
@@ -178,6 +182,7 @@ class Server:
         )
         epochs = {t.id: t.epoch for t in access.tenants}
         self.counters = TenantCounters()  # the Stats RPC's figures, from the same events
+        self.cluster = _open_cluster(config, self.policy)
         self.store = BlockStore(
             config.data_dir,
             config.storage,
@@ -185,6 +190,7 @@ class Server:
             epochs,
             on_integrity_failure=self.policy.record_integrity_failure,
             events=FanOut(self.telemetry, self.counters),
+            lower_tiers=[self.cluster] if self.cluster is not None else (),
         )
         self.telemetry.watch(self.store.tier_usage, self._tenant_usage)
         if self.store.reclaimed_at_start:
@@ -199,6 +205,19 @@ class Server:
             config.telemetry.health_interval_ms / 1000,
             on_change=lambda serving: setattr(self.telemetry, "serving", serving),
         )
+        self.cluster_health: HealthMonitor | None = None
+        if self.cluster is not None:
+            self.cluster.start(self.store)
+            self.telemetry.watch_cluster(self.cluster.counts.as_dict)
+            # The cluster's state has a health service of its own: the server keeps
+            # serving its local tiers while the cluster is unreachable.
+            self.cluster_health = HealthMonitor(
+                self.health,
+                (CLUSTER_HEALTH_SERVICE,),
+                self.cluster.problem,
+                config.telemetry.health_interval_ms / 1000,
+                on_change=lambda up: setattr(self.telemetry, "cluster_reachable", up),
+            )
         self.tickets = TicketBook()
         self.bulk: BulkServer | None = None
         self._service: BlockStoreService | None = None
@@ -259,6 +278,8 @@ class Server:
         self.metrics_address = self.telemetry.start()
         await server.start()
         await self.health_monitor.start()
+        if self.cluster_health is not None:
+            await self.cluster_health.start()
         self._server = server
         self.address = f"{host}:{port}"
         return self.address
@@ -285,6 +306,8 @@ class Server:
 
     async def stop(self, grace_s: float = SHUTDOWN_GRACE_S) -> None:
         await self.health_monitor.stop()
+        if self.cluster_health is not None:
+            await self.cluster_health.stop()
         await self.health.enter_graceful_shutdown()  # probes see NOT_SERVING while draining
         if self._server is not None:
             await self._server.stop(grace_s)
@@ -295,10 +318,26 @@ class Server:
         if self._service is not None:
             self._service.close()
             self._service = None
+        if self.cluster is not None:
+            self.cluster.stop()  # its threads read from the store: before it closes
         self.store.close()
         self.telemetry.shutdown()
         self.audit.close()
         self._lock_file.close()
+
+
+def _open_cluster(config: ServerConfig, policy: AccessPolicy) -> ClusterTier | None:
+    """The Redis Cluster tier, when `[redis_cluster]` names one (cacheserver.cluster)."""
+    if config.redis_cluster is None:
+        return None
+    try:
+        from cacheserver.cluster.tier import open_cluster_tier
+    except ImportError as error:
+        raise ConfigError(
+            f"[redis_cluster] needs the Python package {error.name!r}; "
+            "pip install 'kvshare[cluster]'"
+        ) from None
+    return open_cluster_tier(config.redis_cluster, policy, config.data_dir)
 
 
 def _bulk_tls(tls: TlsFiles | None) -> ssl.SSLContext | None:

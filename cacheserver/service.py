@@ -67,6 +67,8 @@ class BlockStoreService(pb_grpc.BlockStoreServicer):
         admitted = self._core.admit(
             current_principal.get(), Action.READ, request.tenant, request.model, request.digests
         )
+        if self._core.store.lookup_blocks:  # issue 17: it may ask the Redis Cluster
+            return pb.LookupResponse(present=await self._workers.read(self._core.lookup, admitted))
         return pb.LookupResponse(present=self._core.lookup(admitted))
 
     async def Get(self, request: pb.GetRequest, context: Context) -> AsyncIterator[pb.GetFrame]:

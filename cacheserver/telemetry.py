@@ -99,6 +99,7 @@ class ServerTelemetry:
         self.config = config or TelemetryConfig()
         self.metrics_address = ""
         self.serving = True  # kept by cacheserver.health
+        self.cluster_reachable = True  # kept by the cluster's health monitor
         self._http: WSGIServer | None = None
         self._registry: Any = None
         readers = list(metric_readers)
@@ -189,6 +190,22 @@ class ServerTelemetry:
                 "By",
                 "quota per tenant (0: none)",
             )
+
+    def watch_cluster(self, counts: Callable[[], Mapping[str, int]]) -> None:
+        """The Redis Cluster tier (cacheserver.cluster): what it did, by event (hits,
+        misses, failures, writes, drops, evictions, ...), and whether it answers."""
+        self._meter.create_observable_counter(
+            "kvshare.cluster.events",
+            [lambda _: [Observation(v, {"event": e}) for e, v in counts().items()]],
+            "{event}",
+            "Redis Cluster tier events since start, by kind",
+        )
+        self._meter.create_observable_gauge(
+            "kvshare.cluster.reachable",
+            [lambda _: [Observation(1 if self.cluster_reachable else 0)]],
+            "1",
+            "1 while every Redis Cluster node answers (the kvshare.cluster health service)",
+        )
 
     def watch_bulk(self, arenas: Callable[[], int]) -> None:
         """A gauge of the bulk channel's same-host arenas open (`arenas()`), read at

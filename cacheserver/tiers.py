@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, TypeAlias
+from typing import Protocol, TypeAlias, runtime_checkable
 
 from policy.types import ModelTag, StorageKey, TenantId
 
@@ -92,4 +92,37 @@ class LowerTier(Tier, Protocol):
 
     def probe(self) -> str | None:
         """Why the tier cannot take writes now (a short reason for health), or None."""
+        ...
+
+
+@runtime_checkable
+class SharedTier(LowerTier, Protocol):
+    """A lower tier that several servers use at once (issue 17: the Redis Cluster,
+    `cacheserver.cluster`). It holds blocks the index may not list (written through
+    another server, or evicted here), so the store asks it on an index miss, and it
+    carries deletes to the other servers. Blocking, thread-safe, never under the lock."""
+
+    def count_leading(self, tenant: TenantId, keys: Sequence[StorageKey], local: int) -> int:
+        """How many of `keys[local:]`, leading, it holds (`keys[:local]` are held
+        locally: it notes their use, as the tenant's recency spans servers)."""
+        ...
+
+    def read_leading(
+        self, tenant: TenantId, keys: Sequence[StorageKey], max_bytes: int
+    ) -> tuple[list[Payload], bool]:
+        """The leading payloads of `keys` it holds (about `max_bytes`, at least one), and
+        whether the key after them may be held."""
+        ...
+
+    def share(self, tenant: TenantId, key: StorageKey, model_tag: ModelTag) -> None:
+        """A block was just acknowledged here: write it to the shared tier soon."""
+        ...
+
+    def delete_held(self, keys: Sequence[StorageKey]) -> set[StorageKey]:
+        """Delete `keys` everywhere (here, and the other servers' copies); the ones it held."""
+        ...
+
+    def delete_namespace(self, tenant: TenantId, model_tag: ModelTag | None) -> set[StorageKey]:
+        """Delete every block of the tenant (or of one model of it) everywhere; the
+        ones it held."""
         ...

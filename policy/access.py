@@ -250,6 +250,10 @@ class AccessPolicy:
     def storage_key(self, tenant: TenantId, model: ModelName, digest: BlockDigest) -> StorageKey:
         return self._namer.storage_key(tenant, model, digest)
 
+    def cluster_tag(self, tenant: TenantId) -> bytes:
+        """The tenant's keyed name in a shared tier (policy.naming.BlockNamer.cluster_tag)."""
+        return self._namer.cluster_tag(tenant)
+
     def record_admin(self, principal: Principal | None, action: str, **fields: Field) -> None:
         """An admin action (whole-tenant delete, reclamation at start-up, ...)."""
         self.audit.record(

@@ -29,6 +29,8 @@ SECRET_FILE = "server.secret"  # noqa: S105 (a file name)
 NAME_INFO_LABEL = "kvshare/name/v1"
 MODEL_TAG_LABEL = "kvshare/model-tag/v1"
 MODEL_TAG_BYTES = 16
+CLUSTER_TAG_LABEL = "kvshare/cluster-tenant/v1"
+CLUSTER_TAG_BYTES = 16
 USER_SALT_LABEL = "kvshare/user-salt/v1"
 
 
@@ -51,6 +53,7 @@ class BlockNamer:
         self._secret = server_secret
         self._epochs = dict(epochs)
         self._keys: dict[TenantId, bytes] = {}
+        self._cluster_tags: dict[TenantId, bytes] = {}
 
     def epoch(self, tenant: TenantId) -> int:
         return self._epochs.get(tenant, 0)
@@ -66,6 +69,21 @@ class BlockNamer:
         """A 16-byte keyed tag of the model, stored beside each block for namespace deletes."""
         mac = hmac.digest(self._naming_key(tenant), enc(MODEL_TAG_LABEL, model), "sha256")
         return ModelTag(mac[:MODEL_TAG_BYTES])
+
+    def cluster_tag(self, tenant: TenantId) -> bytes:
+        """A keyed 16-byte name of the tenant, the same at every epoch, for a shared
+        tier's per-tenant keys (cacheserver.cluster): whoever runs the tier sees which
+        keys belong to one tenant, never which tenant."""
+        tag = self._cluster_tags.get(tenant)
+        if tag is None:
+            hkdf = HKDF(
+                algorithm=hashes.SHA256(),
+                length=CLUSTER_TAG_BYTES,
+                salt=None,
+                info=enc(CLUSTER_TAG_LABEL, tenant),
+            )
+            tag = self._cluster_tags[tenant] = hkdf.derive(self._secret)
+        return tag
 
     def storage_key(self, tenant: TenantId, model: ModelName, digest: BlockDigest) -> StorageKey:
         # hmac.digest: OpenSSL's one-shot HMAC, several times cheaper than an HMAC

@@ -47,6 +47,7 @@ from kvcommon.v1 import kvshare_pb2 as pb
 from replica_agent.bulk import BulkChannel, UseGrpc
 from replica_agent.errors import BlockStoreError, store_error
 from replica_agent.grpc_calls import GrpcCalls, NoBulkListener
+from replica_agent.targets import balancing_options, grpc_target
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +128,7 @@ class _Backoff:
 class BlockClient:
     def __init__(
         self,
-        address: str,
+        address: str | Sequence[str],
         token: str,
         *,
         tls: ClientTls | None = None,
@@ -146,7 +147,10 @@ class BlockClient:
         every block it reads under the tenant's key before use (the replica agent with
         a keyring); then, over TLS, a tenant that requires sealed blocks gets the
         sealed-payload channel (replica_agent.bulk_sealed): headers under AEAD, sealed
-        payloads not encrypted a second time."""
+        payloads not encrypted a second time. `address`: one server, or several that
+        share a store (a list, or an `ipv4:`/`dns:` target; replica_agent.targets):
+        calls round-robin across them and move off one that goes away."""
+        address = grpc_target(address)
         channel_options = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -155,6 +159,7 @@ class BlockClient:
             ("grpc.initial_reconnect_backoff_ms", 250),
             ("grpc.min_reconnect_backoff_ms", 250),
             ("grpc.max_reconnect_backoff_ms", 2000),
+            *balancing_options(address),
             *options,
         ]
         if tls is not None:

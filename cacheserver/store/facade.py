@@ -4,8 +4,9 @@ and the transports' reads (`cacheserver.reading.ReadSource`).
 Invariants of the facade (the store's own are in `cacheserver.store.tiering`):
 - A put is acknowledged (its future True) only once its block is visible and a crash
   of the server cannot lose it; the caller never learns whether it was journaled.
-- `lookup` and `read_from_memory` never block (the index and memory tier, under the
-  lock): safe on the event loop. Methods marked Blocking run off it.
+- `read_from_memory` never blocks (the index and memory tier, under the lock): safe on
+  the event loop; nor does `lookup` unless a shared tier is configured
+  (`lookup_blocks`, issue 17). Methods marked Blocking run off it.
 - Everything countable (hits, misses, blocks and bytes per tier, evictions, refusals,
   integrity failures) is reported to `events` as it happens; the events carry
   tenants and sizes, never keys.
@@ -130,6 +131,8 @@ class BlockStore:
                 if not index.touch(key):
                     break
                 present += 1
+        if tiers.shared is not None:  # issue 17: an index miss asks the shared tier (blocks)
+            present += tiers.shared.count_leading(tenant, keys, present)
         self.events.looked_up(tenant, len(keys), present)
         return present
 
@@ -165,7 +168,7 @@ class BlockStore:
                     break
                 out.append(payload)
                 total += len(payload)
-            more = len(out) < len(keys) and keys[len(out)] in index
+            more = len(out) < len(keys) and (keys[len(out)] in index or tiers.shared is not None)
         return out, more
 
     def read_through(
@@ -186,6 +189,8 @@ class BlockStore:
                 wanted.append(key)
                 total += entry.size
             held = journaled.held(wanted) if journaled is not None else {}
+        if not wanted and tiers.shared is not None:  # issue 17: an index miss
+            return tiers.shared.read_leading(tenant, keys, max_bytes)
         below = [key for key in wanted if key not in held]
         read = tiers.read_below(below) if below else {}
         out: list[Payload] = []
@@ -203,7 +208,9 @@ class BlockStore:
                 if touched and key not in held and tiers.memory.admit(key, tenant, payload):
                     self.events.stored(tenant, "memory", len(payload))
                 out.append(payload)
-            more = len(out) < len(keys) and keys[len(out)] in tiers.index
+            more = len(out) < len(keys) and (
+                keys[len(out)] in tiers.index or tiers.shared is not None
+            )
         return out, more
 
     # -- writes -----------------------------------------------------------------------
@@ -222,7 +229,10 @@ class BlockStore:
         commit acknowledges them all)."""
         journaled = self._tiers.journaled
         if journaled is not None:
-            return done(journaled.put(tenant, key, model_tag, source))
+            stored = journaled.put(tenant, key, model_tag, source)
+            if stored and self._tiers.shared is not None:  # issue 17: now, not at the drain
+                self._tiers.shared.share(tenant, key, model_tag)
+            return done(stored)
         tiers = self._tiers
         with tiers.lock:
             if key in tiers.index:
@@ -288,8 +298,10 @@ class BlockStore:
             present = sum(1 for k in keys if k in tiers.index)
             tiers.remove_everywhere(keys)
         self._writer.barrier()
+        shared = tiers.shared  # issue 17: it deletes the other servers' copies too
+        held = shared.delete_held(keys) if shared is not None else set()
         deleted = tiers.delete_below(keys)
-        return max(present, deleted)
+        return max(present, deleted, len(held))
 
     def delete_tenant(self, tenant: TenantId, model_tag: ModelTag | None = None) -> int:
         """Every block of the tenant, or (with `model_tag`) of one model of it, by the
@@ -305,8 +317,63 @@ class BlockStore:
             for meta in tiers.disk.scan()
             if meta.tenant == tenant and (model_tag is None or meta.model_tag == model_tag)
         ]
+        shared = tiers.shared  # issue 17: blocks of other servers, and their copies
+        held = shared.delete_namespace(tenant, model_tag) if shared is not None else set()
         deleted = tiers.delete_below(sorted({*keys, *swept}))
-        return max(len(keys), deleted)
+        return max(len(keys), deleted, len(held))
+
+    # -- issue 17: what the shared tier (cacheserver.cluster) asks of this server ------
+
+    @property
+    def lookup_blocks(self) -> bool:
+        """Whether `lookup` may block (it asks a shared tier on index misses)."""
+        return self._tiers.shared is not None
+
+    def local_keys(self, tenant: TenantId) -> list[tuple[StorageKey, ModelTag]]:
+        """The keys this server holds of `tenant`, each with its model tag."""
+        index = self._tiers.index
+        with self._tiers.lock:
+            return [(k, ModelTag(e.tag)) for k in index.keys_of(tenant) if (e := index.get(k))]
+
+    def local_copy(self, key: StorageKey) -> bytes | bytearray | None:
+        """This server's copy of a block (memory, journal or LMDB; never a tier behind
+        LMDB), as bytes that stay valid; None if it holds none. Blocking."""
+        tiers = self._tiers
+        unpin = self.pin()
+        try:
+            with tiers.lock:
+                if key not in tiers.index:
+                    return None
+                payload = tiers.memory.get(key)
+                if payload is None and tiers.journaled is not None:
+                    payload = tiers.journaled.held([key]).get(key)
+            if payload is None:
+                payload = tiers.disk.read_many([key])[0]
+            if payload is None or isinstance(payload, bytes | bytearray):
+                return payload
+            return bytes(payload)  # a view of a journal record, valid only while pinned
+        finally:
+            unpin()
+
+    def forget_local(
+        self,
+        keys: Sequence[StorageKey] = (),
+        namespace: tuple[TenantId, ModelTag | None] | None = None,
+    ) -> int:
+        """Drop this server's copies of `keys`, or of a namespace (tenant, model tag or
+        None for all of it), and no other tier's: a delete made through another server.
+        Returns how many it held. Blocking."""
+        tiers = self._tiers
+        with tiers.lock:
+            if namespace is not None:
+                present = tiers.index.keys_of(*namespace)
+            else:
+                present = [k for k in keys if k in tiers.index]
+            tiers.remove_everywhere(present)
+        if present:
+            self._writer.barrier()  # as in `delete`: no commit or replay brings them back
+            tiers.delete_below(present)
+        return len(present)
 
     def tenant_usage(self, tenant: TenantId) -> tuple[int, int]:
         tiers = self._tiers

@@ -26,7 +26,14 @@ from cacheserver.index import BlockIndex, Entry, EvictReason, NoRoom
 from cacheserver.lmdb_tier import LmdbTier
 from cacheserver.memory_tier import MemoryTier
 from cacheserver.store.jobs import PutJob
-from cacheserver.tiers import JournalCheckpoint, LowerTier, Payload, PendingWrite, Tier
+from cacheserver.tiers import (
+    JournalCheckpoint,
+    LowerTier,
+    Payload,
+    PendingWrite,
+    SharedTier,
+    Tier,
+)
 from kvcommon.errors import KvshareError, ResourceExhausted, Unavailable
 from policy.types import StorageKey, TenantId
 
@@ -52,6 +59,11 @@ class Tiers:
         self.disk = disk
         self.behind = tuple(behind)
         self.lower: tuple[LowerTier, ...] = (disk, *self.behind)
+        # Issue 17: the tier behind LMDB that other servers share (the Redis Cluster),
+        # if any: the facade asks it on index misses and sends deletes through it.
+        self.shared: SharedTier | None = next(
+            (tier for tier in self.behind if isinstance(tier, SharedTier)), None
+        )
         self.events = events
         # Set once at start-up when puts are journaled (cacheserver.store.journaled).
         self.journaled: JournaledPuts | None = None
@@ -195,10 +207,13 @@ class Tiers:
         return found
 
     def delete_below(self, keys: Sequence[StorageKey]) -> int:
-        """Delete `keys` from every lower tier, durably; how many LMDB held."""
+        """Delete `keys` from every lower tier, durably; how many LMDB held. The shared
+        tier is left to the caller: its deletes are announced to the other servers
+        (`SharedTier.delete_held`, `delete_namespace`)."""
         deleted = self.disk.delete(keys)
         for tier in self.behind:
-            tier.delete(keys)
+            if tier is not self.shared:
+                tier.delete(keys)
         return deleted
 
     def probe(self) -> str | None:

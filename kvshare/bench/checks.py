@@ -22,6 +22,11 @@ MIN_BATCH_BLOCKS_PER_S_PER_CLIENT = 5_000.0
 # configuration the docs recommend (TLS + sealed blocks) at least half of it.
 MIN_TWO_HOST_GET_RATIO_TO_TCP = 0.8
 MIN_TWO_HOST_SECURE_GET_RATIO_TO_TCP = 0.5
+# Over one Redis Cluster (issue 17): a cold read through a server that did not write the
+# block, against redis-py's cluster client straight to the cluster; warm reads (served by
+# the reading server's local tiers) faster than that.
+MIN_CLUSTER_COLD_GET_RATIO = 0.5
+MIN_CLUSTER_WARM_GET_RATIO = 1.0
 # variant -> (the system it is compared with, what the ratio shows). TLS guards bytes
 # that cross a network, so its variants run over TCP and compare with kvshare-tcp.
 VARIANTS = {
@@ -107,8 +112,23 @@ def evaluate(
             None,
         )
         checks.append(_batch_check(batch, "kvshare", clients))
+        if any(r.system.startswith(("kvshare-cluster", "redis-cluster")) for r in rows):
+            checks += _cluster_checks(rows, clients)
     checks += _reported_ratios(rows)
     return checks
+
+
+def _cluster_checks(rows: Sequence[Row], clients: int) -> list[Check]:
+    return [
+        _ratio_check(rows, "kvshare-cluster GET 2 MiB (cold, another server's block) / "
+                     "redis-cluster GET", "get", "redis-cluster", MIN_CLUSTER_COLD_GET_RATIO,
+                     clients, "kvshare-cluster"),
+        _ratio_check(rows, "kvshare-cluster-warm GET 2 MiB (local tier) / redis-cluster GET",
+                     "get", "redis-cluster", MIN_CLUSTER_WARM_GET_RATIO, clients,
+                     "kvshare-cluster-warm"),
+        _ratio_check(rows, "kvshare-cluster PUT 2 MiB / redis-cluster SET (acknowledged)",
+                     "put", "redis-cluster", None, clients, "kvshare-cluster"),
+    ]  # fmt: skip
 
 
 def _batch_check(batch: Row | None, system: str, clients: int) -> Check:

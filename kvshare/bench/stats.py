@@ -13,7 +13,15 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 MB = 1_000_000  # MB/s are decimal megabytes per second
-REFERENCE_SYSTEMS = ("tcp", "redis", "redis-unix", "lmcache", "kvshare", "kvshare-tcp")
+REFERENCE_SYSTEMS = (
+    "tcp",
+    "redis",
+    "redis-unix",
+    "lmcache",
+    "kvshare",
+    "kvshare-tcp",
+    "redis-cluster",
+)
 BATCH_SUFFIX = "-batch"
 
 

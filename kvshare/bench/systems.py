@@ -6,6 +6,7 @@ from pathlib import Path
 
 from kvshare.bench.config import BenchConfig
 from kvshare.bench.peers.base import System
+from kvshare.bench.peers.cluster_peers import KvshareClusterSystem, RedisClusterSystem
 from kvshare.bench.peers.kvshare_peer import KvshareSystem
 from kvshare.bench.peers.lmcache_peer import LmcacheSystem, find_lmcache_python
 from kvshare.bench.peers.redis_peer import RedisSystem
@@ -39,6 +40,12 @@ def build_system(name: str, lmcache_python: Path | None, at: Placement = LOOPBAC
             return KvshareSystem(sync_writes=False, placement=at)
         case "kvshare-grpc":
             return KvshareSystem(bulk=False, placement=at)
+        case "redis-cluster":
+            return RedisClusterSystem(placement=at)
+        case "kvshare-cluster":
+            return KvshareClusterSystem(placement=at)
+        case "kvshare-cluster-warm":
+            return KvshareClusterSystem(warm=True, placement=at)
     raise ValueError(f"unknown system {name!r}")
 
 

@@ -1,0 +1,284 @@
+"""The connection to the Redis Cluster: the only module that imports `redis`.
+
+redis-py's cluster client (`RedisCluster`) keeps the slot map and a connection pool per
+node; commands go to nodes here, grouped into one pipeline per node, so a call never
+spans two nodes and one node's failure touches only its own keys. Failures are results,
+not exceptions: a node that does not answer is *down* for `retry_after_ms` (its keys are
+answered `FAILED` at once, without a connect attempt), and any sign that the slot map
+moved (a refused connection, MOVED, CLUSTERDOWN) asks for a refresh of the map, at most
+twice a second. A cluster that cannot be reached at start-up is connected later
+(`connect`, called again by the tier's maintenance thread): the server starts anyway.
+
+Credentials: the password file must be owner-only (like the server secret); TLS
+verifies the nodes' certificates against `tls_ca` (or the system store).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import stat
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any, TypeAlias
+
+import redis
+from redis.backoff import NoBackoff
+from redis.cluster import ClusterNode, RedisCluster
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    MovedError,
+    NoScriptError,
+    RedisClusterException,
+    RedisError,
+    TryAgainError,
+)
+from redis.retry import Retry
+
+from cacheserver.cluster.config import RedisClusterConfig
+from kvcommon.errors import ConfigError
+
+log = logging.getLogger(__name__)
+REFRESH_EVERY_S = 0.5
+_MAP_MOVED = (MovedError, AskError, ClusterDownError, TryAgainError)
+
+
+class Failed:
+    """A command's result when its node is down or answered an error (a miss)."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def __repr__(self) -> str:
+        return f"Failed({self.reason})"
+
+
+Command: TypeAlias = tuple[Any, ...]  # the command's arguments, e.g. ("GET", name)
+
+
+def read_password(config: RedisClusterConfig) -> str | None:
+    path = config.password_file
+    if path is None:
+        return None
+    try:
+        mode = stat.S_IMODE(path.stat().st_mode)
+        text = path.read_text(encoding="utf-8").strip()
+    except OSError as error:
+        raise ConfigError(
+            f"redis_cluster.password_file {path}: cannot read it ({error.strerror})"
+        ) from None
+    if mode & 0o077:
+        raise ConfigError(
+            f"redis_cluster.password_file {path} is readable by group or others; chmod 600 it"
+        )
+    if not text:
+        raise ConfigError(f"redis_cluster.password_file {path} is empty")
+    return text
+
+
+class ClusterNodes:
+    def __init__(self, config: RedisClusterConfig) -> None:
+        self.config = config
+        self._password = read_password(config)  # now: a bad file stops the start-up
+        self._client: RedisCluster | None = None
+        self._lock = threading.Lock()  # _down
+        self._refreshing = threading.Lock()
+        self._down: dict[str, float] = {}  # node name -> monotonic time it may be tried
+        self._refresh_wanted = False
+        self._refreshed_at = 0.0
+        self._scripts: dict[str, bytes] = {}  # sha1 -> source
+        self.last_error = "not connected yet"
+
+    # -- connection ---------------------------------------------------------------------
+
+    def connect(self) -> bool:
+        """Connect if not connected; True when connected. Never raises."""
+        if self._client is not None:
+            return True
+        timeout_s = self.config.timeout_ms / 1000
+        options: dict[str, Any] = {
+            "username": self.config.username or None,
+            "password": self._password,
+            "socket_timeout": timeout_s,
+            "socket_connect_timeout": min(timeout_s, 1.0),
+        }
+        if self.config.tls:  # certificates verified, host names checked
+            options["ssl"] = True
+            options["ssl_cert_reqs"] = "required"
+            options["ssl_check_hostname"] = True
+            options["ssl_ca_certs"] = str(self.config.tls_ca) if self.config.tls_ca else None
+        try:
+            client = RedisCluster(
+                startup_nodes=[ClusterNode(n.host, n.port) for n in self.config.nodes],
+                require_full_coverage=False,  # a node down: its slots miss, the rest serve
+                retry=Retry(NoBackoff(), 1),
+                **options,
+            )
+        except (RedisError, RedisClusterException, OSError) as error:
+            self.last_error = f"cannot reach the cluster ({type(error).__name__})"
+            return False
+        with self._lock:
+            self._client = client
+            self._down.clear()
+        self.last_error = ""
+        log.info("connected to the Redis Cluster (%d nodes)", len(client.get_nodes()))
+        return True
+
+    @property
+    def is_connected(self) -> bool:
+        return self._client is not None
+
+    def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+    def register(self, source: str) -> str:
+        """A script's SHA-1, by which `script` runs it (loaded into a node when needed)."""
+        body = source.encode()
+        sha = hashlib.sha1(body, usedforsecurity=False).hexdigest()
+        self._scripts[sha] = body
+        return sha
+
+    # -- commands -----------------------------------------------------------------------
+
+    def run(self, commands: Sequence[tuple[bytes, Command]]) -> list[Any]:
+        """Each command (routed by the key given beside it) on its node, one pipeline
+        per node; a result per command, `Failed` where it failed."""
+        results: list[Any] = [Failed("not connected")] * len(commands)
+        client = self._client
+        if client is None:
+            return results
+        by_node: dict[str, tuple[ClusterNode, list[int]]] = {}
+        now = time.monotonic()
+        for index, (key, _) in enumerate(commands):
+            try:
+                node = client.get_node_from_key(key)
+            except (RedisClusterException, RedisError):
+                results[index] = Failed("slot not covered")
+                continue
+            if self._down.get(node.name, 0.0) > now:
+                results[index] = Failed("node down")
+                continue
+            by_node.setdefault(node.name, (node, []))[1].append(index)
+        for node, indices in by_node.values():
+            answers = self._on_node(client, node, [commands[i][1] for i in indices])
+            for index, answer in zip(indices, answers, strict=True):
+                results[index] = answer
+        self.refresh_if_wanted()
+        return results
+
+    def call(self, key: bytes, *command: Any) -> Any:
+        """One command on the node of `key`: its result, or `Failed`."""
+        return self.run([(key, command)])[0]
+
+    def script(self, sha: str, keys: Sequence[bytes], args: Iterable[Any]) -> Any:
+        """A registered script on the node of its keys (all in one slot)."""
+        return self.call(keys[0], "EVALSHA", sha, len(keys), *keys, *args)
+
+    def _on_node(
+        self, client: RedisCluster, node: ClusterNode, commands: list[Command]
+    ) -> list[Any]:
+        try:
+            answers = self._pipeline(client, node, commands)
+            missing = {
+                c[1] for c, a in zip(commands, answers, strict=True) if isinstance(a, NoScriptError)
+            }
+            if missing:  # a restarted or promoted node: load the scripts, then once more
+                connection = client.get_redis_connection(node)
+                for sha in missing:
+                    connection.execute_command("SCRIPT", "LOAD", self._scripts[sha])
+                answers = self._pipeline(client, node, commands)
+        except (RedisError, OSError) as error:
+            self._node_failed(node, error)
+            return [Failed("node down")] * len(commands)
+        out: list[Any] = []
+        for answer in answers:
+            if isinstance(answer, Exception):
+                if isinstance(answer, _MAP_MOVED):
+                    self._refresh_wanted = True
+                out.append(Failed(type(answer).__name__))
+            else:
+                out.append(answer)
+        return out
+
+    def _pipeline(
+        self, client: RedisCluster, node: ClusterNode, commands: list[Command]
+    ) -> list[Any]:
+        connection = client.get_redis_connection(node)
+        if len(commands) == 1:
+            try:
+                return [connection.execute_command(*commands[0])]
+            except redis.ResponseError as error:
+                return [error]
+        pipe = connection.pipeline(transaction=False)
+        for command in commands:
+            pipe.execute_command(*command)
+        return list(pipe.execute(raise_on_error=False))
+
+    def _node_failed(self, node: ClusterNode, error: Exception) -> None:
+        with self._lock:
+            first = self._down.get(node.name, 0.0) <= time.monotonic()
+            self._down[node.name] = time.monotonic() + self.config.retry_after_ms / 1000
+        self._refresh_wanted = True
+        self.last_error = f"node {node.name} failed ({type(error).__name__})"
+        if first:
+            log.warning("Redis node %s failed (%s); its blocks are misses", node.name, error)
+
+    def refresh_if_wanted(self) -> None:
+        now = time.monotonic()
+        if not self._refresh_wanted or now - self._refreshed_at < REFRESH_EVERY_S:
+            return
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Read the slot map again (a failover moved slots to a replica)."""
+        client = self._client
+        if client is None or not self._refreshing.acquire(blocking=False):
+            return
+        try:
+            self._refreshed_at = time.monotonic()
+            self._refresh_wanted = False
+            client.nodes_manager.initialize()
+        except (RedisError, RedisClusterException, OSError):
+            self._refresh_wanted = True
+        finally:
+            self._refreshing.release()
+
+    # -- state --------------------------------------------------------------------------
+
+    def node_of(self, key: bytes) -> str | None:
+        """The `host:port` of the node that holds `key`'s slot now (None: unknown)."""
+        client = self._client
+        if client is None:
+            return None
+        try:
+            return str(client.get_node_from_key(key).name)
+        except (RedisClusterException, RedisError):
+            return None
+
+    def primaries(self) -> list[ClusterNode]:
+        client = self._client
+        return [] if client is None else list(client.get_primaries())
+
+    def problem(self) -> str | None:
+        """Why some of the cluster cannot be used now (for health), or None. Pings
+        every primary of the slot map; blocking."""
+        client = self._client
+        if client is None:
+            return self.last_error or "not connected"
+        failing = []
+        for node in client.get_primaries():
+            try:
+                client.get_redis_connection(node).ping()
+                with self._lock:
+                    self._down.pop(node.name, None)
+            except (RedisError, OSError) as error:
+                self._node_failed(node, error)
+                failing.append(node.name)
+        self.refresh_if_wanted()
+        if failing:
+            return f"Redis node(s) {', '.join(failing)} do not answer"
+        return None

@@ -1,0 +1,293 @@
+"""`ClusterTier`: the Redis Cluster as the store's shared tier (a `SharedTier`).
+
+Several `kvshare serve` processes with the same tenants, principals and `secret_file`
+name a block the same, so they find each other's blocks here. Each keeps its memory
+tier and LMDB as a local cache in front: blocks are immutable and keyed, so a local
+copy is never stale, only possibly deleted — which the delete stream settles
+(`deletes`, `follower`).
+
+Invariants:
+- The cluster never fails a request: a node that is down, slow or wrong answers a miss
+  (reads, lookups), drops a write (the block stays local, counted), and only a delete
+  that could not reach the cluster or the other servers is an error (UNAVAILABLE: the
+  caller retries; nothing acknowledged is undone).
+- A block is served only when its header names the asking tenant (by its keyed tag) and
+  its checksum matches; anything else is a miss, counted as an integrity failure.
+- A delete reaches the cluster and the delete stream before it is acknowledged, and
+  every copy this server was making of a deleted block meanwhile is undone (`DeleteLog`).
+- Quotas hold across servers (`accounting`); eviction there never touches another
+  tenant's blocks.
+
+Threads: calls come from executor threads and the store's writer; `sharing` writes to
+the cluster and keeps copies on its own threads; `follower` applies others' deletes and
+does the upkeep. None of it runs under the store's lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from cacheserver.cluster.accounting import Accounting, Tenant
+from cacheserver.cluster.config import RedisClusterConfig
+from cacheserver.cluster.deletes import DeleteEntry, DeleteLog, Erasure
+from cacheserver.cluster.follower import Follower, announce
+from cacheserver.cluster.layout import Keys, open_value, unpack_header
+from cacheserver.cluster.nodes import ClusterNodes, Failed
+from cacheserver.cluster.sharing import Keep, LocalStore, Sharing
+from cacheserver.tiers import Payload, PendingWrite
+from kvcommon.errors import Unavailable
+from policy import AccessPolicy
+from policy.types import ModelTag, StorageKey, TenantId
+
+log = logging.getLogger(__name__)
+FIRST_READ_WINDOW = 2  # blocks asked at once before their size is known
+FIRST_LOOKUP_WINDOW = 32
+
+
+@dataclass
+class ClusterCounts:
+    """What the tier did since start (metrics: `kvshare.cluster.*`). No keys, no tenants."""
+
+    hits: int = 0
+    hit_bytes: int = 0
+    misses: int = 0
+    failures: int = 0  # answers lost to a node that was down or erred (as misses)
+    integrity_failures: int = 0
+    written: int = 0
+    written_bytes: int = 0
+    dropped: int = 0  # writes not made (cluster unreachable, queue full, refused)
+    evicted: int = 0  # blocks evicted for a tenant's quota by this server's writes
+    promoted: int = 0  # blocks read from the cluster and kept locally
+    deletes_applied: int = 0  # delete stream entries from other servers applied here
+    reconciled: int = 0  # local copies dropped because the cluster no longer has them
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class ClusterTier:
+    def __init__(
+        self, config: RedisClusterConfig, tenants: Iterable[Tenant], data_dir: Path
+    ) -> None:
+        self.config = config
+        self.tenants = {t.id: t for t in tenants}
+        self.by_tag = {t.tag: t for t in self.tenants.values()}
+        self.keys = Keys(config.key_prefix)
+        self.nodes = ClusterNodes(config)
+        self.accounting = Accounting(self.nodes, self.keys)
+        self.deletes = DeleteLog()
+        self.erasure = Erasure(self.nodes, self.keys, self.accounting)
+        self.counts = ClusterCounts()
+        self.counts_lock = threading.Lock()
+        self.data_dir = data_dir
+        self.sharing = Sharing(self)
+        self.origin = os.urandom(8)  # this server, in the delete stream's entries
+        self._store: LocalStore | None = None
+        self._follower: Follower | None = None
+
+    def start(self, store: LocalStore) -> None:
+        """Connect (or keep trying in the background), catch up with deletes made while
+        this server was away, and start the threads. Called once the store exists."""
+        self._store = store
+        follower = Follower(self, store)
+        self._follower = follower
+        follower.catch_up()
+        self.sharing.start(store)
+        follower.start()
+
+    def count(self, **deltas: int) -> None:
+        with self.counts_lock:
+            for name, delta in deltas.items():
+                setattr(self.counts, name, getattr(self.counts, name) + delta)
+
+    def problem(self) -> str | None:
+        """Why the cluster (or part of it) cannot be used now, or None (health). Blocking."""
+        return self.nodes.problem()
+
+    # -- reads ------------------------------------------------------------------------
+
+    def count_leading(self, tenant: TenantId, keys: Sequence[StorageKey], local: int) -> int:
+        known = self.tenants.get(tenant)
+        if known is None:
+            return 0
+        self.sharing.touch(known, keys[:local])
+        rest = keys[local:]
+        present, window = 0, FIRST_LOOKUP_WINDOW
+        while present < len(rest):  # windows that double: a long miss tail costs little
+            names = [self.keys.block(key) for key in rest[present : present + window]]
+            for answer in self.nodes.run([(name, ("EXISTS", name)) for name in names]):
+                if answer != 1:
+                    self.count(misses=1, failures=int(isinstance(answer, Failed)))
+                    self.sharing.touch(known, rest[:present])
+                    return present
+                present += 1
+            window *= 2
+        self.sharing.touch(known, rest)
+        return present
+
+    def read_leading(
+        self, tenant: TenantId, keys: Sequence[StorageKey], max_bytes: int
+    ) -> tuple[list[Payload], bool]:
+        known = self.tenants.get(tenant)
+        if known is None or not keys:
+            return [], False
+        generation = self.deletes.generation
+        out: list[tuple[memoryview, ModelTag]] = []
+        total, start, window = 0, 0, FIRST_READ_WINDOW
+        while start < len(keys):
+            batch = keys[start : start + window]
+            for found in self._read(known, batch):
+                if found is None:
+                    return self._served(known, keys, out, generation), False
+                out.append(found)
+                total += len(found[0])
+                if total >= max_bytes:
+                    more = len(out) < len(keys)
+                    return self._served(known, keys, out, generation), more
+            start += len(batch)
+            window = max(1, min(64, (max_bytes - total) // max(1, total // len(out))))
+        return self._served(known, keys, out, generation), False
+
+    def _served(
+        self,
+        tenant: Tenant,
+        keys: Sequence[StorageKey],
+        found: list[tuple[memoryview, ModelTag]],
+        generation: int,
+    ) -> list[Payload]:
+        served = keys[: len(found)]
+        self.sharing.touch(tenant, served)
+        self.sharing.mark_shared(served)
+        if self.config.local_copies:
+            for key, (payload, model_tag) in zip(served, found, strict=True):
+                self.sharing.promote(Keep(tenant, key, model_tag, payload, generation))
+        return [payload for payload, _ in found]
+
+    def _read(
+        self, tenant: Tenant, keys: Sequence[StorageKey]
+    ) -> list[tuple[memoryview, ModelTag] | None]:
+        """Each block's payload (a view of the value) and model tag, or None: a miss."""
+        names = [self.keys.block(key) for key in keys]
+        out: list[tuple[memoryview, ModelTag] | None] = []
+        corrupt = []
+        for name, raw in zip(names, self.nodes.run([(n, ("GET", n)) for n in names]), strict=True):
+            if raw is None or isinstance(raw, Failed):
+                self.count(misses=1, failures=int(isinstance(raw, Failed)))
+                out.append(None)
+                continue
+            opened = open_value(raw, tenant.tag)
+            if opened is None:
+                corrupt.append(name)
+            else:
+                self.count(hits=1, hit_bytes=len(opened[0]))
+            out.append(opened)
+        if corrupt:
+            self._drop_corrupt(corrupt)
+        return out
+
+    def _drop_corrupt(self, names: list[bytes]) -> None:
+        """Torn, corrupt or misplaced values: misses from now on (a put writes them again)."""
+        self.count(integrity_failures=len(names))
+        log.warning("%d block(s) in the Redis Cluster failed their check; deleted", len(names))
+        self.nodes.run([(name, ("DEL", name)) for name in names])
+
+    def read_many(self, keys: Sequence[StorageKey]) -> list[Payload | None]:
+        """Indexed blocks LMDB could not return (a corrupt local copy): any tenant's."""
+        out: list[Payload | None] = []
+        names = [self.keys.block(key) for key in keys]
+        for raw in self.nodes.run([(n, ("GET", n)) for n in names]):
+            header = None if raw is None or isinstance(raw, Failed) else unpack_header(raw)
+            owner = self.by_tag.get(header.tenant_tag) if header is not None else None
+            opened = open_value(raw, owner.tag) if owner is not None else None
+            out.append(opened[0] if opened is not None else None)
+        return out
+
+    # -- writes -----------------------------------------------------------------------
+
+    def share(self, tenant: TenantId, key: StorageKey, model_tag: ModelTag) -> None:
+        known = self.tenants.get(tenant)
+        if known is not None:
+            self.sharing.enqueue(known, key, model_tag, None)
+
+    def write(self, writes: Sequence[PendingWrite], deletes: Sequence[StorageKey]) -> list[bool]:
+        """Blocks LMDB just committed: queued for the cluster (written behind)."""
+        for w in writes:
+            known = self.tenants.get(w.tenant)
+            if known is not None:
+                stable = w.payload if isinstance(w.payload, bytes | bytearray) else None
+                self.sharing.enqueue(known, w.key, w.model_tag, stable)
+        return [True] * len(writes)
+
+    def probe(self) -> str | None:
+        """None: the cluster never makes the store refuse writes (puts are local first).
+        Its own state is `problem()`, a health service of its own (cacheserver.server)."""
+        return None
+
+    # -- deletes ----------------------------------------------------------------------
+
+    def delete(self, keys: Sequence[StorageKey]) -> int:
+        return len(self._delete(keys, announce_always=False))
+
+    def delete_held(self, keys: Sequence[StorageKey]) -> set[StorageKey]:
+        return self._delete(keys, announce_always=True)
+
+    def _delete(self, keys: Sequence[StorageKey], *, announce_always: bool) -> set[StorageKey]:
+        if not keys:
+            return set()
+        self.deletes.record(DeleteEntry(keys=frozenset(keys)))
+        held, complete = self.erasure.delete_blocks(keys)
+        if held or announce_always:
+            complete = announce(self, [DeleteEntry(keys=frozenset(keys))]) and complete
+        if self._store is not None:
+            self._store.forget_local(keys)  # copies kept while the delete ran
+        if not complete:
+            raise Unavailable(
+                "the delete reached this server but not all of the Redis Cluster or the "
+                "other servers (a node did not answer); retry it"
+            )
+        return held
+
+    def delete_namespace(self, tenant: TenantId, model_tag: ModelTag | None) -> set[StorageKey]:
+        known = self.tenants.get(tenant)
+        if known is None:
+            return set()
+        entry = DeleteEntry(tenant_tag=known.tag, model_tag=model_tag or b"")
+        self.deletes.record(entry)
+        held, complete = self.erasure.delete_tenant_blocks(known, model_tag)
+        complete = announce(self, [entry]) and complete
+        if self._store is not None:
+            self._store.forget_local(namespace=(tenant, model_tag))
+        if not complete:
+            raise Unavailable(
+                "the namespace delete did not reach all of the Redis Cluster or the other "
+                "servers (a node did not answer); retry it"
+            )
+        return held
+
+    def stop(self) -> None:
+        """Stop the threads (before the store closes: they read from it). Idempotent."""
+        follower, self._follower = self._follower, None
+        if follower is not None:
+            follower.stop()
+        self.sharing.stop()
+
+    def close(self) -> None:
+        self.stop()
+        self.nodes.close()
+
+
+def open_cluster_tier(
+    config: RedisClusterConfig, policy: AccessPolicy, data_dir: Path
+) -> ClusterTier:
+    """The tier for this server's tenants (from its config: the same on every server).
+    Reads the password file now (a bad one stops the start-up); connects in `start`."""
+    tenants = [
+        Tenant(tenant, policy.cluster_tag(tenant), policy.epoch(tenant), quota)
+        for tenant, quota in policy.quotas_bytes.items()
+    ]
+    return ClusterTier(config, tenants, data_dir)

@@ -1,0 +1,21 @@
+"""`kvshare bench` over a Redis Cluster: the three cluster systems run in one short run
+and report the two targets of issue 17 (no figure is asserted beyond being positive)."""
+
+from __future__ import annotations
+
+from tests.e2e.test_bench_cli import _assert_contract, _by_system, _json_run
+
+
+def test_the_cluster_systems_run_side_by_side_and_report_their_targets() -> None:
+    systems = ("redis-cluster", "kvshare-cluster", "kvshare-cluster-warm")
+    document = _json_run("--systems", ",".join(systems), "--sizes", "2MiB")
+    rows = _by_system(document)
+    for system in systems:
+        for op in ("get", "put"):
+            _assert_contract(rows[(system, op)])
+        assert (f"{system}-batch", "get") in rows
+    checks = {c["check"]: c for c in document["checks"]}
+    cold = next(c for n, c in checks.items() if n.startswith("kvshare-cluster GET 2 MiB (cold"))
+    warm = next(c for n, c in checks.items() if n.startswith("kvshare-cluster-warm GET"))
+    for check in (cold, warm):
+        assert check["value"] is not None and check["value"] > 0

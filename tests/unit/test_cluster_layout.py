@@ -1,0 +1,78 @@
+"""What kvshare keeps in a Redis Cluster (cacheserver.cluster.layout, .deletes): block
+headers that catch torn, corrupt and misplaced values; keys where only a tenant's own
+keys share a hash slot; the delete log that undoes copies made during a delete."""
+
+from __future__ import annotations
+
+import os
+
+from redis.crc import key_slot
+
+from cacheserver.cluster.deletes import DeleteEntry, DeleteLog, from_fields, split_keys, to_fields
+from cacheserver.cluster.layout import HEADER_BYTES, Keys, open_value, pack_header, unpack_header
+from policy.types import ModelTag, StorageKey
+
+TAG, OTHER_TAG, MODEL_TAG = os.urandom(16), os.urandom(16), ModelTag(os.urandom(16))
+
+
+def _value(payload: bytes, tag: bytes = TAG) -> bytes:
+    return pack_header(tag, 3, MODEL_TAG, payload) + payload
+
+
+def test_a_whole_block_opens_and_anything_else_is_refused() -> None:
+    payload = os.urandom(5000)
+    value = _value(payload)
+    opened = open_value(value, TAG)
+    assert opened is not None and bytes(opened[0]) == payload and opened[1] == MODEL_TAG
+    header = unpack_header(value)
+    assert header is not None and (header.epoch, header.size) == (3, 5000)
+    flipped = bytearray(value)
+    flipped[HEADER_BYTES + 100] ^= 1
+    assert open_value(bytes(flipped), TAG) is None  # corrupt
+    assert open_value(value[:-1], TAG) is None  # torn
+    assert open_value(value[: HEADER_BYTES - 1], TAG) is None  # not even a header
+    assert open_value(value, OTHER_TAG) is None  # another tenant's block
+    assert open_value(b"XXXX" + value[4:], TAG) is None  # not ours
+
+
+def test_only_a_tenants_own_keys_share_a_slot() -> None:
+    keys = Keys("kvshare:")
+    blocks = [keys.block(StorageKey(os.urandom(32))) for _ in range(64)]
+    assert all(b"{" not in b and keys.is_block(b) for b in blocks)
+    assert len({key_slot(b) for b in blocks}) > 32  # spread over the slots
+    tenant = keys.tenant(TAG)
+    names = [tenant.clock, tenant.epochs, tenant.doomed, *tenant.of_epoch(0), *tenant.of_epoch(7)]
+    assert len({key_slot(n) for n in names}) == 1  # one slot: scripts are atomic there
+    assert TAG.hex().encode() in tenant.clock and not keys.is_block(tenant.clock)
+
+
+def test_the_delete_log_says_which_copies_a_delete_overtook() -> None:
+    log = DeleteLog(keep=4)
+    key, other = StorageKey(os.urandom(32)), StorageKey(os.urandom(32))
+    before = log.generation
+    assert not log.deleted_since(before, TAG, key, MODEL_TAG)
+    log.record(DeleteEntry(keys=frozenset([key])))
+    assert log.deleted_since(before, TAG, key, MODEL_TAG)
+    assert not log.deleted_since(before, TAG, other, MODEL_TAG)  # positive control
+    assert not log.deleted_since(log.generation, TAG, key, MODEL_TAG)  # started after it
+    log.record(DeleteEntry(tenant_tag=TAG, model_tag=MODEL_TAG))
+    assert log.deleted_since(before, TAG, other, MODEL_TAG)
+    assert not log.deleted_since(before, TAG, other, ModelTag(os.urandom(16)))
+    assert not log.deleted_since(before, OTHER_TAG, other, MODEL_TAG)
+    for _ in range(4):  # the log forgets: an older copy is assumed overtaken
+        log.record(DeleteEntry(keys=frozenset([key])))
+    assert log.deleted_since(before, OTHER_TAG, other, MODEL_TAG)
+
+
+def test_stream_entries_round_trip() -> None:
+    keys = [StorageKey(os.urandom(32)) for _ in range(600)]
+    entries = split_keys(keys)
+    assert [len(e.keys) for e in entries] == [256, 256, 88]
+    for entry in [
+        *entries,
+        DeleteEntry(tenant_tag=TAG),
+        DeleteEntry(tenant_tag=TAG, model_tag=MODEL_TAG),
+    ]:
+        parsed = from_fields(to_fields(b"origin", entry))
+        assert parsed == (b"origin", entry)
+    assert from_fields({b"o": b"x", b"k": b"short"}) is None

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from cacheserver.bulk_address import check_bulk_address
 from cacheserver.cluster.config import RedisClusterConfig, parse_redis_cluster
 from kvcommon.errors import ConfigError, InvalidArgument
-from kvcommon.hostport import HostPort, parse_host_port
 from policy.audit import AUDIT_FILE
 from policy.config import AccessConfig, line_of, parse_access
 from policy.naming import SECRET_FILE
@@ -372,56 +372,3 @@ def _line_in_table(text: str, table: str, key: str) -> int:
     start = header.end() if header else 0
     found = re.compile(rf"^[ \t]*{re.escape(key)}\s*=", re.MULTILINE).search(text, start)
     return text.count("\n", 0, found.start()) + 1 if found else 0
-
-
-def check_bulk_address(value: str, key: str, where: str) -> None:
-    """`[bulk] listen` / `advertise` (or their flags): HOST:PORT; an advertised
-    address names a real port. Checked the same way for the file and the flags."""
-    if not value:
-        return
-    try:
-        address = parse_host_port(value, what=key)
-    except ValueError as error:
-        raise ConfigError(f"{where}: {error}") from None
-    if key == "advertise" and address.port == 0:
-        raise ConfigError(
-            f"{where}: advertise {value!r}: port 0 is not a port clients can reach; "
-            "give the port replicas connect to"
-        )
-
-
-def bulk_listen_address(config: ServerConfig) -> HostPort:
-    """Where the bulk channel's TCP/TLS listener binds: `[bulk] listen`, else the gRPC
-    listen host at the gRPC port + 1 (0 stays 0)."""
-    if config.bulk.listen:
-        return parse_host_port(config.bulk.listen)
-    try:
-        grpc = parse_host_port(config.listen, what="listen")
-    except ValueError as error:
-        raise ConfigError(f"{error}; pick another --listen") from None
-    if grpc.port == 65535:
-        raise ConfigError(
-            f"listen {config.listen}: the bulk channel's default port (the gRPC port + 1) "
-            "does not exist; set [bulk] listen or --bulk-listen"
-        )
-    return HostPort(grpc.host, grpc.port + 1 if grpc.port else 0)
-
-
-def check_bulk_plaintext(config: ServerConfig, has_tls: bool) -> None:
-    """The bulk listener's own address follows the gRPC rule: plaintext only on
-    loopback unless allowed (its default address is the gRPC host's, checked there)."""
-    if has_tls or config.allow_insecure_listen or not config.bulk.listen:
-        return
-    address = parse_host_port(config.bulk.listen)
-    if not address.is_loopback:
-        raise ConfigError(
-            f"refusing to listen on non-loopback {address} for the bulk channel without "
-            "TLS; give --tls-cert/--tls-key (or [tls]), or --allow-insecure-listen on a "
-            "trusted network"
-        )
-
-
-def bulk_announced_address(config: ServerConfig, bound: str) -> str:
-    """What OpenBulk tells clients: `[bulk] advertise`, else the bound address (a
-    wildcard host there means: the host you dialed for gRPC)."""
-    return config.bulk.advertise or bound

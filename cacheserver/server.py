@@ -26,13 +26,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from cacheserver.bulk import BulkServer, server_tls_context
-from cacheserver.config import (
-    ServerConfig,
-    TlsFiles,
+from cacheserver.bulk_address import (
     bulk_announced_address,
     bulk_listen_address,
     check_bulk_plaintext,
 )
+from cacheserver.config import ServerConfig, TlsFiles
 from cacheserver.events import FanOut, TenantCounters
 from cacheserver.health import HealthMonitor
 from cacheserver.requests import BulkEndpoint, RequestCore
@@ -221,7 +220,7 @@ class Server:
         self.tickets = TicketBook()
         self.bulk: BulkServer | None = None
         self._service: BlockStoreService | None = None
-        self.bulk_announced = ""  # what OpenBulk tells clients (config.bulk_announced_address)
+        self.bulk_announced = ""  # what OpenBulk tells clients (bulk_address.bulk_announced_address)
         self._server: grpc.aio.Server | None = None
         self.address = ""
         self.metrics_address = ""

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -303,7 +303,11 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
 
 
 class ServerProcess:
-    """`kvshare serve` as a real child process (for kill -9, SIGTERM, CLI errors)."""
+    """`kvshare serve` as a real child process (for kill -9, SIGTERM, CLI errors). One
+    still running when its test ends (a failed assertion before `terminate`) is killed
+    then (`_no_server_process_outlives_its_test`)."""
+
+    started: ClassVar[list[subprocess.Popen[str]]] = []
 
     def __init__(self, *args: str) -> None:
         self.args = [sys.executable, "-m", "kvshare.cli", "serve", *args]
@@ -315,6 +319,7 @@ class ServerProcess:
             cwd=REPO,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
+        ServerProcess.started.append(self.proc)
         self.startup_lines: list[str] = []  # stdout up to "serving on" (e.g. "metrics on")
         self.address = self._wait_ready()
 
@@ -340,6 +345,16 @@ class ServerProcess:
         self.proc.send_signal(signal.SIGTERM)
         out, _ = self.proc.communicate(timeout=60)
         return self.proc.returncode, out
+
+
+@pytest.fixture(autouse=True)
+def _no_server_process_outlives_its_test() -> Iterator[None]:
+    yield
+    while ServerProcess.started:
+        proc = ServerProcess.started.pop()
+        if proc.poll() is None:
+            proc.kill()  # SIGKILL works on a stopped (SIGSTOP) process too
+            proc.communicate(timeout=30)
 
 
 def run_cli(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:

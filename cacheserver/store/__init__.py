@@ -46,26 +46,23 @@ lock — and the server assembly passes it from its configuration section:
   tier's `probe` says why. A crash between the local commit and the write behind
   loses the copy below, never the block. A slow tier should queue internally rather
   than hold up the writer.
-- Deletes reach it: `BlockStore.delete` asks it to delete every key asked (it may hold
-  blocks this index no longer lists), `delete_tenant` every key the index lists of
-  that tenant (`Tiers.delete_below`). Local evictions never reach it: its own
-  capacity and quotas govern what it keeps.
+- Deletes reach it: `Tiers.delete_below` asks every tier behind LMDB to delete every
+  key asked (it may hold blocks this index no longer lists), except the shared tier,
+  whose deletes `BlockStore.delete` and `delete_tenant` make themselves
+  (`SharedTier.delete_held`, `delete_namespace`) so that they reach the other servers.
+  Local evictions never reach a tier behind: its own capacity and quotas govern what
+  it keeps.
 - `BlockStore.probe` asks it after LMDB (`Tiers.probe`); `close` closes it last.
 
-What the index is authoritative for. Without a tier behind LMDB: existence — a key not
-in the index is a miss, and the journal and LMDB hold exactly the indexed blocks
-(besides records the writer will pass over). With one: what this server holds (the
-index is still rebuilt from LMDB alone) — a block that another server wrote, or that
-this server evicted, is in the tier behind but not in the index, and is a miss here.
-Turning those into hits is the part of issue 17 that is not one new module: a call on
-an index miss in `BlockStore.lookup` (after the index walk; the gRPC Lookup handler
-must then run off the event loop, as `lookup` never blocks today) and in
-`BlockStore.read_through` (when the first key is not indexed), and the promotion of
-what it returns into the local tiers. A shared tier also has to carry, on its own
-side: tenant deletes of blocks this index does not list, deletes made through other
-servers (they must drop this server's local copies: `BlockStore.delete` does that for
-a list of keys), and the reclamation of retired epochs (as `recovery.rebuild_index`
-does for LMDB).
+What the index is authoritative for. Without a shared tier: existence — a key not in
+the index is a miss, and the journal and LMDB hold exactly the indexed blocks (besides
+records the writer will pass over). With one (`cacheserver.cluster`, issue 17): what
+this server holds locally. An index miss then asks the shared tier, in
+`BlockStore.lookup` after the index walk (the gRPC Lookup handler runs on a worker
+thread once `lookup_blocks` is true) and in `BlockStore.read_through` when the first key
+is not indexed; what it returns is kept as a local copy (`local_copy`). Deletes made
+through other servers arrive through the shared tier's delete stream and drop this
+server's copies (`forget_local`); the shared tier reclaims retired epochs itself.
 """
 
 from cacheserver.store.facade import BlockStore

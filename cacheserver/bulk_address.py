@@ -1,0 +1,66 @@
+"""Where the bulk channel listens and what OpenBulk tells clients: `[bulk] listen` and
+`advertise` (or `--bulk-listen` / `--bulk-advertise`), checked the same way for the file
+and the flags (docs/deploy.md)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvcommon.errors import ConfigError
+from kvcommon.hostport import HostPort, parse_host_port
+
+if TYPE_CHECKING:
+    from cacheserver.config import ServerConfig
+
+
+def check_bulk_address(value: str, key: str, where: str) -> None:
+    """`[bulk] listen` / `advertise` (or their flags): HOST:PORT; an advertised
+    address names a real port. Checked the same way for the file and the flags."""
+    if not value:
+        return
+    try:
+        address = parse_host_port(value, what=key)
+    except ValueError as error:
+        raise ConfigError(f"{where}: {error}") from None
+    if key == "advertise" and address.port == 0:
+        raise ConfigError(
+            f"{where}: advertise {value!r}: port 0 is not a port clients can reach; "
+            "give the port replicas connect to"
+        )
+
+
+def bulk_listen_address(config: ServerConfig) -> HostPort:
+    """Where the bulk channel's TCP/TLS listener binds: `[bulk] listen`, else the gRPC
+    listen host at the gRPC port + 1 (0 stays 0)."""
+    if config.bulk.listen:
+        return parse_host_port(config.bulk.listen)
+    try:
+        grpc = parse_host_port(config.listen, what="listen")
+    except ValueError as error:
+        raise ConfigError(f"{error}; pick another --listen") from None
+    if grpc.port == 65535:
+        raise ConfigError(
+            f"listen {config.listen}: the bulk channel's default port (the gRPC port + 1) "
+            "does not exist; set [bulk] listen or --bulk-listen"
+        )
+    return HostPort(grpc.host, grpc.port + 1 if grpc.port else 0)
+
+
+def check_bulk_plaintext(config: ServerConfig, has_tls: bool) -> None:
+    """The bulk listener's own address follows the gRPC rule: plaintext only on
+    loopback unless allowed (its default address is the gRPC host's, checked there)."""
+    if has_tls or config.allow_insecure_listen or not config.bulk.listen:
+        return
+    address = parse_host_port(config.bulk.listen)
+    if not address.is_loopback:
+        raise ConfigError(
+            f"refusing to listen on non-loopback {address} for the bulk channel without "
+            "TLS; give --tls-cert/--tls-key (or [tls]), or --allow-insecure-listen on a "
+            "trusted network"
+        )
+
+
+def bulk_announced_address(config: ServerConfig, bound: str) -> str:
+    """What OpenBulk tells clients: `[bulk] advertise`, else the bound address (a
+    wildcard host there means: the host you dialed for gRPC)."""
+    return config.bulk.advertise or bound

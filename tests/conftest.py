@@ -347,6 +347,23 @@ class ServerProcess:
         return self.proc.returncode, out
 
 
+def write_engine_files(directory: Path, tokens: dict[str, str]) -> tuple[dict[str, Path], Path]:
+    """What an engine adapter's config names: one owner-only token file per principal
+    (`<name>.token`) and a keyring with keys for tenants `alpha` and `beta`."""
+    from policy.sealing import new_key_entry
+
+    token_files = {}
+    for name, token in tokens.items():
+        path = directory / f"{name}.token"
+        path.write_text(token)
+        path.chmod(0o600)
+        token_files[name] = path
+    keyring = directory / "keyring.toml"
+    keyring.write_text(new_key_entry("alpha", 1) + new_key_entry("beta", 1))
+    keyring.chmod(0o600)
+    return token_files, keyring
+
+
 @pytest.fixture(autouse=True)
 def _no_server_process_outlives_its_test() -> Iterator[None]:
     yield

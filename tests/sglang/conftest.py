@@ -52,20 +52,7 @@ if HAS_SGLANG:
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
     from sglang.srt.mem_cache.utils import get_hash_str
 
-    from policy.sealing import new_key_entry
-    from tests.conftest import launch, write_config
-
-    def write_store_files(directory: Path, tokens: dict[str, str]) -> tuple[dict[str, Path], Path]:
-        token_files = {}
-        for name, token in tokens.items():
-            path = directory / f"{name}.token"
-            path.write_text(token)
-            path.chmod(0o600)
-            token_files[name] = path
-        keyring = directory / "keyring.toml"
-        keyring.write_text(new_key_entry("alpha", 1) + new_key_entry("beta", 1))
-        keyring.chmod(0o600)
-        return token_files, keyring
+    from tests.conftest import launch, write_config, write_engine_files
 
     def store_config(directory: Path) -> Any:
         return write_config(
@@ -80,7 +67,7 @@ if HAS_SGLANG:
     def store(tmp_path: Path) -> Iterator[Store]:
         tenancy = store_config(tmp_path)
         running = launch(tenancy)
-        token_files, keyring = write_store_files(tmp_path, tenancy.tokens)
+        token_files, keyring = write_engine_files(tmp_path, tenancy.tokens)
         try:
             yield Store(running.address, token_files, keyring, running.stop)
         finally:

@@ -19,7 +19,7 @@ import torch
 from kvcommon.errors import ConfigError
 from replica_agent.adapters.sglang import KVShareHiCacheStorage
 from replica_agent.client import BlockClient
-from tests.conftest import REPO, ServerProcess
+from tests.conftest import REPO, ServerProcess, write_engine_files
 from tests.sglang.conftest import (
     PAGE,
     Store,
@@ -30,7 +30,6 @@ from tests.sglang.conftest import (
     page_bytes,
     page_keys,
     store_config,
-    write_store_files,
 )
 
 PROMPT = list(range(1000, 1000 + 4 * PAGE))  # four pages of tokens
@@ -257,7 +256,7 @@ def test_the_store_down_gives_misses_and_dropped_saves_never_an_exception(
 ) -> None:
     """A real `kvshare serve` process, killed with -9 while SGLang's backend uses it."""
     tenancy = store_config(tmp_path)
-    token_files, keyring = write_store_files(tmp_path, tenancy.tokens)
+    token_files, keyring = write_engine_files(tmp_path, tenancy.tokens)
     server = ServerProcess("--config", str(tenancy.path))
     store = Store(server.address, token_files, keyring, server.kill9)
     pool = host_pool()

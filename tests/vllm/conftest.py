@@ -38,8 +38,7 @@ class Store:
 if HAS_VLLM:
     from cacheserver.config import load_config
     from cacheserver.embedded import EmbeddedServer
-    from policy.sealing import new_key_entry
-    from tests.conftest import write_config
+    from tests.conftest import write_config, write_engine_files
 
     def start_store(
         directory: Path, *, require_sealed: bool = False
@@ -61,15 +60,7 @@ if HAS_VLLM:
         config = load_config(tenancy.path)
         server = EmbeddedServer(config)
         server.start()
-        token_files = {}
-        for name, token in tenancy.tokens.items():
-            path = directory / f"{name}.token"
-            path.write_text(token)
-            path.chmod(0o600)
-            token_files[name] = path
-        keyring = directory / "keyring.toml"
-        keyring.write_text(new_key_entry("alpha", 1) + new_key_entry("beta", 1))
-        keyring.chmod(0o600)
+        token_files, keyring = write_engine_files(directory, tenancy.tokens)
         return server, Store(server.address, config.data_dir, tenancy.tokens, token_files, keyring)
 
     @pytest.fixture

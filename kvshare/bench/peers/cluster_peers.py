@@ -31,7 +31,7 @@ from typing import Any
 
 from kvshare.bench import redis_cluster
 from kvshare.bench.peers.base import BenchError, ServerProcess
-from kvshare.bench.peers.redis_peer import _zero_copy_connection_class
+from kvshare.bench.peers.redis_peer import RedisClient, _zero_copy_connection_class
 from kvshare.bench.placement import LOOPBACK, Placement
 
 TENANT = "bench"
@@ -57,40 +57,14 @@ def _unavailable(extra: Sequence[str], at: Placement) -> str | None:
 class RedisClusterSpec:
     seed: str
 
-    def connect(self) -> RedisClusterClient:
+    def connect(self) -> RedisClient:
         from redis.cluster import RedisCluster
 
         # A URL start-up node lets redis-py build each node's pool with this class.
         client = RedisCluster(
             url=f"redis://{self.seed}", connection_class=_zero_copy_connection_class()
         )
-        return RedisClusterClient(client)
-
-
-class RedisClusterClient:
-    def __init__(self, client: Any) -> None:
-        self._redis = client
-
-    def prepare(self, value_bytes: int, blocks_per_call: int) -> None:
-        self._redis.ping()
-
-    def put(self, keys: Sequence[bytes], values: Sequence[memoryview]) -> None:
-        if len(keys) == 1:
-            self._redis.set(keys[0], values[0])
-        else:
-            self._redis.mset_nonatomic(dict(zip(keys, values, strict=True)))
-
-    def get(self, keys: Sequence[bytes]) -> list[bytes]:
-        found = [self._redis.get(keys[0])] if len(keys) == 1 else self._redis.mget_nonatomic(keys)
-        leading = []
-        for value in found:
-            if value is None:
-                break
-            leading.append(value)
-        return leading
-
-    def close(self) -> None:
-        self._redis.close()
+        return RedisClient(client, cluster=True)
 
 
 class RedisClusterSystem:

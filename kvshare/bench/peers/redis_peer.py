@@ -62,8 +62,13 @@ def _zero_copy_connection_class(*, unix: bool = False) -> type[Any]:
 
 
 class RedisClient:
-    def __init__(self, connection: Any) -> None:
+    """One Redis, or (`cluster`) a Redis Cluster through redis-py's cluster client,
+    whose multi-key calls split by slot (`mset_nonatomic`, `mget_nonatomic`)."""
+
+    def __init__(self, connection: Any, *, cluster: bool = False) -> None:
         self._redis = connection
+        self._mset = connection.mset_nonatomic if cluster else connection.mset
+        self._mget = connection.mget_nonatomic if cluster else connection.mget
 
     def prepare(self, value_bytes: int, blocks_per_call: int) -> None:
         self._redis.ping()
@@ -72,10 +77,10 @@ class RedisClient:
         if len(keys) == 1:
             self._redis.set(keys[0], values[0])
         else:
-            self._redis.mset(dict(zip(keys, values, strict=True)))
+            self._mset(dict(zip(keys, values, strict=True)))
 
     def get(self, keys: Sequence[bytes]) -> list[bytes]:
-        found = [self._redis.get(keys[0])] if len(keys) == 1 else self._redis.mget(keys)
+        found = [self._redis.get(keys[0])] if len(keys) == 1 else self._mget(keys)
         leading = []
         for value in found:
             if value is None:

@@ -10,11 +10,12 @@ server recovers without a restart once the fault is gone.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import random
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,9 +55,13 @@ class Env:
     journal_dir: Path
     servers: list[ServerProc] = field(default_factory=list)
 
-    def config(self, storage: dict[str, int | bool | str] | None = None, **kw: object) -> Tenancy:
+    def config(
+        self,
+        storage: Mapping[str, int | bool | str] | None = None,
+        tokens: Mapping[str, str] | None = None,
+    ) -> Tenancy:
         settings = {"journal_dir": str(self.journal_dir), **(storage or {})}
-        return write_tenancy(self.directory, TENANTS, PRINCIPALS, storage=settings, **kw)  # type: ignore[arg-type]
+        return write_tenancy(self.directory, TENANTS, PRINCIPALS, storage=settings, tokens=tokens)
 
     def start(self, tenancy: Tenancy, env: dict[str, str] | None = None) -> ServerProc:
         server = ServerProc(tenancy.path, self.directory / "server.log", env=env)
@@ -74,6 +79,11 @@ def block(digest: bytes, size: int) -> bytes:
     import hashlib
 
     return hashlib.shake_256(digest).digest(size)
+
+
+def put_one(client: BlockClient, tenant: str, digest: bytes, size: int) -> list[bool]:
+    """Put one block of `size` named `digest`, with the bytes `block` derives from it."""
+    return client.put(tenant, MODEL, [digest], [block(digest, size)])
 
 
 def check_blocks(
@@ -188,7 +198,7 @@ def fill_until_refused(
     acked: list[bytes] = []
     for _ in range(limit):
         digest = os.urandom(32)
-        code, message = status_of(lambda d=digest: client.put(tenant, MODEL, [d], [block(d, size)]))
+        code, message = status_of(functools.partial(put_one, client, tenant, digest, size))
         if code != "OK":
             return acked, code, message
         acked.append(digest)

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import random
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import hypothesis
 from hypothesis import strategies as st
@@ -167,7 +168,7 @@ class StoreMachine(RuleBasedStateMachine):
                 observed[name] = got[0]
         return observed
 
-    def expect_denied(self, call: Any, code: str, step: str) -> None:
+    def expect_denied(self, call: Callable[[], object], code: str, step: str) -> None:
         try:
             call()
         except BlockStoreError as error:
@@ -230,7 +231,7 @@ class StoreMachine(RuleBasedStateMachine):
         quota = RULES[tenant].quota_bytes
         if oversize and quota:  # one block bigger than the tenant's whole quota
             big = self.model.next_payload(names[0], quota + RULES[tenant].block_bytes)
-            put_big = lambda: client.put(tenant, model, picks[:1], [big])  # noqa: E731
+            put_big = functools.partial(client.put, tenant, model, picks[:1], [big])
             if names[0] not in self.model.present:
                 self.expect_denied(put_big, "RESOURCE_EXHAUSTED", step)
                 return

@@ -69,49 +69,38 @@ def test_replay_after_kill_9_keeps_the_tenant_within_its_quota(serve: Serve) -> 
 
 
 @pytest.mark.parametrize("authenticated", [True, False], ids=["token", "no-token"])
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a request that is not a valid protobuf message ends with status UNKNOWN "
-    "(outside the contract) and a traceback in the server log (issue 15 F10)",
-)
 def test_a_malformed_request_gets_a_contract_status_and_no_traceback(
     serve: Serve, authenticated: bool
 ) -> None:
+    """Issue 15 F10: bytes that are not a protobuf message are decoded after the auth
+    wrapper, and refused with a contract status, without a traceback in the log."""
     import grpc
+
+    from benchmarks.reliability.fuzz_wire import raw_bytes
 
     server, tenancy = serve(BETA, OWNER)
     metadata = (("authorization", f"Bearer {tenancy.tokens['b']}"),) if authenticated else ()
     with grpc.insecure_channel(server.address) as channel:
-        lookup = channel.unary_unary("/kvshare.v1.BlockStore/Lookup")
+        lookup = channel.unary_unary("/kvshare.v1.BlockStore/Lookup", raw_bytes, raw_bytes)
         with pytest.raises(grpc.RpcError) as refused:
             lookup(b"\xff\xff\xff", metadata=metadata, timeout=10)
     expected = (
         grpc.StatusCode.INVALID_ARGUMENT if authenticated else grpc.StatusCode.UNAUTHENTICATED
     )
-    assert refused.value.code() == expected  # type: ignore[attr-defined]
+    assert refused.value.code() == expected
     assert "Traceback" not in server.log_path.read_text()
 
 
 def _hostile_bulk_get(script: bytes, *, local: bool) -> BaseException | None:
     """A BulkChannel.get against a server that answers `script`: what it raised."""
-    import os
-
-    from benchmarks.reliability.fuzz_wire import HostileServer
-    from kvcommon import bulkwire as w
-    from replica_agent.bulk import BulkChannel, Ticket
+    from benchmarks.reliability.fuzz_wire import HostileServer, hostile_ticket
+    from replica_agent.bulk import BulkChannel
 
     hostile = HostileServer()
     hostile.script = script
     hostile.arena = (1 << 20, True)
-    ticket = Ticket(
-        os.urandom(32),
-        hostile.address,
-        False,
-        hostile.local_name if local else "",
-        w.host_namespace(),
-        str(os.getuid()),
-    )
-    channel = BulkChannel(lambda _t: ticket, lambda s, m: RuntimeError(s), timeout_s=5)
+    ticket = hostile_ticket(hostile, local=local)
+    channel = BulkChannel(lambda _t: ticket, timeout_s=5)
     try:
         channel.get("t", "m", [bytes(32)])
     except BaseException as error:  # what the caller would have to handle
@@ -122,29 +111,33 @@ def _hostile_bulk_get(script: bytes, *, local: bool) -> BaseException | None:
 
 
 @pytest.mark.parametrize(
-    ("script", "local"),
+    ("script", "local", "refusal"),
     [
         # TCP: handshake OK, GET OK, then a block of 2^63 + 5 bytes
-        (bytes([0, 0]) + (2**63 + 5).to_bytes(8, "big"), False),
+        (bytes([0, 0]) + (2**63 + 5).to_bytes(8, "big"), False, "announced a"),
         # same host: ARENA_REPLY OK, GET OK, then LOCAL_GET announcing 2^32 - 1 blocks
-        (bytes([0]) + (1 << 20).to_bytes(8, "big") + bytes([0]) + b"\xff\xff\xff\xff\x00", True),
+        (
+            bytes([0]) + (1 << 20).to_bytes(8, "big") + bytes([0]) + b"\xff\xff\xff\xff\x00",
+            True,
+            "more blocks than asked",
+        ),
     ],
     ids=["tcp-size-2^63", "arena-count-2^32"],
 )
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a hostile bulk reply with a huge size or block count raises OverflowError/"
-    "MemoryError in the client (replica_agent/bulk.py, kvcommon/bulkwire.py) instead of an "
-    "error the client turns into a miss or a gRPC retry (issue 15 F9)",
-)
 def test_a_hostile_bulk_reply_ends_in_an_error_the_client_handles(
-    script: bytes, local: bool
+    script: bytes, local: bool, refusal: str
 ) -> None:
-    from replica_agent.bulk import UseGrpc
+    """Issue 15 F9: sizes and counts a hostile server announces are checked before
+    anything is allocated for them; the client raises a store error (DATA_LOSS), which
+    its caller turns into a miss."""
+    from benchmarks.reliability.fuzz_wire import HANDLED
+    from replica_agent.errors import BlockStoreError
 
     raised = _hostile_bulk_get(script, local=local)
-    assert raised is not None  # positive control: the reply is refused, one way or another
-    assert isinstance(raised, OSError | RuntimeError | UseGrpc), repr(raised)
+    assert isinstance(raised, HANDLED), repr(raised)
+    assert isinstance(raised, BlockStoreError), repr(raised)
+    assert raised.code().name == "DATA_LOSS"
+    assert refusal in raised.details()  # refused by the check meant for it
 
 
 # -- found by benchmarks/faults.py ---------------------------------------------------------
@@ -214,14 +207,9 @@ def test_a_corrupt_journal_record_is_counted(serve: Serve, journal_dir: Path) ->
         assert admin.stats().integrity_failures == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: while one agent's bulk GET is left unread (its connection holds "
-    "store.reading(), cacheserver/bulk.py _get), the journal may not wrap, and another "
-    "tenant's puts are refused after 5 s with 'the put journal holds 0 bytes not yet in "
-    "LMDB' (issue 15 F3)",
-)
 def test_a_stalled_bulk_get_does_not_stop_another_tenants_puts(serve: Serve) -> None:
+    """Issue 15 F3: a bulk GET left unread does not keep the journal from wrapping
+    (transfer deadlines): another tenant's puts go on."""
     import os
 
     from benchmarks.reliability.fault_scenarios import MODEL as AGENT_MODEL

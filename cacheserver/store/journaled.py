@@ -125,7 +125,7 @@ class JournaledPuts:
         assert record is not None
         self.journal.commit(record)
         with tiers.lock:
-            admitted, evicted = tiers.plan([job])
+            admitted, evicted, _ = tiers.plan([job])  # one job: none superseded
             job.evicted = tuple(key for key, _, _ in evicted)
             for key, entry, reason in evicted:
                 tiers.memory.drop(key)

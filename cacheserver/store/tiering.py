@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from cacheserver.events import StoreEvents
 from cacheserver.index import BlockIndex, Entry, EvictReason, NoRoom
@@ -42,6 +42,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 Evicted = list[tuple[StorageKey, Entry, EvictReason]]
+
+
+class Admission(NamedTuple):
+    """What `Tiers.plan` decided for a batch of puts."""
+
+    admitted: list[PutJob]  # in the index now, to be committed
+    evicted: Evicted  # entries their room took, stored before the batch
+    # Jobs of the batch that a later job of it evicted again, with why: stored for the
+    # caller (their put succeeded, then lost its room like any stored block), but never
+    # written. Their futures complete with the commit of the batch.
+    superseded: list[tuple[PutJob, EvictReason]]
 
 
 class Tiers:
@@ -75,12 +86,15 @@ class Tiers:
 
     # -- admission (under `lock`) ----------------------------------------------------
 
-    def plan(self, batch: Sequence[PutJob]) -> tuple[list[PutJob], Evicted]:
-        """Reserve room for the batch in the index; returns admitted jobs and evicted entries."""
-        admitted: list[PutJob] = []
+    def plan(self, batch: Sequence[PutJob]) -> Admission:
+        """Reserve room for the batch in the index, job after job, as if each were put
+        on its own: the admitted jobs, the entries their room evicted, and the jobs a
+        later job of the same batch evicted again (`Admission`)."""
+        admitted: dict[StorageKey, PutJob] = {}
         evicted: Evicted = []
+        superseded: list[tuple[PutJob, EvictReason]] = []
         for job in batch:
-            if job.key in self.index or any(a.key == job.key for a in admitted):
+            if job.key in self.index or job.key in admitted:
                 job.future.set_result(False)
                 self.events.put_outcome(job.tenant, "already_present", len(job.payload))
                 continue
@@ -91,12 +105,18 @@ class Tiers:
                 continue
             for victim, reason in victims.items():
                 entry = self.index.remove(victim)
-                if entry is not None:
+                if victim in admitted:
+                    # Evicted by a later block of its own batch: it never reaches LMDB.
+                    # Writing it anyway would leave its tenant over quota (and the store
+                    # over budget) once the batch commits; a put call or a journal replay
+                    # of several blocks must end where the same puts one by one would.
+                    superseded.append((admitted.pop(victim), reason))
+                elif entry is not None:
                     evicted.append((victim, entry, reason))
             self.index.add(job.key, job.tenant, len(job.payload), tag=job.model_tag)
             job.clock = self.index.clock
-            admitted.append(job)
-        return admitted, evicted
+            admitted[job.key] = job
+        return Admission(list(admitted.values()), evicted, superseded)
 
     def no_room(self, tenant: TenantId, size: int, error: NoRoom) -> ResourceExhausted:
         self.events.quota_rejected(tenant)
@@ -127,23 +147,26 @@ class Tiers:
         """Commit new blocks to LMDB, then make them visible (write-through puts, and
         the replay of the journal at start-up, which passes the position it reached)."""
         with self.lock:
-            admitted, evicted = self.plan(batch)
+            admitted, evicted, superseded = self.plan(batch)
             for key, _, _ in evicted:
                 self.memory.drop(key)
             # Entries are in the index for planning only; hide them until committed.
             for job in admitted:
                 self.index.remove(job.key)
-        if not admitted and not evicted and drained is None:
+        if not admitted and not evicted and not superseded and drained is None:
             return
         writes = [job.as_write() for job in admitted]
         try:
             stored = self.disk.write(writes, [k for k, _, _ in evicted], drained)
         except Exception as error:  # the batch failed as a whole: nothing was written
-            self._commit_failed(error, admitted, evicted)
+            self._commit_failed(error, [*admitted, *(job for job, _ in superseded)], evicted)
             return
         with self.lock:
             for _, entry, reason in evicted:
                 self.events.evicted("lmdb", reason, entry.size)
+            for job, reason in superseded:
+                self.events.put_outcome(job.tenant, "stored", len(job.payload))
+                self.events.evicted("lmdb", reason, len(job.payload))
             for job, fresh in zip(admitted, stored, strict=True):
                 if not fresh:
                     self.events.put_outcome(job.tenant, "already_present", len(job.payload))
@@ -153,6 +176,8 @@ class Tiers:
                 )
                 self.events.stored(job.tenant, "lmdb", len(job.payload))
                 self.note_stored(job)
+        for job, _ in superseded:
+            job.future.set_result(True)
         for job, fresh in zip(admitted, stored, strict=True):
             job.future.set_result(fresh)
         if self.behind:

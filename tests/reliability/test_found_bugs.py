@@ -31,12 +31,10 @@ def _present(client: BlockClient) -> int:
     return sum(len(client.get("beta", MODEL, [d])) for d in DIGESTS)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: without the journal, a put call whose later block evicts an earlier block "
-    "of the same call stores both (BlockStore._plan/_commit): the tenant ends over its quota",
-)
 def test_one_put_call_over_the_quota_leaves_the_tenant_within_it(serve: Serve) -> None:
+    """Without the journal, a put call whose later block evicts an earlier block of the
+    same call commits as one batch: the evicted block must not be written with it
+    (Tiers.plan's superseded jobs), or the tenant ends over its quota."""
     server, tenancy = serve(BETA, OWNER, storage={"journal_bytes": 0})
     with BlockClient(server.address, tenancy.tokens["b"]) as client:
         assert client.put("beta", MODEL, DIGESTS, PAYLOADS) == [True] * 4
@@ -46,12 +44,9 @@ def test_one_put_call_over_the_quota_leaves_the_tenant_within_it(serve: Serve) -
         assert _usage(client) == (3, QUOTA)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: the journal replay after kill -9 commits its records as one batch, and a "
-    "record evicted by a later one of the batch is stored anyway: over quota after restart",
-)
 def test_replay_after_kill_9_keeps_the_tenant_within_its_quota(serve: Serve) -> None:
+    """The journal replay after kill -9 commits its records as one batch: a record a
+    later one of the batch evicts must not be stored (the same fix as above)."""
     storage = {"drain_idle_ms": 600_000}  # nothing reaches LMDB before the kill
     server, tenancy = serve(BETA, OWNER, storage=storage)
     with BlockClient(server.address, tenancy.tokens["b"]) as client:

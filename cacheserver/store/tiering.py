@@ -55,6 +55,18 @@ class Admission(NamedTuple):
     superseded: list[tuple[PutJob, EvictReason]]
 
 
+def commit_error(error: Exception) -> KvshareError:
+    """What a failed LMDB commit means for a caller, with what to change: the tier's
+    own error where it has one (a full map: ResourceExhausted naming lmdb_map_bytes),
+    else the disk (full, or not writable)."""
+    if isinstance(error, KvshareError):
+        return error
+    return Unavailable(
+        "the disk tier could not commit: free space on the data dir's disk and check its "
+        "permissions, or lower [storage] disk_budget_bytes to what that disk holds"
+    )
+
+
 class Tiers:
     def __init__(
         self,
@@ -83,6 +95,12 @@ class Tiers:
         self.last_activity = 0.0
         # Why the last commit failed, until the health probe has seen it (probe()).
         self.commit_failure: str | None = None
+        # Journal records dropped at replay because their bytes failed their checksum
+        # (LMDB counts its own corrupt blocks: LmdbTier.integrity_failures).
+        self.journal_integrity_failures = 0
+        # Why the writer cannot move journaled puts into LMDB (its last drain failed),
+        # or None: a put the full journal refuses then says so (JournaledPuts).
+        self.drain_failure: KvshareError | None = None
 
     # -- admission (under `lock`) ----------------------------------------------------
 
@@ -143,9 +161,12 @@ class Tiers:
 
     # -- commits (the writer thread, and the replay at start-up) ---------------------
 
-    def commit(self, batch: Sequence[PutJob], drained: JournalCheckpoint | None = None) -> None:
+    def commit(
+        self, batch: Sequence[PutJob], drained: JournalCheckpoint | None = None
+    ) -> KvshareError | None:
         """Commit new blocks to LMDB, then make them visible (write-through puts, and
-        the replay of the journal at start-up, which passes the position it reached)."""
+        the replay of the journal at start-up, which passes the position it reached).
+        Returns why the commit failed (each job's future carries it too), or None."""
         with self.lock:
             admitted, evicted, superseded = self.plan(batch)
             for key, _, _ in evicted:
@@ -154,13 +175,12 @@ class Tiers:
             for job in admitted:
                 self.index.remove(job.key)
         if not admitted and not evicted and not superseded and drained is None:
-            return
+            return None
         writes = [job.as_write() for job in admitted]
         try:
             stored = self.disk.write(writes, [k for k, _, _ in evicted], drained)
         except Exception as error:  # the batch failed as a whole: nothing was written
-            self._commit_failed(error, [*admitted, *(job for job, _ in superseded)], evicted)
-            return
+            return self._commit_failed(error, [*admitted, *(job for job, _ in superseded)], evicted)
         with self.lock:
             for _, entry, reason in evicted:
                 self.events.evicted("lmdb", reason, entry.size)
@@ -182,27 +202,23 @@ class Tiers:
             job.future.set_result(fresh)
         if self.behind:
             self.write_behind([w for w, fresh in zip(writes, stored, strict=True) if fresh])
+        return None
 
     def _commit_failed(
         self, error: Exception, admitted: Sequence[PutJob], evicted: Evicted
-    ) -> None:
+    ) -> KvshareError:
         with self.lock:
             for key, entry, _ in evicted:
                 self.index.add(key, entry.tenant, entry.size, clock=entry.clock, tag=entry.tag)
             self.commit_failure = f"an LMDB commit failed ({type(error).__name__})"
             for job in admitted:
                 self.events.put_outcome(job.tenant, "failed", len(job.payload))
-        failure = (
-            error
-            if isinstance(error, KvshareError)
-            else Unavailable(
-                "the disk tier could not commit; check free space and permissions of the data dir"
-            )
-        )
         if not isinstance(error, KvshareError):
             log.exception("LMDB commit failed")
+        failure = commit_error(error)
         for job in admitted:
             job.future.set_exception(failure)
+        return failure
 
     def write_behind(self, writes: Sequence[PendingWrite]) -> None:
         """Hand blocks LMDB has just committed to every tier behind it. A failure there

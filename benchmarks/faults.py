@@ -74,10 +74,9 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown scenarios {sorted(unknown)}; use {', '.join(SCENARIOS)}")
     outcomes = {name: run(name, args.cycles) for name in names}
+    scenarios = [{"name": n, "passed": o.passed, "detail": o.detail} for n, o in outcomes.items()]
     report = {
-        "scenarios": [
-            {"name": n, "passed": o.passed, "detail": o.detail} for n, o in outcomes.items()
-        ],
+        "scenarios": scenarios,
         "kill9_cycles": sum(o.kill9_cycles for o in outcomes.values()),
         "acknowledged_lost": sum(o.acknowledged_lost for o in outcomes.values()),
         "torn_served": sum(o.torn_served for o in outcomes.values()),
@@ -85,7 +84,7 @@ def main() -> int:
     if args.json:
         print(json.dumps(report))
     else:
-        for s in report["scenarios"]:
+        for s in scenarios:
             verdict = {True: "PASS", False: "FAIL", None: "SKIP"}[s["passed"]]
             print(f"{verdict} {s['name']}: {s['detail']}")
         print({k: v for k, v in report.items() if k != "scenarios"})

@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's packages
 
@@ -71,7 +72,7 @@ PRINCIPALS = [
 
 
 def write_config(directory: Path, journal_dir: Path) -> tuple[Path, str]:
-    storage = {
+    storage: dict[str, int | bool | str] = {
         "journal_bytes": 16 << 20,
         "journal_dir": str(journal_dir),
         "memory_budget_bytes": 64 << 20,
@@ -105,7 +106,7 @@ def log_findings(path: Path, start: int) -> dict[str, int]:
 
 def run_child(
     target: str, runs: int, seed: int, work: Path, live: str, token: str, journal_dir: Path
-) -> dict:
+) -> dict[str, Any]:
     out = work / f"{target}.json"
     command = [
         sys.executable,
@@ -148,7 +149,7 @@ def main() -> int:
     return 0
 
 
-def campaign(targets: list[str], cases: int, seed: int, keep: Path | None = None) -> dict:
+def campaign(targets: list[str], cases: int, seed: int, keep: Path | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="kvshare-fuzz-") as tmp, private_journal_dir() as jd:
         work = Path(tmp) if keep is None else keep
         work.mkdir(parents=True, exist_ok=True)
@@ -188,10 +189,12 @@ def _warm_up(address: str, token: str) -> None:
             client.get("alpha", f"warm{bulk}", digests)
 
 
-def summarize(results: list[dict], crashes: int, logged: dict[str, int], rss_growth: int) -> dict:
+def summarize(
+    results: list[dict[str, Any]], crashes: int, logged: dict[str, int], rss_growth: int
+) -> dict[str, Any]:
     internal, unexpected = sum(logged.values()), 0
     findings: dict[str, int] = dict(logged)
-    per_target: dict[str, dict] = {}
+    per_target: dict[str, dict[str, Any]] = {}
     for result in results:
         verdicts: dict[str, int] = result.get("verdicts", {})
         for key, count in verdicts.items():

@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's packages
 
@@ -142,7 +143,7 @@ def main() -> int:
     return 0
 
 
-def soak(clients: int, seconds: float) -> dict:
+def soak(clients: int, seconds: float) -> dict[str, Any]:
     tenants = list(QUOTAS)
     principals = [PrincipalSpec(f"p-{t}", (t,), ("read", "write")) for t in tenants]
     principals.append(PrincipalSpec("root", tuple(tenants), ("read", "admin")))
@@ -228,7 +229,7 @@ def _merge(dicts: object) -> dict[str, int]:
     return merged
 
 
-def _load(path: Path) -> dict:
+def _load(path: Path) -> dict[str, Any]:
     try:
         return dict(json.loads(path.read_text()))
     except (OSError, ValueError):
@@ -243,7 +244,7 @@ def _last_line(path: Path) -> str:
     return lines[-1][:200] if lines else ""
 
 
-def verify(address: str, token: str, results: list[dict]) -> dict[str, int]:
+def verify(address: str, token: str, results: list[dict[str, Any]]) -> dict[str, int]:
     """Fetch acknowledged blocks (and deleted ones) and compare. A `keep` tenant's are
     all checked; of a `hot` tenant's, each client's last HOT_WINDOW (a hot tenant holds
     far fewer: its quota), the older ones being evicted long since."""

@@ -10,11 +10,12 @@ server recovers without a restart once the fault is gone.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import random
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,9 +55,13 @@ class Env:
     journal_dir: Path
     servers: list[ServerProc] = field(default_factory=list)
 
-    def config(self, storage: dict[str, int | bool | str] | None = None, **kw: object) -> Tenancy:
+    def config(
+        self,
+        storage: Mapping[str, int | bool | str] | None = None,
+        tokens: Mapping[str, str] | None = None,
+    ) -> Tenancy:
         settings = {"journal_dir": str(self.journal_dir), **(storage or {})}
-        return write_tenancy(self.directory, TENANTS, PRINCIPALS, storage=settings, **kw)  # type: ignore[arg-type]
+        return write_tenancy(self.directory, TENANTS, PRINCIPALS, storage=settings, tokens=tokens)
 
     def start(self, tenancy: Tenancy, env: dict[str, str] | None = None) -> ServerProc:
         server = ServerProc(tenancy.path, self.directory / "server.log", env=env)
@@ -74,6 +79,11 @@ def block(digest: bytes, size: int) -> bytes:
     import hashlib
 
     return hashlib.shake_256(digest).digest(size)
+
+
+def put_one(client: BlockClient, tenant: str, digest: bytes, size: int) -> list[bool]:
+    """Put one block of `size` named `digest`, with the bytes `block` derives from it."""
+    return client.put(tenant, MODEL, [digest], [block(digest, size)])
 
 
 def check_blocks(
@@ -188,7 +198,7 @@ def fill_until_refused(
     acked: list[bytes] = []
     for _ in range(limit):
         digest = os.urandom(32)
-        code, message = status_of(lambda d=digest: client.put(tenant, MODEL, [d], [block(d, size)]))
+        code, message = status_of(functools.partial(put_one, client, tenant, digest, size))
         if code != "OK":
             return acked, code, message
         acked.append(digest)
@@ -265,7 +275,10 @@ def disk_full(env: Env) -> Outcome:
 def lmdb_map_full(env: Env) -> Outcome:
     """An LMDB map smaller than the disk budget: puts are refused with
     RESOURCE_EXHAUSTED naming the map, reads go on, nothing acknowledged is lost.
-    Without the journal (the refusal comes from the commit itself) and with it."""
+    Without the journal (the refusal comes from the commit itself) and with it. With
+    the journal, the blocks it acknowledged cannot reach LMDB either: after kill -9 the
+    start must fail saying to raise the map (and keep the journal), and a start with a
+    bigger map serves every one of them."""
     details, ok, lost_all, torn_all = [], True, 0, 0
     for journal in (0, 16 * MiB):
         storage = {
@@ -279,20 +292,38 @@ def lmdb_map_full(env: Env) -> Outcome:
             acked, code, message = fill_until_refused(client, "alpha", 256 << 10, 400)
             missing, wrong = check_blocks(client, "alpha", acked, 256 << 10)
         server.kill9()
+        refusal = ""
+        if journal:  # LMDB still cannot take what the journal holds: the start fails
+            refusal = start_refusal(env, tenancy)
+            tenancy = env.config({**storage, "lmdb_map_bytes": 64 * MiB}, tenancy.tokens)
         server = env.start(tenancy)
         with BlockClient(server.address, tenancy.tokens["a"]) as client:
             missing2, wrong2 = check_blocks(client, "alpha", acked, 256 << 10)
         server.terminate()
         (env.directory / "data").rename(env.directory / f"data-map-full-{journal}")
         clear = says_what_to_do(message, "lmdb_map_bytes", "map")
-        ok &= code == "RESOURCE_EXHAUSTED" and clear and not (missing + wrong + missing2 + wrong2)
+        refused_start = not journal or "lmdb_map_bytes" in refusal
+        ok &= code == "RESOURCE_EXHAUSTED" and clear and refused_start
+        ok &= not (missing + wrong + missing2 + wrong2)
         lost_all, torn_all = lost_all + missing + missing2, torn_all + wrong + wrong2
         details.append(
             f"journal {'on' if journal else 'off'}: refused after {len(acked)} puts with {code} "
-            f"({message[:120]!r}); before kill -9 {missing} missing, {wrong} wrong; after "
-            f"restart {missing2} missing, {wrong2} wrong"
+            f"({message[:120]!r}); before kill -9 {missing} missing, {wrong} wrong; "
+            + (f"restart with the same map refused ({refusal[:160]!r}); " if journal else "")
+            + f"after restart {missing2} missing, {wrong2} wrong"
         )
     return Outcome(ok, "; ".join(details), acknowledged_lost=lost_all, torn_served=torn_all)
+
+
+def start_refusal(env: Env, tenancy: Tenancy) -> str:
+    """The error line of a start that must fail ("" if the server started after all)."""
+    try:
+        server = env.start(tenancy)
+    except RuntimeError as failed:
+        lines = [x for x in str(failed).splitlines() if "kvshare serve: error:" in x]
+        return lines[-1] if lines else str(failed)[-300:]
+    server.terminate()
+    return ""
 
 
 def journal_tmpfs_full(env: Env) -> Outcome:

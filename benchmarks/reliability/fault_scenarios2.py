@@ -3,6 +3,7 @@ clock jumps (see fault_scenarios.py for the common parts)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -18,6 +19,7 @@ from benchmarks.reliability.fault_scenarios import (
     Outcome,
     block,
     check_blocks,
+    put_one,
     status_of,
 )
 from benchmarks.reliability.harness import REPO
@@ -156,9 +158,7 @@ def agents(env: Env) -> Outcome:
         for _ in range(40):
             digest = os.urandom(32)
             started = time.monotonic()
-            code, message = status_of(
-                lambda d=digest: other.put("beta", MODEL, [d], [block(d, MiB)])
-            )
+            code, message = status_of(functools.partial(put_one, other, "beta", digest, MiB))
             if code == "OK" and other.get("beta", MODEL, [digest]) != [block(digest, MiB)]:
                 code = "WRONG_BYTES"
             slowest = max(slowest, time.monotonic() - started)
@@ -266,8 +266,9 @@ def clock_jumps(env: Env) -> Outcome:
         for bulk in (True, False):
             with BlockClient(server.address, tenancy.tokens["a"], bulk=bulk) as client:
                 digests = [os.urandom(32) for _ in range(4)]
+                payloads = [block(d, 4096) for d in digests]
                 code, message = status_of(
-                    lambda ds=digests: client.put("alpha", MODEL, ds, [block(d, 4096) for d in ds])
+                    functools.partial(client.put, "alpha", MODEL, digests, payloads)
                 )
                 if code != "OK":
                     failures.append(f"{offset} put {code} {message[:60]}")

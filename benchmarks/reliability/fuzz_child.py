@@ -36,7 +36,10 @@ def _embedded(work: Path, journal_dir: Path) -> tuple[object, str, str]:
     from cacheserver.config import load_config
     from cacheserver.embedded import EmbeddedServer
 
-    storage = {"journal_bytes": 16 << 20, "journal_dir": str(journal_dir)}
+    storage: dict[str, int | bool | str] = {
+        "journal_bytes": 16 << 20,
+        "journal_dir": str(journal_dir),
+    }
     tenancy = write_tenancy(work, TENANTS, PRINCIPALS, storage=storage)
     server = EmbeddedServer(load_config(tenancy.path))
     return server, server.start(), tenancy.tokens["a"]

@@ -168,7 +168,7 @@ VALUES = [
 
 def _config_text(fdp: atheris.FuzzedDataProvider) -> str:
     if fdp.ConsumeIntInRange(0, 7) == 0:
-        return fdp.ConsumeUnicodeNoSurrogates(fdp.remaining_bytes())
+        return str(fdp.ConsumeUnicodeNoSurrogates(fdp.remaining_bytes()))
     lines = []
     tables = list(KEYS)
     for _ in range(fdp.ConsumeIntInRange(1, 8)):
@@ -208,7 +208,8 @@ def config_target() -> Target:
 
 
 def journal_target() -> Target:
-    from cacheserver.journal import DATA_START, Journal, Position, record_bytes, replay
+    from cacheserver.journal import DATA_START, Journal, record_bytes, replay
+    from cacheserver.tiers import Position
     from policy.types import ModelTag, StorageKey, TenantId
 
     directory = Path(tempfile.mkdtemp(prefix="kvshare-fuzz-journal-"))
@@ -224,7 +225,9 @@ def journal_target() -> Target:
         if i == 5:  # one record left RESERVED, as a crash mid-receive leaves it
             journal.reserve(key, tenant, 0, tag, len(payload))
             continue
-        record = journal.append(key, tenant, i, tag, payload)
+        record = journal.reserve(key, tenant, i, tag, len(payload))
+        record.view[:] = payload  # as a put receives its bytes into the record
+        journal.commit(record)
         committed[record.seq] = (key, tenant, i, tag, payload)
     start = journal.start
     journal_id = journal.journal_id

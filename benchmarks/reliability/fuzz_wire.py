@@ -25,15 +25,23 @@ import atheris
 import grpc
 
 from kvcommon import bulkwire as w
+from kvcommon import errors
 from kvcommon.v1 import kvshare_pb2 as pb
 from kvcommon.v1 import kvshare_pb2_grpc as pb_grpc
+from policy.tickets import local_binding
+from replica_agent.bulk import BulkChannel, UseGrpc
+from replica_agent.errors import BlockStoreError
+from replica_agent.grpc_calls import Ticket
 
 SERVICE = "/kvshare.v1.BlockStore/"
 UNARY = ("Lookup", "Delete", "Stats", "OpenBulk")
 # Statuses a call may end with (DESIGN §5), by whether it carried a valid token.
 CONTRACT = {"OK", "INVALID_ARGUMENT", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "UNAVAILABLE"}
 TENANTS = ("alpha", "beta", "nobody", "", "ALPHA", "a" * 70)
-KNOWN_STATUS_BYTES = set(w.STATUS_CODES.values())
+# The status byte of a bulk error frame is an error class's code (kvcommon.errors);
+# INTERNAL among them is a finding of its own (a bug the server owned up to).
+KNOWN_STATUS_BYTES = {cls.wire_code for cls in errors.WIRE_ERRORS}
+INTERNAL_STATUS_BYTE = errors.KvshareError.wire_code
 REPLY_TIMEOUT_S = 5.0
 
 
@@ -105,7 +113,7 @@ def _message(fdp: atheris.FuzzedDataProvider, method: str) -> bytes:
     else:
         raw = pb.StatsRequest().SerializeToString()
     if fdp.ConsumeIntInRange(0, 3) == 0:  # raw bytes instead: a protobuf parser's input
-        return fdp.ConsumeBytes(fdp.ConsumeIntInRange(0, 200))
+        return bytes(fdp.ConsumeBytes(fdp.ConsumeIntInRange(0, 200)))
     return raw
 
 
@@ -162,25 +170,28 @@ def grpc_target(servers: list[Server], verdicts: Verdicts) -> Target:
     return one
 
 
+def raw_bytes(data: bytes) -> bytes:
+    """The identity (de)serializer: the fuzzed bytes go on the wire as they are."""
+    return data
+
+
 def _call(
     server: Server, method: str, body: bytes | list[bytes], metadata: tuple[tuple[str, str], ...]
 ) -> str:
-    path = SERVICE + method
+    path, channel = SERVICE + method, server.channel
     try:
-        if method == "Get":
-            call = server.channel.unary_stream(path)(
-                body, metadata=metadata, timeout=REPLY_TIMEOUT_S
-            )
-            for _ in call:
+        if isinstance(body, list):  # Put: a stream of frames
+            put = channel.stream_unary(path, raw_bytes, raw_bytes)
+            put(iter(body), metadata=metadata, timeout=REPLY_TIMEOUT_S)
+        elif method == "Get":
+            get = channel.unary_stream(path, raw_bytes, raw_bytes)
+            for _ in get(body, metadata=metadata, timeout=REPLY_TIMEOUT_S):
                 pass
-        elif method == "Put":
-            server.channel.stream_unary(path)(
-                iter(body), metadata=metadata, timeout=REPLY_TIMEOUT_S
-            )
         else:
-            server.channel.unary_unary(path)(body, metadata=metadata, timeout=REPLY_TIMEOUT_S)
+            unary = channel.unary_unary(path, raw_bytes, raw_bytes)
+            unary(body, metadata=metadata, timeout=REPLY_TIMEOUT_S)
     except grpc.RpcError as error:
-        return error.code().name  # type: ignore[attr-defined, no-any-return]
+        return error.code().name
     return "OK"
 
 
@@ -202,7 +213,7 @@ def _alive(server: Server) -> bool:
     try:
         server.stub.Stats(pb.StatsRequest(), metadata=server.auth(), timeout=10)
     except grpc.RpcError as error:
-        return error.code() != grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined, no-any-return]
+        return error.code() != grpc.StatusCode.UNAVAILABLE
     return True
 
 
@@ -282,6 +293,8 @@ def _bulk_exchange(address: str, raw: bytes) -> str:
         return "unexpected:no reply and no close"
     except OSError:
         return "ok"  # reset after an error frame: the client went away mid-request
+    if reply and reply[0] == INTERNAL_STATUS_BYTE:
+        return "internal:bulk status INTERNAL"
     if reply and reply[0] not in KNOWN_STATUS_BYTES and reply[0] != w.OK:
         return f"unexpected:status byte {reply[0]}"
     return "ok"
@@ -343,17 +356,23 @@ class HostileServer:
                 pass
 
 
+def hostile_ticket(hostile: HostileServer, *, local: bool) -> Ticket:
+    """A ticket naming the hostile server: its TCP address and, when `local`, its
+    same-host listener, bound as OpenBulk binds it (policy.tickets.local_binding), so
+    the client takes it for the server's and reads its arena reply."""
+    secret = os.urandom(32)
+    binding = local_binding(secret, w.host_namespace(), os.getuid()) if local else ""
+    return Ticket(secret, hostile.address, False, hostile.local_name if local else "", binding)
+
+
+# What the client's caller handles (replica_agent.client: a store error, a broken
+# connection, a call to send over gRPC instead): anything else out of a hostile reply
+# is a bug.
+HANDLED = (BlockStoreError, OSError, UseGrpc)
+
+
 def bulk_client_target(verdicts: Verdicts) -> Target:
-    from replica_agent.bulk import BulkChannel, Ticket, UseGrpc
-
     hostile = HostileServer()
-    namespace = w.host_namespace()
-
-    class Refused(Exception):
-        pass
-
-    def raise_status(status: str, message: str) -> Exception:
-        return Refused(status)
 
     def one(data: bytes) -> None:
         fdp = atheris.FuzzedDataProvider(data)
@@ -372,22 +391,15 @@ def bulk_client_target(verdicts: Verdicts) -> Target:
             script += bytes([w.OK])
         script += _reply_script(fdp)
         hostile.script = bytes(script)
-        ticket = Ticket(
-            os.urandom(32),
-            hostile.address,
-            False,
-            hostile.local_name if local else "",
-            namespace,
-            str(os.getuid()),
-        )
-        channel = BulkChannel(lambda _tenant: ticket, raise_status, timeout_s=2)
+        ticket = hostile_ticket(hostile, local=local)
+        channel = BulkChannel(lambda _tenant: ticket, timeout_s=2)
         try:
             if fdp.ConsumeBool():
                 channel.get("t", "m", [bytes(32)] * fdp.ConsumeIntInRange(1, 3))
             else:
                 channel.put("t", "m", [bytes(32)], [b"x" * fdp.ConsumeIntInRange(1, 8)])
             _note(verdicts, "client:ok")
-        except (OSError, Refused, UseGrpc):
+        except HANDLED:
             _note(verdicts, "client:ok")
         except Exception as error:  # a hostile reply must end in an error the client handles
             from benchmarks.reliability.fuzz_parsers import describe

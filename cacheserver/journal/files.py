@@ -24,12 +24,13 @@ import hashlib
 import os
 import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from cacheserver.journal.format import SUPERBLOCK_READ_BYTES, Record, owner_of, records_after
 from cacheserver.tiers import Position
 from kvcommon.errors import ConfigError
+from policy.types import TenantId
 
 FALLOCATE_STEP_BYTES = 1 << 20
 MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels refuse it (EINVAL)
@@ -69,15 +70,18 @@ def open_private(path: Path, create: bool) -> int:
     return fd
 
 
-def replay(path: Path, after: Position) -> Iterator[Record]:
-    """The committed records after `after` in the journal at `path`, in order
+def replay(
+    path: Path, after: Position, on_corrupt: Callable[[TenantId], None] | None = None
+) -> Iterator[Record]:
+    """The committed records after `after` in the journal at `path`, in order, each
+    one whose payload fails its checksum reported to `on_corrupt` instead
     (`format.records_after`); nothing when the file is gone (a reboot cleared tmpfs)."""
     try:
         fd = open_private(path, create=False)
     except FileNotFoundError:
         return
     try:
-        yield from records_after(fd, after)
+        yield from records_after(fd, after, on_corrupt)
     finally:
         os.close(fd)
 

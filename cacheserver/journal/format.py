@@ -25,7 +25,7 @@ import hashlib
 import os
 import secrets
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import xxhash
@@ -136,12 +136,17 @@ def pack_header(
     return fields + _mac(mac_key, journal_id, fields)
 
 
-def records_after(fd: int, after: Position) -> Iterator[Record]:
+def records_after(
+    fd: int, after: Position, on_corrupt: Callable[[TenantId], None] | None = None
+) -> Iterator[Record]:
     """The committed records after `after` in the open journal file `fd`, in order.
 
     Yields nothing when the file belongs to another journal; skips records still
     RESERVED (never acknowledged); stops at the first header that fails its MAC or
-    breaks the sequence, and at the end of the file."""
+    breaks the sequence, and at the end of the file. A committed record whose payload
+    fails its checksum is skipped too, and reported to `on_corrupt` with its tenant
+    (its header passed the MAC, so the tenant is the one that put it): an acknowledged
+    block lost to corruption is counted, never served."""
     raw = os.pread(fd, _SUPER.size, 0)
     if len(raw) < _SUPER.size:
         return
@@ -170,15 +175,12 @@ def records_after(fd: int, after: Position) -> Iterator[Record]:
             return
         seq = rec_seq
         if flags & FLAG_COMMITTED:
+            owner = TenantId(tenant[:tenant_len].decode("utf-8"))
             payload = os.pread(fd, size, offset + ALIGN)
             if len(payload) == size and xxhash.xxh3_128_digest(payload) == checksum:
                 yield Record(
-                    rec_seq,
-                    StorageKey(key[:key_len]),
-                    TenantId(tenant[:tenant_len].decode("utf-8")),
-                    epoch,
-                    ModelTag(tag),
-                    payload,
-                    end,
+                    rec_seq, StorageKey(key[:key_len]), owner, epoch, ModelTag(tag), payload, end
                 )
+            elif on_corrupt is not None:
+                on_corrupt(owner)
         offset = next_start(end, capacity)

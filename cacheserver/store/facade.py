@@ -81,7 +81,13 @@ class BlockStore:
         )
         self.reclaimed_at_start = rebuild_index(self._tiers, self._epochs)
         recorded = disk.journal_position()
-        self.replayed_at_start = replay_journal(self._tiers, self._epochs, recorded)
+        try:
+            self.replayed_at_start = replay_journal(
+                self._tiers, self._epochs, recorded, self._integrity_failed
+            )
+        except BaseException:  # the start fails (JournalNotReplayed): let go of LMDB
+            disk.close()
+            raise
         if storage.journal_bytes and not storage.sync_writes:
             self._start_journal(data_dir, storage, recorded)
         self._writer.start()
@@ -399,7 +405,8 @@ class BlockStore:
 
     @property
     def integrity_failures(self) -> int:
-        return self._tiers.disk.integrity_failures
+        """Corrupt blocks dropped: read from LMDB, or found in the journal at replay."""
+        return self._tiers.disk.integrity_failures + self._tiers.journal_integrity_failures
 
     def close(self) -> None:
         """Finish queued writes, then close every tier (LMDB cleanly; the journal is

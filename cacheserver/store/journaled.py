@@ -101,10 +101,10 @@ class JournaledPuts:
             job.record = self.journal.reserve(
                 key, tenant, job.epoch, model_tag, size, JOURNAL_WAIT_S
             )
-        except JournalFull:
+        except JournalFull as full:
             self._backlog.release(tenant, size)
             tiers.events.put_outcome(tenant, "rejected", size)
-            raise
+            raise self._why_full(full) from None
         except OSError as error:
             self._backlog.release(tenant, size)
             tiers.events.put_outcome(tenant, "failed", size)
@@ -116,6 +116,18 @@ class JournaledPuts:
         job.payload = job.record.view
         return job
 
+    def _why_full(self, full: JournalFull) -> JournalFull:
+        """The refusal of a put the journal has no room for, naming the real cause.
+        The ring only knows it is full; when that is because the writer cannot move its
+        blocks into LMDB (the map or the disk is full), more journal space would only
+        postpone the refusal, so the message says what LMDB needs instead."""
+        failure = self._tiers.drain_failure
+        if failure is None:
+            return full
+        return JournalFull(
+            f"the put journal is full because its blocks cannot move into LMDB: {failure}"
+        )
+
     def _finish(self, job: PutJob) -> bool:
         """The job's block is complete: commit its record and make it visible. Returns
         whether it was stored (False: another put of the same key came first).
@@ -125,7 +137,7 @@ class JournaledPuts:
         assert record is not None
         self.journal.commit(record)
         with tiers.lock:
-            admitted, evicted = tiers.plan([job])
+            admitted, evicted, _ = tiers.plan([job])  # one job: none superseded
             job.evicted = tuple(key for key, _, _ in evicted)
             for key, entry, reason in evicted:
                 tiers.memory.drop(key)

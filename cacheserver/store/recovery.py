@@ -9,12 +9,17 @@ Invariants:
   the least recently used blocks.
 - Nothing acknowledged is lost by a crash: the records a crash left out of LMDB are
   replayed through the normal admission (quotas, budget, first writer wins) before the
-  fresh journal's start position replaces the old one in LMDB.
+  fresh journal's start position replaces the old one in LMDB. When LMDB cannot take
+  them, the start fails and the old journal stays (`JournalNotReplayed`).
+- A committed record whose payload fails its checksum at replay is never stored; it is
+  counted as an integrity failure, like a corrupt block read from LMDB.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 from cacheserver.config import StorageConfig
@@ -23,6 +28,7 @@ from cacheserver.store.jobs import PutJob, was_stored
 from cacheserver.store.tiering import Tiers
 from cacheserver.store.writer import MAX_BATCH_BYTES
 from cacheserver.tiers import JournalCheckpoint, Position
+from kvcommon.errors import ConfigError, KvshareError
 from policy.types import StorageKey, TenantId
 
 log = logging.getLogger(__name__)
@@ -61,13 +67,21 @@ def rebuild_index(tiers: Tiers, epochs: dict[TenantId, int]) -> int:
 
 
 def replay_journal(
-    tiers: Tiers, epochs: dict[TenantId, int], recorded: JournalCheckpoint | None
+    tiers: Tiers,
+    epochs: dict[TenantId, int],
+    recorded: JournalCheckpoint | None,
+    on_corrupt: Callable[[TenantId, int], None],
 ) -> int:
     """Commit to LMDB the journaled puts a crash left out of it; returns how many.
 
     Runs after the index is rebuilt, so replayed blocks are admitted (quotas,
     budget, first writer wins) like new puts. Blocks of retired epochs or removed
-    tenants are skipped, as start-up reclamation would drop them anyway."""
+    tenants are skipped, as start-up reclamation would drop them anyway.
+
+    Records whose payload fails its checksum are dropped, counted
+    (`Tiers.journal_integrity_failures`) and reported to `on_corrupt(tenant, blocks)`. Raises
+    JournalNotReplayed when LMDB cannot take the rest (its map or the disk is full):
+    the start fails, and the journal is left as it is for the next one."""
     if recorded is None:
         return 0
     position, path = recorded
@@ -76,10 +90,13 @@ def replay_journal(
     last = position
 
     def commit() -> int:
-        tiers.commit(batch, drained=(last, path))
+        failure = tiers.commit(batch, drained=(last, path))
+        if failure is not None:
+            raise JournalNotReplayed(path, failure)
         return sum(1 for job in batch if was_stored(job))
 
-    for record in replay(path, position):
+    corrupt: collections.Counter[TenantId] = collections.Counter()
+    for record in replay(path, position, on_corrupt=lambda tenant: corrupt.update([tenant])):
         last = Position(position.journal_id, record.seq, record.end)
         if epochs.get(record.tenant) != record.epoch:
             continue
@@ -94,7 +111,31 @@ def replay_journal(
         replayed += commit()
     if last != position:
         log.info("replayed %d journaled puts into LMDB after an unclean stop", replayed)
+    if corrupt:
+        log.warning(
+            "dropped %d journaled puts whose bytes failed their checksum at replay "
+            "(counted in integrity_failures)",
+            corrupt.total(),
+        )
+    tiers.journal_integrity_failures += corrupt.total()
+    for tenant, blocks in corrupt.items():
+        on_corrupt(tenant, blocks)
     return replayed
+
+
+class JournalNotReplayed(ConfigError):
+    """The journal holds acknowledged blocks LMDB cannot take. They exist nowhere else,
+    so the server does not start without them: starting would open a fresh journal and
+    record its start in LMDB, and the old one, never replayed, would be lost. The start
+    fails with what to change instead (a bigger map, a lower disk budget so that the
+    start evicts, or disk space); commits made before the failure recorded how far the
+    replay got, and the next start goes on from there."""
+
+    def __init__(self, path: Path, failure: KvshareError) -> None:
+        super().__init__(
+            f"the put journal {path} holds acknowledged blocks that LMDB cannot take: "
+            f"{failure}. The journal is kept; start again once that is changed"
+        )
 
 
 def open_journal(

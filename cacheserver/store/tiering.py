@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from cacheserver.events import StoreEvents
 from cacheserver.index import BlockIndex, Entry, EvictReason, NoRoom
@@ -42,6 +42,29 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 Evicted = list[tuple[StorageKey, Entry, EvictReason]]
+
+
+class Admission(NamedTuple):
+    """What `Tiers.plan` decided for a batch of puts."""
+
+    admitted: list[PutJob]  # in the index now, to be committed
+    evicted: Evicted  # entries their room took, stored before the batch
+    # Jobs of the batch that a later job of it evicted again, with why: stored for the
+    # caller (their put succeeded, then lost its room like any stored block), but never
+    # written. Their futures complete with the commit of the batch.
+    superseded: list[tuple[PutJob, EvictReason]]
+
+
+def commit_error(error: Exception) -> KvshareError:
+    """What a failed LMDB commit means for a caller, with what to change: the tier's
+    own error where it has one (a full map: ResourceExhausted naming lmdb_map_bytes),
+    else the disk (full, or not writable)."""
+    if isinstance(error, KvshareError):
+        return error
+    return Unavailable(
+        "the disk tier could not commit: free space on the data dir's disk and check its "
+        "permissions, or lower [storage] disk_budget_bytes to what that disk holds"
+    )
 
 
 class Tiers:
@@ -72,15 +95,24 @@ class Tiers:
         self.last_activity = 0.0
         # Why the last commit failed, until the health probe has seen it (probe()).
         self.commit_failure: str | None = None
+        # Journal records dropped at replay because their bytes failed their checksum
+        # (LMDB counts its own corrupt blocks: LmdbTier.integrity_failures).
+        self.journal_integrity_failures = 0
+        # Why the writer cannot move journaled puts into LMDB (its last drain failed),
+        # or None: a put the full journal refuses then says so (JournaledPuts).
+        self.drain_failure: KvshareError | None = None
 
     # -- admission (under `lock`) ----------------------------------------------------
 
-    def plan(self, batch: Sequence[PutJob]) -> tuple[list[PutJob], Evicted]:
-        """Reserve room for the batch in the index; returns admitted jobs and evicted entries."""
-        admitted: list[PutJob] = []
+    def plan(self, batch: Sequence[PutJob]) -> Admission:
+        """Reserve room for the batch in the index, job after job, as if each were put
+        on its own: the admitted jobs, the entries their room evicted, and the jobs a
+        later job of the same batch evicted again (`Admission`)."""
+        admitted: dict[StorageKey, PutJob] = {}
         evicted: Evicted = []
+        superseded: list[tuple[PutJob, EvictReason]] = []
         for job in batch:
-            if job.key in self.index or any(a.key == job.key for a in admitted):
+            if job.key in self.index or job.key in admitted:
                 job.future.set_result(False)
                 self.events.put_outcome(job.tenant, "already_present", len(job.payload))
                 continue
@@ -91,12 +123,18 @@ class Tiers:
                 continue
             for victim, reason in victims.items():
                 entry = self.index.remove(victim)
-                if entry is not None:
+                if victim in admitted:
+                    # Evicted by a later block of its own batch: it never reaches LMDB.
+                    # Writing it anyway would leave its tenant over quota (and the store
+                    # over budget) once the batch commits; a put call or a journal replay
+                    # of several blocks must end where the same puts one by one would.
+                    superseded.append((admitted.pop(victim), reason))
+                elif entry is not None:
                     evicted.append((victim, entry, reason))
             self.index.add(job.key, job.tenant, len(job.payload), tag=job.model_tag)
             job.clock = self.index.clock
-            admitted.append(job)
-        return admitted, evicted
+            admitted[job.key] = job
+        return Admission(list(admitted.values()), evicted, superseded)
 
     def no_room(self, tenant: TenantId, size: int, error: NoRoom) -> ResourceExhausted:
         self.events.quota_rejected(tenant)
@@ -123,27 +161,32 @@ class Tiers:
 
     # -- commits (the writer thread, and the replay at start-up) ---------------------
 
-    def commit(self, batch: Sequence[PutJob], drained: JournalCheckpoint | None = None) -> None:
+    def commit(
+        self, batch: Sequence[PutJob], drained: JournalCheckpoint | None = None
+    ) -> KvshareError | None:
         """Commit new blocks to LMDB, then make them visible (write-through puts, and
-        the replay of the journal at start-up, which passes the position it reached)."""
+        the replay of the journal at start-up, which passes the position it reached).
+        Returns why the commit failed (each job's future carries it too), or None."""
         with self.lock:
-            admitted, evicted = self.plan(batch)
+            admitted, evicted, superseded = self.plan(batch)
             for key, _, _ in evicted:
                 self.memory.drop(key)
             # Entries are in the index for planning only; hide them until committed.
             for job in admitted:
                 self.index.remove(job.key)
-        if not admitted and not evicted and drained is None:
-            return
+        if not admitted and not evicted and not superseded and drained is None:
+            return None
         writes = [job.as_write() for job in admitted]
         try:
             stored = self.disk.write(writes, [k for k, _, _ in evicted], drained)
         except Exception as error:  # the batch failed as a whole: nothing was written
-            self._commit_failed(error, admitted, evicted)
-            return
+            return self._commit_failed(error, [*admitted, *(job for job, _ in superseded)], evicted)
         with self.lock:
             for _, entry, reason in evicted:
                 self.events.evicted("lmdb", reason, entry.size)
+            for job, reason in superseded:
+                self.events.put_outcome(job.tenant, "stored", len(job.payload))
+                self.events.evicted("lmdb", reason, len(job.payload))
             for job, fresh in zip(admitted, stored, strict=True):
                 if not fresh:
                     self.events.put_outcome(job.tenant, "already_present", len(job.payload))
@@ -153,31 +196,29 @@ class Tiers:
                 )
                 self.events.stored(job.tenant, "lmdb", len(job.payload))
                 self.note_stored(job)
+        for job, _ in superseded:
+            job.future.set_result(True)
         for job, fresh in zip(admitted, stored, strict=True):
             job.future.set_result(fresh)
         if self.behind:
             self.write_behind([w for w, fresh in zip(writes, stored, strict=True) if fresh])
+        return None
 
     def _commit_failed(
         self, error: Exception, admitted: Sequence[PutJob], evicted: Evicted
-    ) -> None:
+    ) -> KvshareError:
         with self.lock:
             for key, entry, _ in evicted:
                 self.index.add(key, entry.tenant, entry.size, clock=entry.clock, tag=entry.tag)
             self.commit_failure = f"an LMDB commit failed ({type(error).__name__})"
             for job in admitted:
                 self.events.put_outcome(job.tenant, "failed", len(job.payload))
-        failure = (
-            error
-            if isinstance(error, KvshareError)
-            else Unavailable(
-                "the disk tier could not commit; check free space and permissions of the data dir"
-            )
-        )
         if not isinstance(error, KvshareError):
             log.exception("LMDB commit failed")
+        failure = commit_error(error)
         for job in admitted:
             job.future.set_exception(failure)
+        return failure
 
     def write_behind(self, writes: Sequence[PendingWrite]) -> None:
         """Hand blocks LMDB has just committed to every tier behind it. A failure there

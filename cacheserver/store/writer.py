@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from cacheserver.events import StoreEvents
 from cacheserver.store.backlog import WriteBacklog
 from cacheserver.store.jobs import Barrier, Message, PutJob, Reclaim
-from cacheserver.store.tiering import Tiers
+from cacheserver.store.tiering import Tiers, commit_error
 from cacheserver.store.upkeep import lower_this_threads_priority
 from kvcommon.errors import Unavailable
 
@@ -190,9 +190,11 @@ class Writer:
                 log.error("moving journaled puts into LMDB failed (%s); retrying", reason)
                 with tiers.lock:
                     tiers.commit_failure = f"an LMDB commit failed ({reason})"
+                    tiers.drain_failure = commit_error(error)  # why the journal fills up
                 if self._closing.wait(RETRY_DRAIN_S):
                     return  # stopping: the journal keeps them for the next start
         with tiers.lock:
+            tiers.drain_failure = None
             journaled.drained(live)
         journal.finish(seqs, point)
         for job in jobs:

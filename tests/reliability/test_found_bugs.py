@@ -1,7 +1,10 @@
-"""Bugs the reliability campaign found in the server's data path, one focused test
-each. The data path is being rewritten elsewhere, so each is marked xfail(strict):
-CI stays green while the bug is there and turns red (XPASS) once it is fixed, which
-is the cue to drop the mark and the bug's entry in `store_machine.KNOWN_BUGS`."""
+"""Bugs the reliability campaign found (model-based test, fuzzing, fault injection),
+one focused regression test each, against a real `kvshare serve`.
+
+Each is fixed at its cause; the list, with the fix, is in docs/reliability.md. A bug
+found later that cannot be fixed at once gets its test here marked xfail(strict) (CI
+stays green while the bug is there and turns red, XPASS, once it is fixed) and, for the
+model-based test, an entry in `store_machine.KNOWN_BUGS`."""
 
 from __future__ import annotations
 
@@ -31,12 +34,10 @@ def _present(client: BlockClient) -> int:
     return sum(len(client.get("beta", MODEL, [d])) for d in DIGESTS)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: without the journal, a put call whose later block evicts an earlier block "
-    "of the same call stores both (BlockStore._plan/_commit): the tenant ends over its quota",
-)
 def test_one_put_call_over_the_quota_leaves_the_tenant_within_it(serve: Serve) -> None:
+    """Without the journal, a put call whose later block evicts an earlier block of the
+    same call commits as one batch: the evicted block must not be written with it
+    (Tiers.plan's superseded jobs), or the tenant ends over its quota."""
     server, tenancy = serve(BETA, OWNER, storage={"journal_bytes": 0})
     with BlockClient(server.address, tenancy.tokens["b"]) as client:
         assert client.put("beta", MODEL, DIGESTS, PAYLOADS) == [True] * 4
@@ -46,12 +47,9 @@ def test_one_put_call_over_the_quota_leaves_the_tenant_within_it(serve: Serve) -
         assert _usage(client) == (3, QUOTA)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: the journal replay after kill -9 commits its records as one batch, and a "
-    "record evicted by a later one of the batch is stored anyway: over quota after restart",
-)
 def test_replay_after_kill_9_keeps_the_tenant_within_its_quota(serve: Serve) -> None:
+    """The journal replay after kill -9 commits its records as one batch: a record a
+    later one of the batch evicts must not be stored (the same fix as above)."""
     storage = {"drain_idle_ms": 600_000}  # nothing reaches LMDB before the kill
     server, tenancy = serve(BETA, OWNER, storage=storage)
     with BlockClient(server.address, tenancy.tokens["b"]) as client:
@@ -69,49 +67,38 @@ def test_replay_after_kill_9_keeps_the_tenant_within_its_quota(serve: Serve) -> 
 
 
 @pytest.mark.parametrize("authenticated", [True, False], ids=["token", "no-token"])
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a request that is not a valid protobuf message ends with status UNKNOWN "
-    "(outside the contract) and a traceback in the server log (issue 15 F10)",
-)
 def test_a_malformed_request_gets_a_contract_status_and_no_traceback(
     serve: Serve, authenticated: bool
 ) -> None:
+    """Issue 15 F10: bytes that are not a protobuf message are decoded after the auth
+    wrapper, and refused with a contract status, without a traceback in the log."""
     import grpc
+
+    from benchmarks.reliability.fuzz_wire import raw_bytes
 
     server, tenancy = serve(BETA, OWNER)
     metadata = (("authorization", f"Bearer {tenancy.tokens['b']}"),) if authenticated else ()
     with grpc.insecure_channel(server.address) as channel:
-        lookup = channel.unary_unary("/kvshare.v1.BlockStore/Lookup")
+        lookup = channel.unary_unary("/kvshare.v1.BlockStore/Lookup", raw_bytes, raw_bytes)
         with pytest.raises(grpc.RpcError) as refused:
             lookup(b"\xff\xff\xff", metadata=metadata, timeout=10)
     expected = (
         grpc.StatusCode.INVALID_ARGUMENT if authenticated else grpc.StatusCode.UNAUTHENTICATED
     )
-    assert refused.value.code() == expected  # type: ignore[attr-defined]
+    assert refused.value.code() == expected
     assert "Traceback" not in server.log_path.read_text()
 
 
 def _hostile_bulk_get(script: bytes, *, local: bool) -> BaseException | None:
     """A BulkChannel.get against a server that answers `script`: what it raised."""
-    import os
-
-    from benchmarks.reliability.fuzz_wire import HostileServer
-    from kvcommon import bulkwire as w
-    from replica_agent.bulk import BulkChannel, Ticket
+    from benchmarks.reliability.fuzz_wire import HostileServer, hostile_ticket
+    from replica_agent.bulk import BulkChannel
 
     hostile = HostileServer()
     hostile.script = script
     hostile.arena = (1 << 20, True)
-    ticket = Ticket(
-        os.urandom(32),
-        hostile.address,
-        False,
-        hostile.local_name if local else "",
-        w.host_namespace(),
-        str(os.getuid()),
-    )
-    channel = BulkChannel(lambda _t: ticket, lambda s, m: RuntimeError(s), timeout_s=5)
+    ticket = hostile_ticket(hostile, local=local)
+    channel = BulkChannel(lambda _t: ticket, timeout_s=5)
     try:
         channel.get("t", "m", [bytes(32)])
     except BaseException as error:  # what the caller would have to handle
@@ -122,29 +109,33 @@ def _hostile_bulk_get(script: bytes, *, local: bool) -> BaseException | None:
 
 
 @pytest.mark.parametrize(
-    ("script", "local"),
+    ("script", "local", "refusal"),
     [
         # TCP: handshake OK, GET OK, then a block of 2^63 + 5 bytes
-        (bytes([0, 0]) + (2**63 + 5).to_bytes(8, "big"), False),
+        (bytes([0, 0]) + (2**63 + 5).to_bytes(8, "big"), False, "announced a"),
         # same host: ARENA_REPLY OK, GET OK, then LOCAL_GET announcing 2^32 - 1 blocks
-        (bytes([0]) + (1 << 20).to_bytes(8, "big") + bytes([0]) + b"\xff\xff\xff\xff\x00", True),
+        (
+            bytes([0]) + (1 << 20).to_bytes(8, "big") + bytes([0]) + b"\xff\xff\xff\xff\x00",
+            True,
+            "more blocks than asked",
+        ),
     ],
     ids=["tcp-size-2^63", "arena-count-2^32"],
 )
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a hostile bulk reply with a huge size or block count raises OverflowError/"
-    "MemoryError in the client (replica_agent/bulk.py, kvcommon/bulkwire.py) instead of an "
-    "error the client turns into a miss or a gRPC retry (issue 15 F9)",
-)
 def test_a_hostile_bulk_reply_ends_in_an_error_the_client_handles(
-    script: bytes, local: bool
+    script: bytes, local: bool, refusal: str
 ) -> None:
-    from replica_agent.bulk import UseGrpc
+    """Issue 15 F9: sizes and counts a hostile server announces are checked before
+    anything is allocated for them; the client raises a store error (DATA_LOSS), which
+    its caller turns into a miss."""
+    from benchmarks.reliability.fuzz_wire import HANDLED
+    from replica_agent.errors import BlockStoreError
 
     raised = _hostile_bulk_get(script, local=local)
-    assert raised is not None  # positive control: the reply is refused, one way or another
-    assert isinstance(raised, OSError | RuntimeError | UseGrpc), repr(raised)
+    assert isinstance(raised, HANDLED), repr(raised)
+    assert isinstance(raised, BlockStoreError), repr(raised)
+    assert raised.code().name == "DATA_LOSS"
+    assert refusal in raised.details()  # refused by the check meant for it
 
 
 # -- found by benchmarks/faults.py ---------------------------------------------------------
@@ -157,13 +148,13 @@ BOTH = [
 ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: with the journal on and LMDB's map full, puts are acknowledged into the "
-    "journal; after kill -9 the replay's commit fails too and the restart drops them "
-    "(BlockStore._replay_journal ignores the failed _commit, then a new journal replaces it)",
-)
-def test_blocks_acknowledged_while_the_lmdb_map_is_full_survive_kill_9(serve: Serve) -> None:
+def test_blocks_acknowledged_while_the_lmdb_map_is_full_survive_kill_9(
+    serve: Serve, journal_dir: Path
+) -> None:
+    """With the journal on and LMDB's map full, puts are acknowledged into the journal
+    until it fills. After kill -9, LMDB still cannot take them: the start must fail with
+    what to change and keep the journal (it used to drop them and start a new one), and
+    a start with a bigger map replays every acknowledged block."""
     import os
 
     storage = {"lmdb_map_bytes": 8 << 20, "disk_budget_bytes": 1 << 30}
@@ -180,19 +171,22 @@ def test_blocks_acknowledged_while_the_lmdb_map_is_full_survive_kill_9(serve: Se
         assert len(acked) > 40  # positive control: the journal took more than LMDB could
         assert client.lookup("alpha", MODEL, acked) == len(acked)
     server.kill9()
-    server, _ = serve(ALPHA, BOTH, storage=storage, tokens=tenancy.tokens)
+    (ring,) = journal_dir.glob("*.journal")
+    with pytest.raises(RuntimeError) as failed:  # the same map: the start fails
+        serve(ALPHA, BOTH, storage=storage, tokens=tenancy.tokens)
+    assert "server exited (2)" in str(failed.value)
+    (line,) = [x for x in str(failed.value).splitlines() if "kvshare serve: error:" in x]
+    assert "acknowledged blocks" in line and "raise [storage] lmdb_map_bytes" in line
+    assert ring.exists()  # kept for the next start
+    bigger = {**storage, "lmdb_map_bytes": 64 << 20}
+    server, _ = serve(ALPHA, BOTH, storage=bigger, tokens=tenancy.tokens)
     with BlockClient(server.address, tenancy.tokens["a"]) as client:
-        assert client.get("alpha", MODEL, acked[:1]) == [acked[0] * 8192]
-        assert client.lookup("alpha", MODEL, acked) == len(acked)
+        assert client.get("alpha", MODEL, acked) == [d * 8192 for d in acked]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a journal record whose payload fails its checksum at replay is skipped "
-    "silently (cacheserver/journal.py replay): never served, but not counted in "
-    "integrity_failures",
-)
 def test_a_corrupt_journal_record_is_counted(serve: Serve, journal_dir: Path) -> None:
+    """A journal record whose payload fails its checksum at replay is never served, and
+    is counted in integrity_failures like a corrupt block read from LMDB."""
     import os
 
     from benchmarks.reliability.fault_scenarios2 import _flip_near
@@ -214,14 +208,9 @@ def test_a_corrupt_journal_record_is_counted(serve: Serve, journal_dir: Path) ->
         assert admin.stats().integrity_failures == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: while one agent's bulk GET is left unread (its connection holds "
-    "store.reading(), cacheserver/bulk.py _get), the journal may not wrap, and another "
-    "tenant's puts are refused after 5 s with 'the put journal holds 0 bytes not yet in "
-    "LMDB' (issue 15 F3)",
-)
 def test_a_stalled_bulk_get_does_not_stop_another_tenants_puts(serve: Serve) -> None:
+    """Issue 15 F3: a bulk GET left unread does not keep the journal from wrapping
+    (transfer deadlines): another tenant's puts go on."""
     import os
 
     from benchmarks.reliability.fault_scenarios import MODEL as AGENT_MODEL
@@ -244,13 +233,9 @@ def test_a_stalled_bulk_get_does_not_stop_another_tenants_puts(serve: Serve) -> 
         stalled.wait(30)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: with the journal on, a put refused because LMDB cannot take more (map "
-    "full; the disk full alike) says 'puts arrive faster than the disk takes them ... raise "
-    "[storage] journal_bytes' (cacheserver/journal.py reserve): the wrong advice",
-)
 def test_a_put_refused_for_a_full_map_says_what_to_change(serve: Serve) -> None:
+    """With the journal on, a put refused because LMDB cannot take more (its map is
+    full) names the map, not the journal: more journal space would only postpone it."""
     import os
 
     from replica_agent.client import BlockStoreError
@@ -266,3 +251,4 @@ def test_a_put_refused_for_a_full_map_says_what_to_change(serve: Serve) -> None:
             client.put("alpha", MODEL, [digest], [digest * 8192])
     assert refused.value.code().name == "RESOURCE_EXHAUSTED"
     assert "lmdb_map_bytes" in refused.value.details()
+    assert "journal_bytes" not in refused.value.details()

@@ -122,6 +122,16 @@ def test_reserved_records_and_torn_payloads_are_skipped_and_the_chain_goes_on(
         ],
     )
     assert walk(tmp_path / "j", START) == [(3, b"kept")]
+    # The committed record whose payload fails its checksum is reported, with its
+    # tenant (replay counts it as an integrity failure); the RESERVED one is not.
+    corrupt: list[TenantId] = []
+    fd = os.open(tmp_path / "j", os.O_RDONLY)
+    try:
+        kept = [r.seq for r in records_after(fd, START, on_corrupt=corrupt.append)]
+    finally:
+        os.close(fd)
+    assert kept == [3]
+    assert corrupt == [TenantId("alpha")]
 
 
 def test_a_wrap_marker_sends_the_chain_back_to_the_start(tmp_path: Path) -> None:

@@ -1,0 +1,89 @@
+"""`Tiers.commit`, the one commit path of write-through puts and of the journal replay at
+start-up: a batch of puts must end where the same puts one by one would. Real index,
+memory tier and LMDB in a temporary directory; no store threads."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cacheserver.events import NoEvents
+from cacheserver.index import BlockIndex
+from cacheserver.lmdb_tier import LmdbTier
+from cacheserver.memory_tier import MemoryTier
+from cacheserver.store.jobs import PutJob
+from cacheserver.store.tiering import Tiers
+from kvcommon.errors import ResourceExhausted
+from policy.types import ModelTag, StorageKey, TenantId
+
+KiB, MiB = 1 << 10, 1 << 20
+A, B = TenantId("alpha"), TenantId("beta")
+TAG = ModelTag(bytes(16))
+BLOCK = 64 * KiB
+
+
+@pytest.fixture
+def tiers(tmp_path: Path) -> Iterator[Tiers]:
+    quotas = {A: 3 * BLOCK}  # alpha: three blocks; beta: no quota
+    disk = LmdbTier(tmp_path / "lmdb", map_bytes=64 * MiB, sync_writes=False)
+    t = Tiers(BlockIndex(64 * MiB, quotas), MemoryTier(4 * MiB, quotas), disk, (), NoEvents())
+    yield t
+    t.close()
+
+
+def jobs(tenant: TenantId, n: int) -> list[PutJob]:
+    return [
+        PutJob(StorageKey(os.urandom(32)), tenant, 0, bytes([i]) * BLOCK, TAG) for i in range(n)
+    ]
+
+
+def test_a_batch_whose_later_block_evicts_an_earlier_one_stays_within_the_quota(
+    tiers: Tiers,
+) -> None:
+    batch = jobs(A, 5)  # five blocks for a three-block quota, in one commit
+    assert tiers.commit(batch) is None
+    # Every put succeeded (the first two were stored, then evicted by the call itself).
+    assert [job.future.result(0) for job in batch] == [True] * 5
+    kept = [job.key for job in batch[2:]]
+    assert tiers.index.tenant_blocks(A) == 3
+    assert tiers.index.tenant_bytes(A) == 3 * BLOCK
+    assert sorted(meta.key for meta in tiers.disk.scan()) == sorted(kept)  # LMDB as well
+    assert tiers.disk.read_many(kept) == [job.payload for job in batch[2:]]
+    assert all(tiers.memory.get(job.key) is None for job in batch[:2])
+
+
+def test_a_batch_within_the_quota_stores_every_block_and_other_tenants_are_untouched(
+    tiers: Tiers,
+) -> None:
+    theirs = jobs(B, 2)
+    assert tiers.commit(theirs) is None
+    mine = jobs(A, 3)  # positive control: exactly the quota, nothing evicted
+    assert tiers.commit(mine) is None
+    assert [job.future.result(0) for job in mine + theirs] == [True] * 5
+    assert len(list(tiers.disk.scan())) == 5
+    assert tiers.index.tenant_blocks(B) == 2
+
+
+def test_a_failed_commit_fails_the_whole_batch_superseded_blocks_included(
+    tmp_path: Path,
+) -> None:
+    """A job evicted by its own batch is reported stored only once the batch commits."""
+    quotas = {A: 2 * MiB}  # one block of 2 MiB: the second of the batch evicts the first
+    disk = LmdbTier(tmp_path / "lmdb", map_bytes=1 * MiB, sync_writes=False)  # too small
+    t = Tiers(BlockIndex(64 * MiB, quotas), MemoryTier(4 * MiB, quotas), disk, (), NoEvents())
+    try:
+        batch = [
+            PutJob(StorageKey(os.urandom(32)), A, 0, bytes([i]) * 2 * MiB, TAG) for i in (1, 2)
+        ]
+        failure = t.commit(batch)
+        assert isinstance(failure, ResourceExhausted)
+        assert "lmdb_map_bytes" in str(failure)
+        for job in batch:
+            with pytest.raises(ResourceExhausted):
+                job.future.result(0)
+        assert t.index.tenant_blocks(A) == 0
+    finally:
+        t.close()

@@ -220,7 +220,7 @@ class Server:
         self.tickets = TicketBook()
         self.bulk: BulkServer | None = None
         self._service: BlockStoreService | None = None
-        self.bulk_announced = ""  # what OpenBulk tells clients (bulk_address.bulk_announced_address)
+        self.bulk_announced = ""  # what OpenBulk tells clients (bulk_announced_address)
         self._server: grpc.aio.Server | None = None
         self.address = ""
         self.metrics_address = ""

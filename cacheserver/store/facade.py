@@ -26,6 +26,7 @@ from cacheserver.index import BlockIndex, NoRoom
 from cacheserver.lmdb_tier import LmdbTier
 from cacheserver.memory_tier import MemoryTier, memory_quotas
 from cacheserver.reading import Reading
+from cacheserver.store import local
 from cacheserver.store.jobs import PutJob, done
 from cacheserver.store.journaled import JournaledPuts
 from cacheserver.store.recovery import open_journal, rebuild_index, replay_journal
@@ -336,50 +337,17 @@ class BlockStore:
         return self._tiers.shared is not None
 
     def local_keys(self, tenant: TenantId) -> list[tuple[StorageKey, ModelTag]]:
-        """The keys this server holds of `tenant`, each with its model tag."""
-        index = self._tiers.index
-        with self._tiers.lock:
-            return [(k, ModelTag(e.tag)) for k in index.keys_of(tenant) if (e := index.get(k))]
+        return local.keys_of(self._tiers, tenant)
 
     def local_copy(self, key: StorageKey) -> bytes | bytearray | None:
-        """This server's copy of a block (memory, journal or LMDB; never a tier behind
-        LMDB), as bytes that stay valid; None if it holds none. Blocking."""
-        tiers = self._tiers
-        unpin = self.pin()
-        try:
-            with tiers.lock:
-                if key not in tiers.index:
-                    return None
-                payload = tiers.memory.get(key)
-                if payload is None and tiers.journaled is not None:
-                    payload = tiers.journaled.held([key]).get(key)
-            if payload is None:
-                payload = tiers.disk.read_many([key])[0]
-            if payload is None or isinstance(payload, bytes | bytearray):
-                return payload
-            return bytes(payload)  # a view of a journal record, valid only while pinned
-        finally:
-            unpin()
+        return local.copy_of(self._tiers, self.pin, key)
 
     def forget_local(
         self,
         keys: Sequence[StorageKey] = (),
         namespace: tuple[TenantId, ModelTag | None] | None = None,
     ) -> int:
-        """Drop this server's copies of `keys`, or of a namespace (tenant, model tag or
-        None for all of it), and no other tier's: a delete made through another server.
-        Returns how many it held. Blocking."""
-        tiers = self._tiers
-        with tiers.lock:
-            if namespace is not None:
-                present = tiers.index.keys_of(*namespace)
-            else:
-                present = [k for k in keys if k in tiers.index]
-            tiers.remove_everywhere(present)
-        if present:
-            self._writer.barrier()  # as in `delete`: no commit or replay brings them back
-            tiers.delete_below(present)
-        return len(present)
+        return local.forget(self._tiers, self._writer.barrier, keys, namespace)
 
     def tenant_usage(self, tenant: TenantId) -> tuple[int, int]:
         tiers = self._tiers

@@ -10,7 +10,7 @@ the Stats RPC (`TenantCounters`) both consume the same events, through `FanOut`.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields
 from typing import Literal, Protocol, TypeAlias
 
 from cacheserver.index import EvictReason
@@ -74,32 +74,54 @@ class TenantCounts:
     bytes_stored: int = 0
 
 
+_INDEX = {f.name: i for i, f in enumerate(fields(TenantCounts))}
+_FIELDS = len(_INDEX)
+_LOOKUPS, _LOOKUP_HITS = _INDEX["lookups"], _INDEX["lookup_hits"]
+_LOOKUP_DIGESTS = _INDEX["lookup_digests"]
+_BLOCKS_SERVED, _BYTES_SERVED = _INDEX["blocks_served"], _INDEX["bytes_served"]
+_BLOCKS_STORED, _BYTES_STORED = _INDEX["blocks_stored"], _INDEX["bytes_stored"]
+
+
 class TenantCounters(NoEvents):
     """Per-tenant figures for the Stats RPC, counted from the store's events."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._counts: dict[TenantId, TenantCounts] = {}
+        # Per tenant, the TenantCounts fields in order, as a list counted in place: an
+        # event is on every request's path, so no object is made per event (a
+        # dataclasses.replace per put cost ~40% of a 64 KiB put's handling).
+        self._counts: dict[TenantId, list[int]] = {}
 
     def of(self, tenant: TenantId) -> TenantCounts:
         with self._lock:
-            return self._counts.get(tenant, TenantCounts())
+            counts = self._counts.get(tenant)
+            return TenantCounts(*counts) if counts is not None else TenantCounts()
 
-    def _add(self, tenant: TenantId, **deltas: int) -> None:
-        with self._lock:
-            now = self._counts.get(tenant, TenantCounts())
-            fields = {name: getattr(now, name) + delta for name, delta in deltas.items()}
-            self._counts[tenant] = replace(now, **fields)
+    def _row(self, tenant: TenantId) -> list[int]:
+        row = self._counts.get(tenant)
+        if row is None:
+            row = self._counts[tenant] = [0] * _FIELDS
+        return row
 
     def looked_up(self, tenant: TenantId, asked: int, present: int) -> None:
-        self._add(tenant, lookups=1, lookup_hits=present, lookup_digests=asked)
+        with self._lock:
+            row = self._row(tenant)
+            row[_LOOKUPS] += 1
+            row[_LOOKUP_HITS] += present
+            row[_LOOKUP_DIGESTS] += asked
 
     def served(self, tenant: TenantId, tier: Tier, blocks: int, nbytes: int) -> None:
-        self._add(tenant, blocks_served=blocks, bytes_served=nbytes)
+        with self._lock:
+            row = self._row(tenant)
+            row[_BLOCKS_SERVED] += blocks
+            row[_BYTES_SERVED] += nbytes
 
     def put_outcome(self, tenant: TenantId, outcome: PutOutcome, nbytes: int) -> None:
         if outcome == "stored":
-            self._add(tenant, blocks_stored=1, bytes_stored=nbytes)
+            with self._lock:
+                row = self._row(tenant)
+                row[_BLOCKS_STORED] += 1
+                row[_BYTES_STORED] += nbytes
 
 
 class FanOut:

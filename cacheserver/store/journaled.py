@@ -136,6 +136,8 @@ class JournaledPuts:
         tiers, record = self._tiers, job.record
         assert record is not None
         self.journal.commit(record)
+        self._backlog.landed(job.tenant, len(job.payload))
+        job.landed = True
         with tiers.lock:
             admitted, evicted, _ = tiers.plan([job])  # one job: none superseded
             job.evicted = tuple(key for key, _, _ in evicted)

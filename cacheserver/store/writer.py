@@ -198,7 +198,7 @@ class Writer:
             journaled.drained(live)
         journal.finish(seqs, point)
         for job in jobs:
-            self.backlog.release(job.tenant, len(job.payload))
+            self.backlog.release(job.tenant, len(job.payload), landed=job.landed)
         if tiers.behind and writes:
             tiers.write_behind(writes)
 
@@ -217,7 +217,11 @@ class Writer:
         journaled = self._tiers.journaled
         while journaled is not None and not self._closing.is_set() and not self._barriers:
             quiet_for = time.monotonic() - self._tiers.last_activity
-            if quiet_for >= self._drain_idle_s or journaled.journal.under_pressure():
+            if (
+                quiet_for >= self._drain_idle_s
+                or journaled.journal.under_pressure()
+                or self.backlog.has_waiters
+            ):
                 return
             self._drain_now.wait(self._drain_idle_s - quiet_for)
             self._drain_now.clear()

@@ -230,11 +230,16 @@ def test_after_a_server_restart_the_bulk_channel_is_used_again_at_once(
     every call of the window over gRPC), as if the channel had failed."""
     from pathlib import Path
 
-    from cacheserver.config import ServerConfig
+    from cacheserver.config import BulkConfig, ServerConfig
     from cacheserver.embedded import EmbeddedServer
 
     data_dir = Path(str(tmp_path)) / "data"
-    first = EmbeddedServer(ServerConfig(listen="127.0.0.1:0", data_dir=data_dir))
+    # A fixed bulk port for both starts: by default it would be the gRPC port + 1 on the
+    # restart, which the client's own idle connection may hold as its local port.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        bulk_config = BulkConfig(listen=f"127.0.0.1:{probe.getsockname()[1]}")
+    first = EmbeddedServer(ServerConfig(listen="127.0.0.1:0", data_dir=data_dir, bulk=bulk_config))
     address = first.start()
     token = (data_dir / "dev.token").read_text().strip()
     digest = os.urandom(32)
@@ -244,7 +249,7 @@ def test_after_a_server_restart_the_bulk_channel_is_used_again_at_once(
             assert client.get("dev", MODEL, [digest]) == [b"v"]  # the connection is kept
         finally:
             first.stop()
-        with EmbeddedServer(ServerConfig(listen=address, data_dir=data_dir)):
+        with EmbeddedServer(ServerConfig(listen=address, data_dir=data_dir, bulk=bulk_config)):
             deadline = time.monotonic() + 30
             while True:  # gRPC reconnects by itself (OpenBulk goes over it)
                 try:

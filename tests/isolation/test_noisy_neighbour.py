@@ -208,14 +208,10 @@ def test_a_noisy_neighbour_neither_stalls_nor_starves_another_tenant(served: Ser
     grpc_gets: list[Stalled] = []
     try:
         held += [hold_bulk_put(served, 16 * MiB) for _ in range(2)]
-        print("DEBUG held puts", served.rss() // MiB)
         held.append(leave_bulk_get_unread(served, alpha[:3]))
         held += strangers(served, 100)
-        print("DEBUG get+strangers", served.rss() // MiB)
         grpc_gets = stalled_grpc_gets(served, alpha, 4)
-        print("DEBUG grpc gets", served.rss() // MiB)
         puts = held_grpc_puts(served, release, 3)
-        print("DEBUG grpc puts", served.rss() // MiB)
         time.sleep(1.0)  # every attack is in place
         rss_attacked = served.rss()
 

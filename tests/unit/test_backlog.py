@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
 from cacheserver.events import NoEvents
@@ -36,3 +39,44 @@ def test_a_block_bigger_than_the_share_is_taken_when_the_tenant_holds_nothing() 
         bound.reserve(A, 1, 0.0)
     with pytest.raises(ResourceExhausted, match="max_pending_write_bytes"):
         bound.reserve(B, 101, 0.0)  # nothing bigger than the whole bound
+
+
+def test_landed_bytes_may_pass_the_share_while_no_other_tenant_waits() -> None:
+    """A tenant alone absorbs a burst in the whole bound (journaled puts acknowledged,
+    waiting for the drain); what is still arriving stays within its share."""
+    bound = backlog()  # share: 50
+    bound.reserve(A, 40, 0.0)
+    bound.landed(A, 40)
+    bound.reserve(A, 40, 0.0)  # 80 held, 40 arriving: taken
+    with pytest.raises(ResourceExhausted, match="its share"):
+        bound.reserve(A, 20, 0.0)  # 60 arriving would pass the share
+    bound.landed(A, 40)
+    bound.reserve(A, 20, 0.0)  # 100 held: the total bound is the limit
+    with pytest.raises(ResourceExhausted, match="max_pending_write_bytes is 100"):
+        bound.reserve(B, 1, 0.0)
+
+
+def test_a_waiting_tenant_gets_room_before_a_tenant_over_its_share() -> None:
+    hurried = threading.Event()
+    bound = WriteBacklog(100, NoEvents(), hurry=hurried.set)
+    bound.reserve(A, 80, 0.0)
+    bound.landed(A, 80)  # over its share of 50, landed: waiting for the drain
+    outcome: list[str] = []
+
+    def b_puts() -> None:
+        bound.reserve(B, 30, 5.0)  # 110 > 100: waits for room
+        outcome.append("b")
+
+    waiter = threading.Thread(target=b_puts)
+    waiter.start()
+    assert hurried.wait(5)  # the writer is asked to drain at once
+    deadline = time.monotonic() + 5
+    while not bound.has_waiters and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert bound.has_waiters
+    with pytest.raises(ResourceExhausted, match="its share"):
+        bound.reserve(A, 10, 0.0)  # there would be room, but B waits and A is over
+    bound.release(A, 40, landed=True)  # the drain wrote 40 of A's bytes
+    waiter.join(5)
+    assert outcome == ["b"] and not bound.has_waiters
+    bound.reserve(A, 10, 0.0)  # nobody waits any more

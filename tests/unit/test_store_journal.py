@@ -53,3 +53,27 @@ def test_a_block_served_from_its_journal_record_is_not_promoted_to_memory(
             unpin()
     finally:
         s.close()
+
+
+def test_a_put_waiting_for_backlog_room_makes_the_writer_drain_at_once(tmp_path: Path) -> None:
+    """A put waiting for room in the writer's backlog (its tenant's share, or the
+    total) had the writer wait for an idle store (`drain_idle_ms`) as if nothing were
+    needed, while requests kept coming: the put waited for room that nothing made and
+    was refused after the journal's wait. With the store never idle (drain_idle_ms of
+    10 minutes here) the writer must drain because a put waits."""
+    storage = StorageConfig(
+        memory_budget_bytes=1 * MiB,
+        disk_budget_bytes=64 * MiB,
+        journal_bytes=32 * MiB,  # half of it is far more than the backlog: no pressure
+        journal_dir=str(tmp_path / "journal"),
+        drain_idle_ms=600_000,
+        max_pending_write_bytes=4 * MiB,
+    )
+    s = BlockStore(tmp_path / "data", storage, {}, {TENANT: 0})
+    try:
+        keys = [StorageKey(os.urandom(32)) for _ in range(12)]
+        for key in keys:  # 12 MiB through a 4 MiB backlog: 8 MiB must be drained
+            assert s.put(TENANT, key, TAG, BytesSource(os.urandom(MiB))).result() is True
+        assert s.undrained_blocks <= 4
+    finally:
+        s.close()

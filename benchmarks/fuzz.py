@@ -161,9 +161,11 @@ def campaign(targets: list[str], cases: int, seed: int, keep: Path | None = None
             _warm_up(server.address, token)
             rss_start, log_start = server.rss_bytes(), log_size(log_path)
             results = []
-            per_target = max(1, cases // len(targets))
-            for target in targets:
-                results.append(run_child(target, per_target, seed, work, server.address, token, jd))
+            for index, target in enumerate(targets):
+                # `cases` split evenly, the remainder to the first targets: at least
+                # `cases` in all (one each at the least)
+                share = max(1, cases // len(targets) + (index < cases % len(targets)))
+                results.append(run_child(target, share, seed, work, server.address, token, jd))
                 if not server.alive():  # died: count it, and start it again for the rest
                     crashes += 1
                     logged.update(log_findings(log_path, log_start))

@@ -182,16 +182,30 @@ class ServerProc:
     def rss_bytes(self) -> int:
         return rss_bytes(self.pid)
 
+    def owned_rss_bytes(self) -> int:
+        return owned_rss_bytes(self.pid)
 
-def rss_bytes(pid: int) -> int:
-    """Resident set size of process `pid` (0 once it is gone)."""
+
+def rss_bytes(pid: int, fields: tuple[str, ...] = ("VmRSS",)) -> int:
+    """Resident set size of process `pid` (0 once it is gone): the sum of `fields` of
+    /proc/PID/status (kB each)."""
+    total = 0
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
+            name, _, rest = line.partition(":")
+            if name in fields:
+                total += int(rest.split()[0]) * 1024
     except OSError:
-        pass
-    return 0
+        return 0
+    return total
+
+
+def owned_rss_bytes(pid: int) -> int:
+    """What process `pid` holds in memory of its own: anonymous pages (heap, buffers)
+    and shared-memory pages (the journal and the arenas live on tmpfs). Not LMDB's
+    data file mapped read-only, whose resident pages are the page cache, dropped by the
+    kernel under pressure and grown by every read of a large database."""
+    return rss_bytes(pid, ("RssAnon", "RssShmem"))
 
 
 def count_internal_errors(log_path: Path, start: int = 0) -> int:

@@ -78,8 +78,8 @@ class StorageConfig:
     # Payload bytes that may wait for the disk writer; past it, puts are refused with
     # RESOURCE_EXHAUSTED instead of growing the server's memory without bound.
     max_pending_write_bytes: int = 1 * GiB
-    # One tenant's share of it (0: half): one tenant's held or flooding puts cannot
-    # take the whole bound from the others.
+    # One tenant's share of the bytes still arriving (0: half): one tenant's held or
+    # flooding puts cannot take the whole bound from the others (store/backlog.py).
     max_pending_write_bytes_per_tenant: int = 0
 
     def effective_map_bytes(self) -> int:

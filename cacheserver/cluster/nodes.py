@@ -42,6 +42,9 @@ from kvcommon.errors import ConfigError
 
 log = logging.getLogger(__name__)
 REFRESH_EVERY_S = 0.5
+# What one read from a node's socket takes (redis-py's default: 64 KiB, so a 2 MiB
+# value takes 32 reads, each a release and a re-take of the GIL). One per connection.
+SOCKET_READ_BYTES = 1 << 20
 _MAP_MOVED = (MovedError, AskError, ClusterDownError, TryAgainError)
 
 
@@ -103,6 +106,7 @@ class ClusterNodes:
             "password": self._password,
             "socket_timeout": timeout_s,
             "socket_connect_timeout": min(timeout_s, 1.0),
+            "socket_read_size": SOCKET_READ_BYTES,
         }
         if self.config.tls:  # certificates verified, host names checked
             options["ssl"] = True

@@ -11,9 +11,9 @@
   GET cell first reads every block once through B and waits until B holds them, so
   the timed GETs are served from B's local tiers.
 
-A put through A is acknowledged before it reaches the cluster (written behind); a GET
-through B that finds fewer blocks than were put waits until B sees them, then reads
-again (only the untimed check before a cell can meet that).
+A put through A is acknowledged before it reaches the cluster (written behind): before
+each GET cell B must find every block put (cold and warm alike); a GET through B that
+finds fewer blocks than were put waits until B sees them, then reads again.
 """
 
 from __future__ import annotations
@@ -126,9 +126,14 @@ class KvshareClusterClient:
     def prepare(self, value_bytes: int, blocks_per_call: int) -> None:
         self._reader.lookup(TENANT, MODEL, [bytes(32)])
         keys = self._put.get(value_bytes, [])
-        if not self._warm or not keys:
+        if not keys:
             return
+        # A writes to the cluster behind its acks: a cell starts once the cluster holds
+        # every block, or the timed GETs would wait for A's writes (and share the cores
+        # with them), which the direct peer's synchronous SETs never leave behind.
         self._visible(keys)
+        if not self._warm:
+            return
         self._reader.get(TENANT, MODEL, keys)  # B keeps each block it reads, soon after
         deadline = time.monotonic() + VISIBLE_TIMEOUT_S
         while _blocks_held(self._reader) < sum(len(k) for k in self._put.values()):

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import pytest
 
@@ -28,6 +28,9 @@ from cacheserver.telemetry import ServerTelemetry
 from policy import AccessPolicy
 from replica_agent.client import BlockClient, ClientTls
 from tests.certs import Certs, make_certs
+
+if TYPE_CHECKING:
+    from policy.sealing import BlockSealer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -350,18 +353,31 @@ class ServerProcess:
 def write_engine_files(directory: Path, tokens: dict[str, str]) -> tuple[dict[str, Path], Path]:
     """What an engine adapter's config names: one owner-only token file per principal
     (`<name>.token`) and a keyring with keys for tenants `alpha` and `beta`."""
-    from policy.sealing import new_key_entry
-
     token_files = {}
     for name, token in tokens.items():
         path = directory / f"{name}.token"
         path.write_text(token)
         path.chmod(0o600)
         token_files[name] = path
+    return token_files, write_keyring(directory)
+
+
+def write_keyring(directory: Path) -> Path:
+    """An owner-only keyring file with keys for tenants `alpha` and `beta`."""
+    from policy.sealing import new_key_entry
+
     keyring = directory / "keyring.toml"
     keyring.write_text(new_key_entry("alpha", 1) + new_key_entry("beta", 1))
     keyring.chmod(0o600)
-    return token_files, keyring
+    return keyring
+
+
+@pytest.fixture
+def sealer(tmp_path: Path) -> BlockSealer:
+    """The agent's sealer with keys for tenants `alpha` and `beta`."""
+    from policy.sealing import BlockSealer, Keyring
+
+    return BlockSealer(Keyring.from_file(write_keyring(tmp_path)))
 
 
 @pytest.fixture(autouse=True)

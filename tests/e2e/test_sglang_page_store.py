@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvcommon.errors import ConfigError
-from policy.sealing import BlockSealer, Keyring, new_key_entry
+from policy.sealing import BlockSealer
 from replica_agent.adapters.sglang_pages import HostPages, PageStore, page_digest, parse_put_bytes
 from replica_agent.adapters.store_gate import StoreGate, StoreStats
 from replica_agent.breaker import BreakerState, CircuitBreaker
@@ -42,14 +42,6 @@ def server(tmp_path: Path) -> Iterator[Running]:
     )
     with launch(tenancy) as running:
         yield running
-
-
-@pytest.fixture
-def sealer(tmp_path: Path) -> BlockSealer:
-    path = tmp_path / "keyring.toml"
-    path.write_text(new_key_entry("alpha", 1) + new_key_entry("beta", 1))
-    path.chmod(0o600)
-    return BlockSealer(Keyring.from_file(path))
 
 
 def pool(fill: bool) -> HostPages:

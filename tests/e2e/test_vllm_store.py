@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from policy.sealing import BlockSealer, Keyring, new_key_entry
+from policy.sealing import BlockSealer
 from replica_agent.adapters.store_gate import StoreGate, StoreStats
 from replica_agent.adapters.vllm_layout import ConcatLastDim
 from replica_agent.adapters.vllm_plan import LoadPlan, SavePlan
@@ -53,14 +53,6 @@ def store_server(tmp_path: Path) -> Iterator[Running]:
     )
     with launch(tenancy) as running:
         yield running
-
-
-@pytest.fixture
-def sealer(tmp_path: Path) -> BlockSealer:
-    path = tmp_path / "keyring.toml"
-    path.write_text(new_key_entry("alpha", 1) + new_key_entry("beta", 1))
-    path.chmod(0o600)
-    return BlockSealer(Keyring.from_file(path))
 
 
 def worker(

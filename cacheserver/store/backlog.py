@@ -82,9 +82,7 @@ class WriteBacklog:
                         if self._fits(tenant, nbytes) or time.monotonic() >= deadline:
                             break
                 finally:
-                    self._waiting[tenant] -= 1
-                    if not self._waiting[tenant]:
-                        del self._waiting[tenant]
+                    _less(self._waiting, tenant, 1)
                 self._room.notify_all()  # a tenant over its share may go on now
             if not self._fits(tenant, nbytes):
                 self._events.put_outcome(tenant, "rejected", nbytes)
@@ -105,9 +103,7 @@ class WriteBacklog:
         only for the drain now, and count against the tenant's share of arriving bytes
         no more."""
         with self._room:
-            self._arriving[tenant] -= nbytes
-            if self._arriving[tenant] <= 0:
-                del self._arriving[tenant]
+            _less(self._arriving, tenant, nbytes)
             self._room.notify_all()
 
     def _refusal(self, tenant: TenantId, nbytes: int) -> str:
@@ -128,11 +124,15 @@ class WriteBacklog:
         had been reported with `landed` already."""
         with self._room:
             self._bytes -= nbytes
-            self._by_tenant[tenant] -= nbytes
-            if self._by_tenant[tenant] <= 0:
-                del self._by_tenant[tenant]
+            _less(self._by_tenant, tenant, nbytes)
             if not landed:
-                self._arriving[tenant] -= nbytes
-                if self._arriving[tenant] <= 0:
-                    del self._arriving[tenant]
+                _less(self._arriving, tenant, nbytes)
             self._room.notify_all()
+
+
+def _less(counter: Counter[TenantId], tenant: TenantId, n: int) -> None:
+    """Take `n` from `tenant`'s count, forgetting the tenant at zero (the counters stay
+    as small as the set of tenants with something pending)."""
+    counter[tenant] -= n
+    if counter[tenant] <= 0:
+        del counter[tenant]

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import re
 import socket
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,7 +20,7 @@ from replica_agent.client import BlockClient, ClientTls
 from tests.certs import TestCA
 from tests.conftest import ServerProcess, run_cli
 from tests.e2e.test_serve_cli import one_line_error
-from tests.observability.scrape import Samples, parse, scrape_text, value
+from tests.observability.scrape import Samples, parse, scrape_text, settled, value
 
 MODEL = "m"
 BULK_RE = re.compile(r"kvshare bulk on (\S+) \(announced: (\S+)\)")
@@ -82,14 +81,9 @@ def calls(samples: Samples, method: str) -> float:
 
 
 def scrape_after(metrics: str, last: str) -> Samples:
-    """The counts once the client's `last` call shows: the server counts a call after
-    its reply has gone, so a scrape right after the reply may miss it."""
-    deadline = time.monotonic() + 10
-    while True:
-        samples = parse(scrape_text(metrics))
-        if calls(samples, last) >= 1 or time.monotonic() > deadline:
-            return samples
-        time.sleep(0.02)
+    """The counts once the client's `last` call shows (counted after its reply)."""
+    call = ("kvshare_rpc_requests_total", (("method", last), ("status", "OK")))
+    return settled(lambda: parse(scrape_text(metrics)), {call: 1})
 
 
 def test_the_default_bulk_port_is_the_grpc_port_plus_one(tmp_path: Path) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,12 +15,11 @@ from cacheserver.telemetry import ServerTelemetry
 from kvcommon.errors import ResourceExhausted
 from replica_agent.client import BlockClient
 from tests.conftest import ServerProcess, flip_stored_byte, launch, write_config
-from tests.observability.scrape import Samples, parse, scrape_text, value
+from tests.observability.scrape import Samples, Series, parse, scrape_text, settled, value
 
 MODEL = "obs/model@r1;fp32;L2;H2;D8;B4;tp0/1"
 SIZES = (1000, 2000, 3000, 4000)  # 10000 payload bytes per workload
 METRICS_RE = re.compile(r"metrics on (\S+)")
-Series = tuple[str, tuple[tuple[str, str], ...]]  # (name, sorted labels)
 
 
 def workload(client: BlockClient) -> None:
@@ -72,20 +70,6 @@ def rpcs(**counts: int) -> dict[Series, float]:
         ("kvshare_rpc_requests_total", (("method", names[k]), ("status", "OK"))): n
         for k, n in counts.items()
     }
-
-
-def settled(scrape: Callable[[], Samples], expected: dict[Series, float]) -> Samples:
-    """Scrape until every expected value is reached (a bulk reply can overtake the
-    server's bookkeeping by microseconds), then return the samples to assert on."""
-    deadline = time.monotonic() + 5
-    while True:
-        samples = scrape()
-        reached = all(
-            value(samples, name, **dict(labels)) >= v for (name, labels), v in expected.items()
-        )
-        if reached or time.monotonic() > deadline:
-            return samples
-        time.sleep(0.05)
 
 
 def assert_counts(samples: Samples, expected: dict[Series, float]) -> None:

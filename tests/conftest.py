@@ -8,6 +8,7 @@ import os
 import re
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -360,6 +361,13 @@ def write_engine_files(directory: Path, tokens: dict[str, str]) -> tuple[dict[st
         path.chmod(0o600)
         token_files[name] = path
     return token_files, write_keyring(directory)
+
+
+def free_port() -> int:
+    """A loopback TCP port nothing listens on (a moment ago)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def write_keyring(directory: Path) -> Path:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 
 import torch
@@ -10,7 +9,7 @@ import torch
 from replica_agent.agent import ReplicaAgent
 from replica_agent.breaker import BreakerState, CircuitBreaker
 from replica_agent.spec import ModelSpec
-from tests.conftest import Running
+from tests.conftest import Running, free_port
 
 SPEC = ModelSpec(
     model_id="t/m",
@@ -21,12 +20,6 @@ SPEC = ModelSpec(
     dtype="float32",
     block_tokens=4,
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def blocks(n: int) -> list[torch.Tensor]:

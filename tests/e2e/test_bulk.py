@@ -18,7 +18,7 @@ from policy.identity import Action, Principal
 from policy.tickets import TicketBook
 from policy.types import TenantId
 from replica_agent.client import BlockClient, BlockStoreError
-from tests.conftest import Running
+from tests.conftest import Running, free_port
 
 MODEL = "m;fp32;L2"
 # The channel's two transports: a same-host arena, and TCP (the only one across hosts).
@@ -236,9 +236,7 @@ def test_after_a_server_restart_the_bulk_channel_is_used_again_at_once(
     data_dir = Path(str(tmp_path)) / "data"
     # A fixed bulk port for both starts: by default it would be the gRPC port + 1 on the
     # restart, which the client's own idle connection may hold as its local port.
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        bulk_config = BulkConfig(listen=f"127.0.0.1:{probe.getsockname()[1]}")
+    bulk_config = BulkConfig(listen=f"127.0.0.1:{free_port()}")
     first = EmbeddedServer(ServerConfig(listen="127.0.0.1:0", data_dir=data_dir, bulk=bulk_config))
     address = first.start()
     token = (data_dir / "dev.token").read_text().strip()

@@ -18,7 +18,7 @@ from cacheserver.embedded import EmbeddedServer
 from cacheserver.server import TlsFiles
 from replica_agent.client import BlockClient, ClientTls
 from tests.certs import TestCA
-from tests.conftest import ServerProcess, run_cli
+from tests.conftest import ServerProcess, free_port, run_cli
 from tests.e2e.test_serve_cli import one_line_error
 from tests.observability.scrape import Samples, parse, scrape_text, settled, value
 
@@ -42,12 +42,6 @@ def free_port_pair() -> int:
                     continue
         return port
     raise AssertionError("no two adjacent free loopback ports")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 @contextmanager

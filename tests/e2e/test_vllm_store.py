@@ -10,7 +10,6 @@ engines in tests/vllm/.
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from replica_agent.breaker import CircuitBreaker
 from replica_agent.client import BlockClient
 from replica_agent.spec import ModelSpec
 from replica_agent.telemetry import AgentTelemetry
-from tests.conftest import Running, launch, write_config
+from tests.conftest import Running, free_port, launch, write_config
 
 LAYERS, HEADS, DIM, VLLM_BLOCK, CACHE_BLOCKS = 2, 2, 8, 16, 12
 SPEC = ModelSpec("vllm/test", "r1", LAYERS, HEADS, DIM, "float32", block_tokens=32)
@@ -130,9 +129,7 @@ def test_tenant_b_never_loads_tenant_as_blocks(store_server: Running) -> None:
 
 
 def test_a_dead_store_fails_loads_and_drops_saves_without_raising() -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        dead = f"127.0.0.1:{probe.getsockname()[1]}"
+    dead = f"127.0.0.1:{free_port()}"
     store = worker(BlockClient(dead, "token", timeout_s=1.0, bulk=False), None)
     cache = paged_cache(fill=True)
     for attempt in range(4):

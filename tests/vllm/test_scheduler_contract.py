@@ -10,7 +10,6 @@ finished and an aborted request.
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from replica_agent.adapters.vllm import KVShareConnector, KVShareMetadata
 from replica_agent.hashing import BlockHasher
+from tests.conftest import free_port
 from tests.vllm.conftest import CONFIG_DIR, Store
 
 BLOCK, STORE_BLOCK, PROMPT = 16, 32, 100  # 3 full store blocks; 96 tokens loadable
@@ -92,9 +92,7 @@ def make_scheduler(store: Store | Path, **extra: Any) -> Scheduler:
 
 
 def _dead_address() -> str:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{probe.getsockname()[1]}"
+    return f"127.0.0.1:{free_port()}"
 
 
 init_none_hash(sha256)

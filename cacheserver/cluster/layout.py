@@ -52,7 +52,7 @@ def pack_header(tenant_tag: bytes, epoch: int, model_tag: bytes, payload: Payloa
     return _HEADER.pack(MAGIC, tenant_tag, epoch, model_tag, len(payload), digest)
 
 
-def unpack_header(raw: bytes | memoryview) -> BlockHeader | None:
+def unpack_header(raw: bytes | bytearray | memoryview) -> BlockHeader | None:
     """The header at the start of `raw`, or None when it is not one of ours."""
     if len(raw) < HEADER_BYTES:
         return None
@@ -62,7 +62,7 @@ def unpack_header(raw: bytes | memoryview) -> BlockHeader | None:
     return BlockHeader(tenant_tag, epoch, ModelTag(model_tag), size, digest)
 
 
-def open_value(raw: bytes, tenant_tag: bytes) -> tuple[memoryview, ModelTag] | None:
+def open_value(raw: bytes | bytearray, tenant_tag: bytes) -> tuple[memoryview, ModelTag] | None:
     """The payload of a stored value (a view, no copy) and its model tag, or None when
     the value is not a whole, intact block of this tenant: torn, corrupt, or written
     under another tenant's tag (which a key of this tenant holds only if someone put it

@@ -175,7 +175,7 @@ class ClusterTier:
         names = [self.keys.block(key) for key in keys]
         out: list[tuple[memoryview, ModelTag] | None] = []
         corrupt = []
-        for name, raw in zip(names, self.nodes.run([(n, ("GET", n)) for n in names]), strict=True):
+        for name, raw in zip(names, self.nodes.get(names), strict=True):
             if raw is None or isinstance(raw, Failed):
                 self.count(misses=1, failures=int(isinstance(raw, Failed)))
                 out.append(None)
@@ -200,10 +200,11 @@ class ClusterTier:
         """Indexed blocks LMDB could not return (a corrupt local copy): any tenant's."""
         out: list[Payload | None] = []
         names = [self.keys.block(key) for key in keys]
-        for raw in self.nodes.run([(n, ("GET", n)) for n in names]):
-            header = None if raw is None or isinstance(raw, Failed) else unpack_header(raw)
-            owner = self.by_tag.get(header.tenant_tag) if header is not None else None
-            opened = open_value(raw, owner.tag) if owner is not None else None
+        for raw in self.nodes.get(names):
+            opened = None
+            if isinstance(raw, bytearray) and (header := unpack_header(raw)) is not None:
+                owner = self.by_tag.get(header.tenant_tag)
+                opened = open_value(raw, owner.tag) if owner is not None else None
             out.append(opened[0] if opened is not None else None)
         return out
 

@@ -1,0 +1,123 @@
+"""Block values read off a node's socket by kvshare's own reader (cacheserver/cluster/nodes.py).
+
+The reader replaces redis-py's on the hot path, so it must give what redis-py gives: every
+value byte-exact in the order asked, nil as None, an error reply as a miss that leaves the
+connection usable, and a broken reply as a dead connection, never as a wrong value. The
+first tests talk to a real cluster; the last ones feed replies through a socket pair in
+awkward pieces (a header split mid-line, a value split mid-CRLF), which a real server
+produces only by chance.
+"""
+
+from __future__ import annotations
+
+import secrets
+import socket
+import threading
+from collections.abc import Iterator, Sequence
+
+import pytest
+import redis
+
+from cacheserver.cluster.config import RedisClusterConfig
+from cacheserver.cluster.nodes import ClusterNodes, Failed, _Replies
+from kvcommon.hostport import HostPort
+from kvshare.bench.redis_cluster import LocalRedisCluster
+
+
+@pytest.fixture
+def nodes(cluster: LocalRedisCluster) -> Iterator[ClusterNodes]:
+    seeds = tuple(HostPort("127.0.0.1", int(s.rpartition(":")[2])) for s in cluster.seeds)
+    connected = ClusterNodes(RedisClusterConfig(nodes=seeds))
+    assert connected.connect()
+    yield connected
+    connected.close()
+
+
+def put(cluster: LocalRedisCluster, values: dict[bytes, bytes]) -> None:
+    client = redis.RedisCluster(host="127.0.0.1", port=int(cluster.seeds[0].rpartition(":")[2]))
+    try:
+        for name, value in values.items():
+            client.set(name, value)
+    finally:
+        client.close()
+
+
+def test_values_of_every_size_come_back_byte_exact_in_the_order_asked(
+    cluster: LocalRedisCluster, nodes: ClusterNodes
+) -> None:
+    sizes = (0, 1, 2, 1000, 16 << 10, (16 << 10) + 1, 64 << 10, 3 << 20)
+    values = {f"k{i}".encode(): secrets.token_bytes(size) for i, size in enumerate(sizes)}
+    put(cluster, values)
+    names = [*values, b"absent"]
+    names = names[::-1]  # across the three nodes, in an order that is not theirs
+    got = nodes.get(names)
+    assert got == [values.get(name) for name in names]
+    assert nodes.get(names) == got  # the pooled connections were left clean
+
+
+def test_an_error_reply_is_a_miss_and_the_connection_stays_usable(
+    cluster: LocalRedisCluster, nodes: ClusterNodes
+) -> None:
+    put(cluster, {b"{t}value": b"v" * 100})
+    client = redis.RedisCluster(host="127.0.0.1", port=int(cluster.seeds[0].rpartition(":")[2]))
+    client.rpush("{t}list", b"x")  # same slot: one pipeline, the error in its middle
+    client.close()
+    got = nodes.get([b"{t}value", b"{t}list", b"{t}value"])
+    assert got[0] == got[2] == b"v" * 100
+    assert isinstance(got[1], Failed) and got[1].reason == "WRONGTYPE"
+    assert nodes.get([b"{t}value"]) == [b"v" * 100]
+
+
+def test_a_stopped_cluster_gives_failed_results_not_exceptions(
+    cluster: LocalRedisCluster,
+) -> None:
+    nodes = ClusterNodes(RedisClusterConfig(nodes=(HostPort("127.0.0.1", 1),)))
+    assert not nodes.connect()
+    assert all(isinstance(r, Failed) for r in nodes.get([b"a", b"b"]))
+
+
+# -- the reader alone, over a socket pair ------------------------------------------------
+
+
+def replies_from(pieces: Sequence[bytes], close: bool = True) -> _Replies:
+    """A reader whose peer sends `pieces` one by one (then closes, if `close`)."""
+    ours, theirs = socket.socketpair()
+    ours.settimeout(5)
+
+    def send() -> None:
+        with theirs:
+            for piece in pieces:
+                theirs.sendall(piece)
+            if not close:
+                threading.Event().wait(6)
+
+    threading.Thread(target=send, daemon=True).start()
+    return _Replies(ours)
+
+
+def test_replies_split_anywhere_are_read_whole() -> None:
+    value = secrets.token_bytes(70_000)
+    stream = b"$70000\r\n" + value + b"\r\n" + b"$-1\r\n" + b"_\r\n" + b"-MOVED 12 1.2.3.4:7000\r\n"
+    for step in (1, 3, 7, 1 << 16):
+        pieces = [stream[i : i + step] for i in range(0, len(stream), step)]
+        replies = replies_from(pieces)
+        assert replies.value() == value
+        assert replies.value() is None
+        assert replies.value() is None  # RESP3's nil
+        moved = replies.value()
+        assert isinstance(moved, Failed) and moved.reason == "MOVED"
+
+
+@pytest.mark.parametrize(
+    ("stream", "error"),
+    [
+        (b"$10\r\n0123", redis.ConnectionError),  # closed inside a value
+        (b"$4\r\nabcdXY", ValueError),  # no CRLF after the value
+        (b"+OK\r\n", ValueError),  # not a reply GET can get
+        (b"$" + b"9" * (80 << 10), ValueError),  # a header line that never ends
+    ],
+    ids=["closed mid-value", "no CRLF", "wrong reply type", "endless line"],
+)
+def test_a_broken_reply_is_an_error_never_a_value(stream: bytes, error: type[Exception]) -> None:
+    with pytest.raises(error):
+        replies_from([stream], close=stream.startswith(b"$10")).value()

@@ -336,7 +336,9 @@ def _open_cluster(config: ServerConfig, policy: AccessPolicy) -> ClusterTier | N
             f"[redis_cluster] needs the Python package {error.name!r}; "
             "pip install 'kvshare[cluster]'"
         ) from None
-    return open_cluster_tier(config.redis_cluster, policy, config.data_dir)
+    return open_cluster_tier(
+        config.redis_cluster, policy, config.data_dir, config.limits.max_block_bytes
+    )
 
 
 def _bulk_tls(tls: TlsFiles | None) -> ssl.SSLContext | None:

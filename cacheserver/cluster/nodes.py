@@ -175,17 +175,19 @@ class ClusterNodes:
         self.refresh_if_wanted()
         return results
 
-    def get(self, names: Sequence[bytes]) -> list[bytearray | Failed | None]:
+    def get(self, names: Sequence[bytes], max_bytes: int) -> list[bytearray | Failed | None]:
         """The values of `names` (None: no such key; `Failed`: its node is down or
-        answered an error), one pipeline per node, each value received into a buffer of
-        its own size (module docstring)."""
+        answered an error, or the value is over `max_bytes`), one pipeline per node,
+        each value received into a buffer of its own size (module docstring). A value
+        over `max_bytes` is read past, never held: what a node announces is not trusted
+        with the server's memory."""
         results: list[bytearray | Failed | None] = [Failed("not connected")] * len(names)
         client = self._client
         if client is None:
             return results
         for node, indices in self._by_node(client, names, results):
             try:
-                answers = self._get_on_node(client, node, [names[i] for i in indices])
+                answers = self._get_on_node(client, node, [names[i] for i in indices], max_bytes)
             except (RedisError, OSError, ValueError) as error:
                 self._node_failed(node, error)
                 answers = [Failed("node down")] * len(indices)
@@ -214,7 +216,7 @@ class ClusterNodes:
         return by_node.values()
 
     def _get_on_node(
-        self, client: RedisCluster, node: ClusterNode, names: list[bytes]
+        self, client: RedisCluster, node: ClusterNode, names: list[bytes], max_bytes: int
     ) -> list[bytearray | Failed | None]:
         pool = client.get_redis_connection(node).connection_pool
         connection = pool.get_connection()
@@ -224,7 +226,7 @@ class ClusterNodes:
             if sock is None:
                 raise redis.ConnectionError("the connection has no socket")
             replies = _Replies(sock)
-            answers = [replies.value() for _ in names]
+            answers = [replies.value(max_bytes) for _ in names]
         except BaseException:
             connection.disconnect()  # a reply half read: the connection is unusable
             raise
@@ -357,11 +359,14 @@ class _Replies:
         self._sock = sock
         self._pending = bytearray()  # received beyond the last reply taken
 
-    def value(self) -> bytearray | Failed | None:
+    def value(self, max_bytes: int) -> bytearray | Failed | None:
         line = self._line()
         kind, rest = line[:1], line[1:]
         if kind == b"$":
             size = int(rest)
+            if size > max_bytes:
+                self._skip(size + 2)
+                return Failed("too large")
             return None if size < 0 else self._take(size)
         if kind == b"_":  # RESP3 nil
             return None
@@ -398,3 +403,15 @@ class _Replies:
             raise ValueError("a value without its CRLF")
         del value[size:]
         return value
+
+    def _skip(self, nbytes: int) -> None:
+        """Read past `nbytes` without keeping them (at most 1 MiB held at a time)."""
+        taken = min(len(self._pending), nbytes)
+        del self._pending[:taken]
+        nbytes -= taken
+        with memoryview(bytearray(min(nbytes, 1 << 20))) as scratch:
+            while nbytes:
+                received = self._sock.recv_into(scratch[: min(nbytes, len(scratch))])
+                if not received:
+                    raise redis.ConnectionError("the node closed the connection")
+                nbytes -= received

@@ -36,7 +36,7 @@ from cacheserver.cluster.accounting import Accounting, Tenant
 from cacheserver.cluster.config import RedisClusterConfig
 from cacheserver.cluster.deletes import DeleteEntry, DeleteLog, Erasure
 from cacheserver.cluster.follower import Follower, announce
-from cacheserver.cluster.layout import Keys, open_value, unpack_header
+from cacheserver.cluster.layout import HEADER_BYTES, Keys, open_value, unpack_header
 from cacheserver.cluster.nodes import ClusterNodes, Failed
 from cacheserver.cluster.sharing import Keep, LocalStore, Sharing
 from cacheserver.tiers import Payload, PendingWrite
@@ -72,9 +72,15 @@ class ClusterCounts:
 
 class ClusterTier:
     def __init__(
-        self, config: RedisClusterConfig, tenants: Iterable[Tenant], data_dir: Path
+        self,
+        config: RedisClusterConfig,
+        tenants: Iterable[Tenant],
+        data_dir: Path,
+        max_block_bytes: int,
     ) -> None:
         self.config = config
+        # The largest value a block key may hold: a bigger one is a miss, never read in.
+        self.max_value_bytes = HEADER_BYTES + max_block_bytes
         self.tenants = {t.id: t for t in tenants}
         self.by_tag = {t.tag: t for t in self.tenants.values()}
         self.keys = Keys(config.key_prefix)
@@ -175,7 +181,7 @@ class ClusterTier:
         names = [self.keys.block(key) for key in keys]
         out: list[tuple[memoryview, ModelTag] | None] = []
         corrupt = []
-        for name, raw in zip(names, self.nodes.get(names), strict=True):
+        for name, raw in zip(names, self.nodes.get(names, self.max_value_bytes), strict=True):
             if raw is None or isinstance(raw, Failed):
                 self.count(misses=1, failures=int(isinstance(raw, Failed)))
                 out.append(None)
@@ -200,7 +206,7 @@ class ClusterTier:
         """Indexed blocks LMDB could not return (a corrupt local copy): any tenant's."""
         out: list[Payload | None] = []
         names = [self.keys.block(key) for key in keys]
-        for raw in self.nodes.get(names):
+        for raw in self.nodes.get(names, self.max_value_bytes):
             opened = None
             if isinstance(raw, bytearray) and (header := unpack_header(raw)) is not None:
                 owner = self.by_tag.get(header.tenant_tag)
@@ -283,7 +289,7 @@ class ClusterTier:
 
 
 def open_cluster_tier(
-    config: RedisClusterConfig, policy: AccessPolicy, data_dir: Path
+    config: RedisClusterConfig, policy: AccessPolicy, data_dir: Path, max_block_bytes: int
 ) -> ClusterTier:
     """The tier for this server's tenants (from its config: the same on every server).
     Reads the password file now (a bad one stops the start-up); connects in `start`."""
@@ -291,4 +297,4 @@ def open_cluster_tier(
         Tenant(tenant, policy.cluster_tag(tenant), policy.epoch(tenant), quota)
         for tenant, quota in policy.quotas_bytes.items()
     ]
-    return ClusterTier(config, tenants, data_dir)
+    return ClusterTier(config, tenants, data_dir, max_block_bytes)

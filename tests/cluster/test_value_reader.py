@@ -23,6 +23,8 @@ from cacheserver.cluster.nodes import ClusterNodes, Failed, _Replies
 from kvcommon.hostport import HostPort
 from kvshare.bench.redis_cluster import LocalRedisCluster
 
+LIMIT = 4 << 20  # the largest value a read may take in
+
 
 @pytest.fixture
 def nodes(cluster: LocalRedisCluster) -> Iterator[ClusterNodes]:
@@ -50,9 +52,9 @@ def test_values_of_every_size_come_back_byte_exact_in_the_order_asked(
     put(cluster, values)
     names = [*values, b"absent"]
     names = names[::-1]  # across the three nodes, in an order that is not theirs
-    got = nodes.get(names)
+    got = nodes.get(names, LIMIT)
     assert got == [values.get(name) for name in names]
-    assert nodes.get(names) == got  # the pooled connections were left clean
+    assert nodes.get(names, LIMIT) == got  # the pooled connections were left clean
 
 
 def test_an_error_reply_is_a_miss_and_the_connection_stays_usable(
@@ -62,10 +64,22 @@ def test_an_error_reply_is_a_miss_and_the_connection_stays_usable(
     client = redis.RedisCluster(host="127.0.0.1", port=int(cluster.seeds[0].rpartition(":")[2]))
     client.rpush("{t}list", b"x")  # same slot: one pipeline, the error in its middle
     client.close()
-    got = nodes.get([b"{t}value", b"{t}list", b"{t}value"])
+    got = nodes.get([b"{t}value", b"{t}list", b"{t}value"], LIMIT)
     assert got[0] == got[2] == b"v" * 100
     assert isinstance(got[1], Failed) and got[1].reason == "WRONGTYPE"
-    assert nodes.get([b"{t}value"]) == [b"v" * 100]
+    assert nodes.get([b"{t}value"], LIMIT) == [b"v" * 100]
+
+
+def test_a_value_over_the_limit_is_a_miss_read_past_not_taken_in(
+    cluster: LocalRedisCluster, nodes: ClusterNodes
+) -> None:
+    """A node announcing a huge value (corrupt, or someone with write access to Redis)
+    does not make the server allocate it; the values after it still arrive."""
+    put(cluster, {b"{t}big": b"b" * (LIMIT + 1), b"{t}small": b"s" * 10})
+    got = nodes.get([b"{t}big", b"{t}small"], LIMIT)
+    assert isinstance(got[0], Failed) and got[0].reason == "too large"
+    assert got[1] == b"s" * 10
+    assert nodes.get([b"{t}big"], LIMIT + 1) == [b"b" * (LIMIT + 1)]  # positive control
 
 
 def test_a_stopped_cluster_gives_failed_results_not_exceptions(
@@ -73,7 +87,7 @@ def test_a_stopped_cluster_gives_failed_results_not_exceptions(
 ) -> None:
     nodes = ClusterNodes(RedisClusterConfig(nodes=(HostPort("127.0.0.1", 1),)))
     assert not nodes.connect()
-    assert all(isinstance(r, Failed) for r in nodes.get([b"a", b"b"]))
+    assert all(isinstance(r, Failed) for r in nodes.get([b"a", b"b"], LIMIT))
 
 
 # -- the reader alone, over a socket pair ------------------------------------------------
@@ -101,10 +115,10 @@ def test_replies_split_anywhere_are_read_whole() -> None:
     for step in (1, 3, 7, 1 << 16):
         pieces = [stream[i : i + step] for i in range(0, len(stream), step)]
         replies = replies_from(pieces)
-        assert replies.value() == value
-        assert replies.value() is None
-        assert replies.value() is None  # RESP3's nil
-        moved = replies.value()
+        assert replies.value(LIMIT) == value
+        assert replies.value(LIMIT) is None
+        assert replies.value(LIMIT) is None  # RESP3's nil
+        moved = replies.value(LIMIT)
         assert isinstance(moved, Failed) and moved.reason == "MOVED"
 
 
@@ -120,4 +134,4 @@ def test_replies_split_anywhere_are_read_whole() -> None:
 )
 def test_a_broken_reply_is_an_error_never_a_value(stream: bytes, error: type[Exception]) -> None:
     with pytest.raises(error):
-        replies_from([stream], close=stream.startswith(b"$10")).value()
+        replies_from([stream], close=stream.startswith(b"$10")).value(LIMIT)

@@ -53,13 +53,14 @@ def row_to_json(row: Row, topology: str = LOOPBACK_TOPOLOGY) -> dict[str, Any]:
         "op": row.op,
         "value_bytes": row.value_bytes,
         "clients": row.clients,
-        "mb_per_s": round(row.mb_per_s, 1),
+        # Three decimals: a cell that ran a few slow calls is not reported as 0.0.
+        "mb_per_s": round(row.mb_per_s, 3),
         "p50_ms": round(row.p50_ms, 4),
         "p99_ms": round(row.p99_ms, 4),
         "blocks_per_call": row.blocks_per_call,
         "blocks_per_s_per_client": round(row.blocks_per_s_per_client, 1),
         "rounds": len(row.mb_per_s_rounds),
-        "mb_per_s_rounds": [round(v, 1) for v in row.mb_per_s_rounds],
+        "mb_per_s_rounds": [round(v, 3) for v in row.mb_per_s_rounds],
     }
     for reference in REFERENCE_SYSTEMS:
         document[f"ratio_to_{reference}"] = _round_or_none(row.ratio_to.get(reference), 3)

@@ -30,7 +30,7 @@ import socket
 import stat
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeAlias
 
 import redis
@@ -52,9 +52,6 @@ from kvcommon.errors import ConfigError
 
 log = logging.getLogger(__name__)
 REFRESH_EVERY_S = 0.5
-# What one read from a node's socket takes (redis-py's default: 64 KiB, so a 2 MiB
-# value takes 32 reads, each a release and a re-take of the GIL). One per connection.
-SOCKET_READ_BYTES = 1 << 20
 _MAP_MOVED = (MovedError, AskError, ClusterDownError, TryAgainError)
 _MOVED_WORDS = frozenset({b"MOVED", b"ASK", b"CLUSTERDOWN", b"TRYAGAIN"})
 HEADER_READ_BYTES = 16 << 10  # what a read for a reply's header line takes
@@ -119,7 +116,6 @@ class ClusterNodes:
             "password": self._password,
             "socket_timeout": timeout_s,
             "socket_connect_timeout": min(timeout_s, 1.0),
-            "socket_read_size": SOCKET_READ_BYTES,
         }
         if self.config.tls:  # certificates verified, host names checked
             options["ssl"] = True
@@ -164,16 +160,12 @@ class ClusterNodes:
     def run(self, commands: Sequence[tuple[bytes, Command]]) -> list[Any]:
         """Each command (routed by the key given beside it) on its node, one pipeline
         per node; a result per command, `Failed` where it failed."""
-        results: list[Any] = [Failed("not connected")] * len(commands)
-        client = self._client
-        if client is None:
-            return results
-        for node, indices in self._by_node(client, [key for key, _ in commands], results):
-            answers = self._on_node(client, node, [commands[i][1] for i in indices])
-            for index, answer in zip(indices, answers, strict=True):
-                results[index] = answer
-        self.refresh_if_wanted()
-        return results
+        return self._each_node(
+            [key for key, _ in commands],
+            lambda client, node, indices: self._on_node(
+                client, node, [commands[i][1] for i in indices]
+            ),
+        )
 
     def get(self, names: Sequence[bytes], max_bytes: int) -> list[bytearray | Failed | None]:
         """The values of `names` (None: no such key; `Failed`: its node is down or
@@ -181,17 +173,26 @@ class ClusterNodes:
         each value received into a buffer of its own size (module docstring). A value
         over `max_bytes` is read past, never held: what a node announces is not trusted
         with the server's memory."""
-        results: list[bytearray | Failed | None] = [Failed("not connected")] * len(names)
+        return self._each_node(
+            names,
+            lambda client, node, indices: self._get_on_node(
+                client, node, [names[i] for i in indices], max_bytes
+            ),
+        )
+
+    def _each_node(
+        self,
+        keys: Sequence[bytes],
+        on_node: Callable[[RedisCluster, ClusterNode, list[int]], list[Any]],
+    ) -> list[Any]:
+        """`on_node(client, node, indices)` once per node, for the indices of `keys`
+        that node holds; its answers, each in the place of its key."""
+        results: list[Any] = [Failed("not connected")] * len(keys)
         client = self._client
         if client is None:
             return results
-        for node, indices in self._by_node(client, names, results):
-            try:
-                answers = self._get_on_node(client, node, [names[i] for i in indices], max_bytes)
-            except (RedisError, OSError, ValueError) as error:
-                self._node_failed(node, error)
-                answers = [Failed("node down")] * len(indices)
-            for index, answer in zip(indices, answers, strict=True):
+        for node, indices in self._by_node(client, keys, results):
+            for index, answer in zip(indices, on_node(client, node, indices), strict=True):
                 results[index] = answer
         self.refresh_if_wanted()
         return results
@@ -218,6 +219,19 @@ class ClusterNodes:
     def _get_on_node(
         self, client: RedisCluster, node: ClusterNode, names: list[bytes], max_bytes: int
     ) -> list[bytearray | Failed | None]:
+        try:
+            answers = self._get_replies(client, node, names, max_bytes)
+        except (RedisError, OSError, ValueError) as error:
+            self._node_failed(node, error)
+            return [Failed("node down")] * len(names)
+        if any(isinstance(a, Failed) and a.reason.encode() in _MOVED_WORDS for a in answers):
+            self._refresh_wanted = True
+        return answers
+
+    @staticmethod
+    def _get_replies(
+        client: RedisCluster, node: ClusterNode, names: list[bytes], max_bytes: int
+    ) -> list[bytearray | Failed | None]:
         pool = client.get_redis_connection(node).connection_pool
         connection = pool.get_connection()
         try:
@@ -226,15 +240,12 @@ class ClusterNodes:
             if sock is None:
                 raise redis.ConnectionError("the connection has no socket")
             replies = _Replies(sock)
-            answers = [replies.value(max_bytes) for _ in names]
+            return [replies.value(max_bytes) for _ in names]
         except BaseException:
             connection.disconnect()  # a reply half read: the connection is unusable
             raise
         finally:
             pool.release(connection)
-        if any(isinstance(a, Failed) and a.reason.encode() in _MOVED_WORDS for a in answers):
-            self._refresh_wanted = True
-        return answers
 
     def call(self, key: bytes, *command: Any) -> Any:
         """One command on the node of `key`: its result, or `Failed`."""

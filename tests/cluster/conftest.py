@@ -114,6 +114,11 @@ def blocks(count: int, size: int = 64 * KiB) -> tuple[list[bytes], list[bytes]]:
     return [secrets.token_bytes(32) for _ in range(count)], [os.urandom(size) for _ in range(count)]
 
 
+def direct(cluster: LocalRedisCluster) -> redis.RedisCluster:
+    """redis-py's own cluster client: what a Redis operator's tools do."""
+    return redis.RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port)
+
+
 def primaries(cluster: LocalRedisCluster) -> list[redis.Redis]:
     """A plain client of each primary node (to look at what the cluster holds)."""
     return [redis.Redis(port=node.port) for node in cluster.primary_nodes()]

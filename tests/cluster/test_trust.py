@@ -14,24 +14,18 @@ import os
 from collections.abc import Callable
 
 import pytest
-from redis.cluster import RedisCluster
 
 from cacheserver.cluster.layout import HEADER_BYTES, pack_header, unpack_header
 from kvshare.bench.redis_cluster import LocalRedisCluster
 from policy.sealing import BlockSealer, Keyring, SealError, TenantKeys
 from policy.types import BlockDigest, ModelName, StorageKey, TenantId
-from tests.cluster.conftest import MODEL, Servers, blocks, cluster_contents, tier_of
+from tests.cluster.conftest import MODEL, Servers, blocks, cluster_contents, direct, tier_of
 
 SEALER = BlockSealer(Keyring({"alpha": TenantKeys({1: os.urandom(32)})}))
 
 
 def _key(servers: Servers, tenant: str, digest: bytes) -> StorageKey:
     return servers[0].policy.storage_key(TenantId(tenant), ModelName(MODEL), BlockDigest(digest))
-
-
-def _direct(cluster: LocalRedisCluster) -> RedisCluster:
-    """redis-py's own cluster client: what a Redis operator's tools do."""
-    return RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port)
 
 
 def _bytes(value: object) -> bytes:
@@ -84,22 +78,22 @@ def test_altered_blocks_are_misses_and_the_agent_aead_refuses_a_forged_one(
     servers[0].client("a", transport="grpc").put("alpha", MODEL, digests, sealed)
     servers.settle()
     names = [tier.keys.block(_key(servers, "alpha", d)) for d in digests]
-    direct = _direct(cluster)
-    values = [_bytes(direct.get(n)) for n in names]
+    operator = direct(cluster)
+    values = [_bytes(operator.get(n)) for n in names]
     # 0: one payload bit flipped (a bad disk, or a careless operator): a miss.
     corrupt = bytearray(values[0])
     corrupt[HEADER_BYTES + 5] ^= 1
-    direct.set(names[0], bytes(corrupt))
+    operator.set(names[0], bytes(corrupt))
     # 1: alpha's block copied under beta's key for the same digest: a miss (header tag).
     beta_name = tier.keys.block(_key(servers, "beta", digests[1]))
-    direct.set(beta_name, values[1])
+    operator.set(beta_name, values[1])
     # 2: forged with a consistent header (what a Redis operator can do): served...
     header = unpack_header(values[2])
     assert header is not None
     forged = bytearray(values[2][HEADER_BYTES:])
     forged[-1] ^= 1
     rewritten = pack_header(header.tenant_tag, header.epoch, header.model_tag, forged)
-    direct.set(names[2], rewritten + bytes(forged))
+    operator.set(names[2], rewritten + bytes(forged))
     reader = servers[1]  # holds no local copy: reads the cluster
     alpha = reader.client("a", transport="grpc")
     assert alpha.get("alpha", MODEL, digests[:1]) == []
@@ -111,7 +105,7 @@ def test_altered_blocks_are_misses_and_the_agent_aead_refuses_a_forged_one(
         SEALER.open("alpha", MODEL, digests[2], got[0])
     assert SEALER.open("alpha", MODEL, digests[3], got[1]) == plaintexts[3]  # control
     # 3: alpha's block 3 placed under alpha's key for block 4: served, refused the same.
-    direct.set(names[4], values[3])
+    operator.set(names[4], values[3])
     moved = alpha.get("alpha", MODEL, digests[4:])
     assert moved == [sealed[3]]
     with pytest.raises(SealError):

@@ -22,13 +22,14 @@ from cacheserver.cluster.config import RedisClusterConfig
 from cacheserver.cluster.nodes import ClusterNodes, Failed, _Replies
 from kvcommon.hostport import HostPort
 from kvshare.bench.redis_cluster import LocalRedisCluster
+from tests.cluster.conftest import direct
 
 LIMIT = 4 << 20  # the largest value a read may take in
 
 
 @pytest.fixture
 def nodes(cluster: LocalRedisCluster) -> Iterator[ClusterNodes]:
-    seeds = tuple(HostPort("127.0.0.1", int(s.rpartition(":")[2])) for s in cluster.seeds)
+    seeds = tuple(HostPort("127.0.0.1", node.port) for node in cluster.nodes)
     connected = ClusterNodes(RedisClusterConfig(nodes=seeds))
     assert connected.connect()
     yield connected
@@ -36,7 +37,7 @@ def nodes(cluster: LocalRedisCluster) -> Iterator[ClusterNodes]:
 
 
 def put(cluster: LocalRedisCluster, values: dict[bytes, bytes]) -> None:
-    client = redis.RedisCluster(host="127.0.0.1", port=int(cluster.seeds[0].rpartition(":")[2]))
+    client = direct(cluster)
     try:
         for name, value in values.items():
             client.set(name, value)
@@ -61,7 +62,7 @@ def test_an_error_reply_is_a_miss_and_the_connection_stays_usable(
     cluster: LocalRedisCluster, nodes: ClusterNodes
 ) -> None:
     put(cluster, {b"{t}value": b"v" * 100})
-    client = redis.RedisCluster(host="127.0.0.1", port=int(cluster.seeds[0].rpartition(":")[2]))
+    client = direct(cluster)
     client.rpush("{t}list", b"x")  # same slot: one pipeline, the error in its middle
     client.close()
     got = nodes.get([b"{t}value", b"{t}list", b"{t}value"], LIMIT)

@@ -9,8 +9,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from cacheserver.bulk_address import check_bulk_address
 from cacheserver.config import ServerConfig, check_telemetry, load_config
+from cacheserver.config.bulk import check_bulk_address
 from kvcommon.errors import ConfigError
 from kvcommon.memtune import tune_allocator
 

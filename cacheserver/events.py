@@ -13,10 +13,10 @@ import threading
 from dataclasses import dataclass, fields
 from typing import Literal, Protocol, TypeAlias
 
-from cacheserver.index import EvictReason
 from policy.types import TenantId
 
 Tier: TypeAlias = Literal["memory", "lmdb"]
+EvictReason: TypeAlias = Literal["quota", "budget"]
 PutOutcome: TypeAlias = Literal["stored", "already_present", "rejected", "failed"]
 
 

@@ -25,20 +25,20 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from cacheserver.bulk import BulkServer, server_tls_context
-from cacheserver.bulk_address import (
+from cacheserver.config import ServerConfig, TlsFiles
+from cacheserver.config.bulk import (
     bulk_announced_address,
     bulk_listen_address,
     check_bulk_plaintext,
 )
-from cacheserver.config import ServerConfig, TlsFiles
+from cacheserver.core.requests import BulkEndpoint, RequestCore
 from cacheserver.events import FanOut, TenantCounters
 from cacheserver.health import HealthMonitor
-from cacheserver.requests import BulkEndpoint, RequestCore
-from cacheserver.service import BlockStoreService
 from cacheserver.store import BlockStore
 from cacheserver.telemetry import ServerTelemetry
-from cacheserver.wire import AuthInterceptor
+from cacheserver.transport.bulk import BulkServer, server_tls_context
+from cacheserver.transport.grpc.service import BlockStoreService
+from cacheserver.transport.grpc.wire import AuthInterceptor
 from kvcommon.errors import ConfigError
 from kvcommon.v1 import kvshare_pb2, kvshare_pb2_grpc
 from policy import AccessPolicy
@@ -50,7 +50,7 @@ from policy.tickets import TicketBook
 from policy.types import TenantId
 
 if TYPE_CHECKING:
-    from cacheserver.cluster.tier import ClusterTier
+    from cacheserver.tiers.cluster.tier import ClusterTier
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = kvshare_pb2.DESCRIPTOR.services_by_name["BlockStore"].full_name
@@ -326,11 +326,11 @@ class Server:
 
 
 def _open_cluster(config: ServerConfig, policy: AccessPolicy) -> ClusterTier | None:
-    """The Redis Cluster tier, when `[redis_cluster]` names one (cacheserver.cluster)."""
+    """The Redis Cluster tier, when `[redis_cluster]` names one (cacheserver.tiers.cluster)."""
     if config.redis_cluster is None:
         return None
     try:
-        from cacheserver.cluster.tier import open_cluster_tier
+        from cacheserver.tiers.cluster.tier import open_cluster_tier
     except ImportError as error:
         raise ConfigError(
             f"[redis_cluster] needs the Python package {error.name!r}; "

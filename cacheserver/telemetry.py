@@ -39,8 +39,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from cacheserver import telemetry_export as export
 from cacheserver.config import TelemetryConfig
-from cacheserver.events import PutOutcome, Tier
-from cacheserver.index import EvictReason
+from cacheserver.events import EvictReason, PutOutcome, Tier
 from kvcommon.errors import KvshareError
 from kvcommon.logs import new_request_id
 from policy.types import TenantId
@@ -234,7 +233,7 @@ class ServerTelemetry:
             )
 
     def watch_cluster(self, counts: Callable[[], Mapping[str, int]]) -> None:
-        """The Redis Cluster tier (cacheserver.cluster): what it did, by event (hits,
+        """The Redis Cluster tier (cacheserver.tiers.cluster): what it did, by event (hits,
         misses, failures, writes, drops, evictions, ...), and whether it answers."""
         self._meter.create_observable_counter(
             "kvshare.cluster.events",

@@ -2,11 +2,12 @@
 
 Each class names the gRPC status it becomes (`status`, a `grpc.StatusCode` member name)
 and that status's number (`wire_code`), so both wire formats carry the same status for the
-same error: the gRPC interceptor aborts with it (cacheserver/wire.py), the bulk channel
-writes it in its error frame (kvcommon/bulkwire.py), and the client maps it back to the
-same class through one static table (`error_class`). Messages say what to change and
-never echo tokens, digests, payloads or another tenant's data. Anything else raised in
-a handler is a bug: logged with a request id, returned as INTERNAL with a fixed message.
+same error: the gRPC interceptor aborts with it (cacheserver/transport/grpc/wire.py),
+the bulk channel writes it in its error frame (kvcommon/bulkwire.py), and the client
+maps it back to the same class through one static table (`error_class`). Messages say
+what to change and never echo tokens, digests, payloads or another tenant's data.
+Anything else raised in a handler is a bug: logged with a request id, returned as
+INTERNAL with a fixed message.
 """
 
 from __future__ import annotations

@@ -72,7 +72,7 @@ class BlockNamer:
 
     def cluster_tag(self, tenant: TenantId) -> bytes:
         """A keyed 16-byte name of the tenant, the same at every epoch, for a shared
-        tier's per-tenant keys (cacheserver.cluster): whoever runs the tier sees which
+        tier's per-tenant keys (cacheserver.tiers.cluster): whoever runs the tier sees which
         keys belong to one tenant, never which tenant."""
         tag = self._cluster_tags.get(tenant)
         if tag is None:

@@ -21,10 +21,10 @@ import pytest
 
 from cacheserver.config import ServerConfig, load_config
 from cacheserver.embedded import EmbeddedServer
-from cacheserver.journal.files import JOURNAL_NAME, SHM, remove_journal
-from cacheserver.journal.format import SUPERBLOCK_READ_BYTES, owner_of
 from cacheserver.server import Server
 from cacheserver.store import BlockStore
+from cacheserver.store.journal.files import JOURNAL_NAME, SHM, remove_journal
+from cacheserver.store.journal.format import SUPERBLOCK_READ_BYTES, owner_of
 from cacheserver.telemetry import ServerTelemetry
 from policy import AccessPolicy
 from replica_agent.client import BlockClient, ClientTls

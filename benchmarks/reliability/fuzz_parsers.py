@@ -12,7 +12,7 @@ description that never holds the input's bytes.
            block) and Keyring.parse_toml (ConfigError only)
 - config:  cacheserver.config.load_config on TOML built from the real keys with
            values of every type (ConfigError only)
-- journal: cacheserver.journal.replay of a real ring with bytes flipped anywhere and
+- journal: cacheserver.store.journal.replay of a real ring with bytes flipped anywhere and
            any recorded position (yields only records that were committed, as
            committed; never raises)
 """
@@ -208,7 +208,7 @@ def config_target() -> Target:
 
 
 def journal_target() -> Target:
-    from cacheserver.journal import DATA_START, Journal, record_bytes, replay
+    from cacheserver.store.journal import DATA_START, Journal, record_bytes, replay
     from cacheserver.tiers import Position
     from policy.types import ModelTag, StorageKey, TenantId
 

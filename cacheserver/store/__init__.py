@@ -56,7 +56,7 @@ lock — and the server assembly passes it from its configuration section:
 
 What the index is authoritative for. Without a shared tier: existence — a key not in
 the index is a miss, and the journal and LMDB hold exactly the indexed blocks (besides
-records the writer will pass over). With one (`cacheserver.cluster`, issue 17): what
+records the writer will pass over). With one (`cacheserver.tiers.cluster`, issue 17): what
 this server holds locally. An index miss then asks the shared tier, in
 `BlockStore.lookup` after the index walk (the gRPC Lookup handler runs on a worker
 thread once `lookup_blocks` is true) and in `BlockStore.read_through` when the first key

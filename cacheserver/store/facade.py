@@ -1,5 +1,5 @@
-"""`BlockStore`: the store's one face, for the request core (`cacheserver.requests`)
-and the transports' reads (`cacheserver.reading.ReadSource`).
+"""`BlockStore`: the store's one face, for the request core (`cacheserver.core.requests`)
+and the transports' reads (`cacheserver.store.reading.ReadSource`).
 
 Invariants of the facade (the store's own are in `cacheserver.store.tiering`):
 - A put is acknowledged (its future True) only once its block is visible and a crash
@@ -20,21 +20,21 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from cacheserver.blocks import BlockSource
 from cacheserver.config import StorageConfig
 from cacheserver.events import NoEvents, StoreEvents
-from cacheserver.index import BlockIndex, NoRoom
-from cacheserver.lmdb_tier import LmdbTier
-from cacheserver.memory_tier import MemoryTier, memory_quotas
-from cacheserver.reading import Reading
 from cacheserver.store import local
+from cacheserver.store.index import BlockIndex, NoRoom
 from cacheserver.store.jobs import PutJob, done
 from cacheserver.store.journaled import JournaledPuts
+from cacheserver.store.reading import Reading
 from cacheserver.store.recovery import open_journal, rebuild_index, replay_journal
 from cacheserver.store.tiering import Tiers
 from cacheserver.store.upkeep import start_prefaulter, start_syncer
 from cacheserver.store.writer import Writer
 from cacheserver.tiers import JournalCheckpoint, LowerTier, Payload
-from cacheserver.writing import BlockSource
+from cacheserver.tiers.lmdb import LmdbTier
+from cacheserver.tiers.memory import MemoryTier, memory_quotas
 from policy.types import ModelTag, StorageKey, TenantId
 
 
@@ -144,7 +144,7 @@ class BlockStore:
         return present
 
     def read(self, tenant: TenantId, keys: Sequence[StorageKey]) -> Reading:
-        """The leading present blocks of `keys`, batch by batch (cacheserver.reading)."""
+        """The leading present blocks of `keys`, batch by batch (cacheserver.store.reading)."""
         return Reading(self, tenant, keys)
 
     def pin(self) -> Callable[[], None]:
@@ -329,7 +329,7 @@ class BlockStore:
         deleted = tiers.delete_below(sorted({*keys, *swept}))
         return max(len(keys), deleted, len(held))
 
-    # -- issue 17: what the shared tier (cacheserver.cluster) asks of this server ------
+    # -- issue 17: what the shared tier (cacheserver.tiers.cluster) asks of this server ------
 
     @property
     def lookup_blocks(self) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 from dataclasses import dataclass, field
 
-from cacheserver.journal import Reservation
+from cacheserver.store.journal import Reservation
 from cacheserver.tiers import Payload, PendingWrite
 from policy.types import ModelTag, StorageKey, TenantId
 

@@ -1,7 +1,7 @@
 """Journaled puts: the put journal as a tier of the store (a `Tier`).
 
 A journaled put is acknowledged once its record is committed in the journal
-(`cacheserver.journal`), and stays here (`_pending`) until the writer has moved it into
+(`cacheserver.store.journal`), and stays here (`_pending`) until the writer has moved it into
 LMDB. Its record goes RESERVED (`_begin`), receives its bytes in place, then is
 COMMITTED and made visible (`_finish`), or is given up (`_abandon`); either way the
 writer is handed the job, to drain it or just pass over its record.
@@ -24,13 +24,13 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from cacheserver.index import NoRoom
-from cacheserver.journal import Journal, JournalFull
+from cacheserver.blocks import BlockSource
 from cacheserver.store.backlog import WriteBacklog
+from cacheserver.store.index import NoRoom
 from cacheserver.store.jobs import PutJob
+from cacheserver.store.journal import Journal, JournalFull
 from cacheserver.store.tiering import Tiers
 from cacheserver.tiers import Payload
-from cacheserver.writing import BlockSource
 from kvcommon.errors import Unavailable
 from policy.types import ModelTag, StorageKey, TenantId
 

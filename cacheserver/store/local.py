@@ -1,4 +1,4 @@
-"""What a shared tier (issue 17, `cacheserver.cluster`) asks of this server's own
+"""What a shared tier (issue 17, `cacheserver.tiers.cluster`) asks of this server's own
 copies: the keys it holds of a tenant, a copy of one block that stays valid, and the
 dropping of copies that a delete made through another server took away. Only the local
 tiers (memory, journal, LMDB) are involved, never a tier behind LMDB.

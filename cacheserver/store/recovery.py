@@ -23,8 +23,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from cacheserver.config import StorageConfig
-from cacheserver.journal import Journal, new_journal_path, remove_journal, remove_orphans, replay
 from cacheserver.store.jobs import PutJob, was_stored
+from cacheserver.store.journal import (
+    Journal,
+    new_journal_path,
+    remove_journal,
+    remove_orphans,
+    replay,
+)
 from cacheserver.store.tiering import Tiers
 from cacheserver.store.writer import MAX_BATCH_BYTES
 from cacheserver.tiers import JournalCheckpoint, Position
@@ -144,7 +150,7 @@ def open_journal(
     """Start a fresh journal, and record its start in LMDB; `recorded` is the one
     replayed at start-up, if any. None: no tmpfs for it (puts are then acknowledged
     after their LMDB commit). Every failure is a ConfigError saying what to change
-    (cacheserver.journal.files)."""
+    (cacheserver.store.journal.files)."""
     path = new_journal_path(data_dir, storage.journal_dir)
     if path is None:
         log.info(

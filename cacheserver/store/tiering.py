@@ -21,10 +21,8 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
-from cacheserver.events import StoreEvents
-from cacheserver.index import BlockIndex, Entry, EvictReason, NoRoom
-from cacheserver.lmdb_tier import LmdbTier
-from cacheserver.memory_tier import MemoryTier
+from cacheserver.events import EvictReason, StoreEvents
+from cacheserver.store.index import BlockIndex, Entry, NoRoom
 from cacheserver.store.jobs import PutJob
 from cacheserver.tiers import (
     JournalCheckpoint,
@@ -34,6 +32,8 @@ from cacheserver.tiers import (
     SharedTier,
     Tier,
 )
+from cacheserver.tiers.lmdb import LmdbTier
+from cacheserver.tiers.memory import MemoryTier
 from kvcommon.errors import KvshareError, ResourceExhausted, Unavailable
 from policy.types import StorageKey, TenantId
 

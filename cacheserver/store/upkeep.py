@@ -12,8 +12,8 @@ import logging
 import os
 import threading
 
-from cacheserver.journal import Journal
-from cacheserver.lmdb_tier import LmdbTier
+from cacheserver.store.journal import Journal
+from cacheserver.tiers.lmdb import LmdbTier
 
 log = logging.getLogger(__name__)
 

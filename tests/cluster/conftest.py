@@ -22,7 +22,7 @@ import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cacheserver.cluster.tier import ClusterTier
+from cacheserver.tiers.cluster.tier import ClusterTier
 from kvshare.bench.redis_cluster import LocalRedisCluster, unavailable_reason
 from tests.conftest import Running, Tenancy, launch, write_config
 

@@ -10,8 +10,8 @@ import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from cacheserver.cluster.layout import unpack_header
 from cacheserver.config import StorageConfig
+from cacheserver.tiers.cluster.layout import unpack_header
 from kvshare.bench.redis_cluster import LocalRedisCluster
 from policy.types import BlockDigest, ModelName, StorageKey, TenantId
 from tests.cluster.conftest import (

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import pytest
 
-from cacheserver.cluster.layout import HEADER_BYTES, pack_header, unpack_header
+from cacheserver.tiers.cluster.layout import HEADER_BYTES, pack_header, unpack_header
 from kvshare.bench.redis_cluster import LocalRedisCluster
 from policy.sealing import BlockSealer, Keyring, SealError, TenantKeys
 from policy.types import BlockDigest, ModelName, StorageKey, TenantId

@@ -1,4 +1,5 @@
-"""Block values read off a node's socket by kvshare's own reader (cacheserver/cluster/nodes.py).
+"""Block values read off a node's socket by kvshare's own reader
+(cacheserver/tiers/cluster/nodes.py).
 
 The reader replaces redis-py's on the hot path, so it must give what redis-py gives: every
 value byte-exact in the order asked, nil as None, an error reply as a miss that leaves the
@@ -18,8 +19,8 @@ from collections.abc import Iterator, Sequence
 import pytest
 import redis
 
-from cacheserver.cluster.config import RedisClusterConfig
-from cacheserver.cluster.nodes import ClusterNodes, Failed, _Replies
+from cacheserver.tiers.cluster.config import RedisClusterConfig
+from cacheserver.tiers.cluster.nodes import ClusterNodes, Failed, _Replies
 from kvcommon.hostport import HostPort
 from kvshare.bench.redis_cluster import LocalRedisCluster
 from tests.cluster.conftest import direct

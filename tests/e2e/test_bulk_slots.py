@@ -17,8 +17,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from cacheserver.bulk.listener import BulkServer
-from cacheserver.bulk.slots import ConnectionSlots
+from cacheserver.transport.bulk.listener import BulkServer
+from cacheserver.transport.bulk.slots import ConnectionSlots
 from kvcommon import bulkwire as w
 from kvcommon.errors import ResourceExhausted
 from tests.conftest import Running

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from cacheserver.lmdb_tier import LmdbTier
 from cacheserver.tiers import PendingWrite
+from cacheserver.tiers.lmdb import LmdbTier
 from kvshare.demo.replica import Replica, ReplicaSettings, StoreSettings
 from kvshare.demo.runner import DemoOptions, StoreHandle, run_demo, write_keyring
 from kvshare.demo.workload import DemoRequest, WorkloadShape, build_workload

@@ -21,8 +21,8 @@ import grpc
 import pytest
 import torch
 
-from cacheserver.bulk import server_tls_context
 from cacheserver.config import BulkConfig
+from cacheserver.transport.bulk import server_tls_context
 from kvcommon import bulkwire as w
 from kvcommon.errors import InvalidArgument, Unauthenticated
 from policy.sealing import BlockSealer

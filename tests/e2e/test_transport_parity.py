@@ -1,4 +1,4 @@
-"""The same bad call gets the same status over every transport (cacheserver/requests.py).
+"""The same bad call gets the same status over every transport (cacheserver/core/requests.py).
 
 Each case is sent as raw wire bytes — gRPC through the generated stub, the bulk channel
 through its framing over TCP and over the same-host arena — so no client-side check can
@@ -20,7 +20,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from cacheserver.bulk.handler import TRANSFER_SLACK_S
+from cacheserver.transport.bulk.handler import TRANSFER_SLACK_S
 from kvcommon import bulkwire as w
 from kvcommon.errors import (
     InvalidArgument,

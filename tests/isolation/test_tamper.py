@@ -20,8 +20,8 @@ import lmdb
 import pytest
 import torch
 
-from cacheserver.lmdb_tier import _pack_meta, _unpack_meta, checksum
 from cacheserver.tiers import PendingWrite
+from cacheserver.tiers.lmdb import _pack_meta, _unpack_meta, checksum
 from policy.sealing import BlockSealer, Keyring, SealError, TenantKeys
 from policy.types import BlockDigest, ModelName, TenantId
 from replica_agent import codec, device

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 
 from cacheserver import cli as serve_cli
-from cacheserver.bulk_address import (
+from cacheserver.config import BulkConfig, ServerConfig, load_config
+from cacheserver.config.bulk import (
     bulk_announced_address,
     bulk_listen_address,
     check_bulk_plaintext,
 )
-from cacheserver.config import BulkConfig, ServerConfig, load_config
 from kvcommon.errors import ConfigError
 from kvcommon.hostport import HostPort, bulk_dial_address, dialed_host, parse_host_port
 

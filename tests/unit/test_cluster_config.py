@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from cacheserver.cluster.config import DEFAULT_KEY_PREFIX
-from cacheserver.cluster.nodes import read_password
 from cacheserver.config import ServerConfig, load_config
+from cacheserver.tiers.cluster.config import DEFAULT_KEY_PREFIX
+from cacheserver.tiers.cluster.nodes import read_password
 from kvcommon.errors import ConfigError
 from tests.unit.test_config import MINIMAL
 

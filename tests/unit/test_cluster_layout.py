@@ -1,4 +1,4 @@
-"""What kvshare keeps in a Redis Cluster (cacheserver.cluster.layout, .deletes): block
+"""What kvshare keeps in a Redis Cluster (cacheserver.tiers.cluster.layout, .deletes): block
 headers that catch torn, corrupt and misplaced values; keys where only a tenant's own
 keys share a hash slot; the delete log that undoes copies made during a delete."""
 
@@ -8,8 +8,20 @@ import os
 
 from redis.crc import key_slot
 
-from cacheserver.cluster.deletes import DeleteEntry, DeleteLog, from_fields, split_keys, to_fields
-from cacheserver.cluster.layout import HEADER_BYTES, Keys, open_value, pack_header, unpack_header
+from cacheserver.tiers.cluster.deletes import (
+    DeleteEntry,
+    DeleteLog,
+    from_fields,
+    split_keys,
+    to_fields,
+)
+from cacheserver.tiers.cluster.layout import (
+    HEADER_BYTES,
+    Keys,
+    open_value,
+    pack_header,
+    unpack_header,
+)
 from policy.types import ModelTag, StorageKey
 
 TAG, OTHER_TAG, MODEL_TAG = os.urandom(16), os.urandom(16), ModelTag(os.urandom(16))

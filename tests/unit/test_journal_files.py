@@ -7,8 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from cacheserver.journal import MIN_CAPACITY, Journal, default_journal_path, remove_orphans, replay
-from cacheserver.journal.files import fallocate_in_steps, open_private
+from cacheserver.store.journal import (
+    MIN_CAPACITY,
+    Journal,
+    default_journal_path,
+    remove_orphans,
+    replay,
+)
+from cacheserver.store.journal.files import fallocate_in_steps, open_private
 from cacheserver.tiers import Position
 from kvcommon.errors import ConfigError
 

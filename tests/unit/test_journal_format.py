@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from cacheserver.journal import ALIGN, DATA_START, MIN_CAPACITY, Journal, record_bytes, replay
-from cacheserver.journal.format import (
+from cacheserver.store.journal import ALIGN, DATA_START, MIN_CAPACITY, Journal, record_bytes, replay
+from cacheserver.store.journal.format import (
     FLAG_COMMITTED,
     FLAG_WRAP,
     HEADER_BYTES,

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from cacheserver.journal.format import DATA_START
-from cacheserver.journal.ledger import Ledger
+from cacheserver.store.journal.format import DATA_START
+from cacheserver.store.journal.ledger import Ledger
 from cacheserver.tiers import Position
 
 ID = bytes(16)

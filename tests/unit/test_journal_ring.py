@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cacheserver.journal import (
+from cacheserver.store.journal import (
     DATA_START,
     MIN_CAPACITY,
     Journal,

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from cacheserver.index import EvictReason
-from cacheserver.memory_tier import MemoryTier, memory_quotas
+from cacheserver.events import EvictReason
 from cacheserver.tiers import Tier
+from cacheserver.tiers.memory import MemoryTier, memory_quotas
 from policy.types import StorageKey, TenantId
 
 A, B = TenantId("alpha"), TenantId("beta")

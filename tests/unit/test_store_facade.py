@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 
+from cacheserver.blocks import BytesSource
 from cacheserver.config import StorageConfig
-from cacheserver.lmdb_tier import LmdbTier
 from cacheserver.store import BlockStore
 from cacheserver.tiers import LowerTier
-from cacheserver.writing import BytesSource
+from cacheserver.tiers.lmdb import LmdbTier
 from kvcommon.errors import ResourceExhausted, Unavailable
 from policy.types import ModelTag, StorageKey, TenantId
 from tests.conftest import flip_stored_byte

@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from cacheserver.blocks import BytesSource
 from cacheserver.config import StorageConfig
 from cacheserver.store import BlockStore
-from cacheserver.writing import BytesSource
 from policy.types import ModelTag, StorageKey, TenantId
 
 MiB = 1 << 20

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from cacheserver.events import NoEvents
-from cacheserver.index import BlockIndex
-from cacheserver.lmdb_tier import LmdbTier
-from cacheserver.memory_tier import MemoryTier
+from cacheserver.store.index import BlockIndex
 from cacheserver.store.jobs import PutJob
 from cacheserver.store.tiering import Tiers
+from cacheserver.tiers.lmdb import LmdbTier
+from cacheserver.tiers.memory import MemoryTier
 from kvcommon.errors import ResourceExhausted
 from policy.types import ModelTag, StorageKey, TenantId
 

@@ -182,7 +182,7 @@ class KvshareClusterSystem:
         self._servers: list[ServerProcess] = []
 
     def unavailable_reason(self) -> str | None:
-        return _unavailable(("cacheserver.cluster.tier",), self._at)
+        return _unavailable(("cacheserver.tiers.cluster.tier",), self._at)
 
     def start(self, workdir: Path) -> KvshareClusterSpec:
         try:

@@ -52,7 +52,7 @@ MODEL = "kvshare-bench"
 SERVING_LINE = r"serving on (\S+):(\d+)"
 METRICS_LINE = r"metrics on (\S+) "
 DATA_KEY_BYTES = 32
-SEALED_HELLO_METHOD = "kvshare.bulk/SealedHello"  # cacheserver.bulk.listener.SEALED_HELLO
+SEALED_HELLO_METHOD = "kvshare.bulk/SealedHello"  # cacheserver.transport.bulk.listener.SEALED_HELLO
 
 
 @dataclass(frozen=True)

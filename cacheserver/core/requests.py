@@ -1,9 +1,9 @@
 """The request core: every operation admitted, named and carried out once, for every transport.
 
-The gRPC service (`cacheserver.service`) and the bulk listener (`cacheserver.bulk`)
-only frame: they parse their wire format into the arguments below, call one method,
-and write back its result, or its `KvshareError` (whose class names the status both
-wire formats carry). So the same bad call gets the same status over gRPC, bulk TCP and
+The gRPC service (`cacheserver.transport.grpc.service`) and the bulk listener
+(`cacheserver.transport.bulk`) only frame: they parse their wire format into the
+arguments below, call one method, and write back its result, or its `KvshareError`
+(whose class names the status both wire formats carry). So the same bad call gets the same status over gRPC, bulk TCP and
 the same-host arena (tests/e2e/test_transport_parity.py).
 
 Admission, in this order, for every operation that names blocks:
@@ -28,11 +28,11 @@ import concurrent.futures
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from cacheserver.blocks import BlockSource, CheckedSource
 from cacheserver.config import LimitsConfig
 from cacheserver.events import TenantCounters, TenantCounts
-from cacheserver.reading import Reading
 from cacheserver.store import BlockStore
-from cacheserver.writing import BlockSource, CheckedSource
+from cacheserver.store.reading import Reading
 from kvcommon.errors import InvalidArgument, Unavailable
 from policy import AccessPolicy, Action, Principal
 from policy.bulkchannel import new_channel_secret

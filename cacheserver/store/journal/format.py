@@ -1,6 +1,6 @@
 """The put journal's on-file format: superblock, record headers, their MAC, and the walk
 along a ring's chain that recovery replays. No state, no locks: the ring
-(`cacheserver.journal.ring`) writes with these functions, recovery reads with them.
+(`cacheserver.store.journal.ring`) writes with these functions, recovery reads with them.
 
 Invariant: a header counts only if it carries this journal's MAC. `records_after`
 follows the chain from a drain position and stops at the first header whose MAC fails

@@ -32,14 +32,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from cacheserver.cluster.accounting import Accounting, Tenant
-from cacheserver.cluster.config import RedisClusterConfig
-from cacheserver.cluster.deletes import DeleteEntry, DeleteLog, Erasure
-from cacheserver.cluster.follower import Follower, announce
-from cacheserver.cluster.layout import HEADER_BYTES, Keys, open_value, unpack_header
-from cacheserver.cluster.nodes import ClusterNodes, Failed
-from cacheserver.cluster.sharing import Keep, LocalStore, Sharing
 from cacheserver.tiers import Payload, PendingWrite
+from cacheserver.tiers.cluster.accounting import Accounting, Tenant
+from cacheserver.tiers.cluster.config import RedisClusterConfig
+from cacheserver.tiers.cluster.deletes import DeleteEntry, DeleteLog, Erasure
+from cacheserver.tiers.cluster.follower import Follower, announce
+from cacheserver.tiers.cluster.layout import HEADER_BYTES, Keys, open_value, unpack_header
+from cacheserver.tiers.cluster.nodes import ClusterNodes, Failed
+from cacheserver.tiers.cluster.sharing import Keep, LocalStore, Sharing
 from kvcommon.errors import Unavailable
 from policy import AccessPolicy
 from policy.types import ModelTag, StorageKey, TenantId

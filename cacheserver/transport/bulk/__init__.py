@@ -1,12 +1,12 @@
 """The bulk channel: block bytes over TCP/TLS or a same-host arena, beside gRPC.
 
 `listener` accepts and authenticates connections (one-time tickets from OpenBulk);
-`handler` frames each request around the request core (cacheserver.requests);
+`handler` frames each request around the request core (cacheserver.core.requests);
 `sealed` is the sealed-payload channel's framing (AEAD headers, tagged PUT payloads,
 sealed-only GETs) for tenants that require sealed blocks; `arena` is the same-host
 transport's shared memory. Framing: kvcommon.bulkwire.
 """
 
-from cacheserver.bulk.listener import BulkServer, server_tls_context
+from cacheserver.transport.bulk.listener import BulkServer, server_tls_context
 
 __all__ = ["BulkServer", "server_tls_context"]

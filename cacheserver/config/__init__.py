@@ -3,7 +3,7 @@
 The TOML keys `listen`, `data_dir`, `[[tenants]]` and `[[principals]]` are a contract
 (DESIGN §8); `[storage]`, `[limits]`, `[tls]`, `[telemetry]`, `[bulk]` and `audit_log` are optional
 with the defaults below; `[redis_cluster]` (DESIGN §6) is parsed by
-`cacheserver.cluster.config`.
+`cacheserver.tiers.cluster.config`.
 Command-line flags override the file. Unknown keys anywhere are errors naming the key
 and its line.
 """
@@ -17,8 +17,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from cacheserver.bulk_address import check_bulk_address
-from cacheserver.cluster.config import RedisClusterConfig, parse_redis_cluster
+from cacheserver.config.bulk import check_bulk_address
+from cacheserver.tiers.cluster.config import RedisClusterConfig, parse_redis_cluster
 from kvcommon.errors import ConfigError, InvalidArgument
 from policy.audit import AUDIT_FILE
 from policy.config import AccessConfig, line_of, parse_access
@@ -58,7 +58,7 @@ class StorageConfig:
     lmdb_map_bytes: int = 0
     # An acknowledged block always survives a crash of the server process (kill -9).
     # By default a put is acknowledged once it is written to the put journal, a ring
-    # file on tmpfs (cacheserver/journal/), and moved into LMDB behind the ack; a
+    # file on tmpfs (cacheserver/store/journal/), and moved into LMDB behind the ack; a
     # crash replays what LMDB lacks. A host reboot clears tmpfs and so may lose what
     # was not yet in LMDB (at most journal_bytes; only cache entries, which replicas
     # recompute). journal_bytes = 0 acknowledges a put after its LMDB commit instead.
@@ -125,7 +125,7 @@ class LimitsConfig:
 
 @dataclass(frozen=True)
 class BulkConfig:
-    """The bulk channel's listeners (cacheserver/bulk/): TCP/TLS, and same-host."""
+    """The bulk channel's listeners (cacheserver/transport/bulk/): TCP/TLS, and same-host."""
 
     # HOST:PORT of the TCP/TLS listener (DESIGN §8). "": the gRPC listen host at the
     # gRPC port + 1 (port 0 stays 0: a free port, as in tests). A fixed port is one a
@@ -193,7 +193,7 @@ class ServerConfig:
     secret_file: Path | None = None  # None: <data_dir>/server.secret
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     bulk: BulkConfig = field(default_factory=BulkConfig)
-    # The shared tier several servers use at once (cacheserver.cluster); None: none.
+    # The shared tier several servers use at once (cacheserver.tiers.cluster); None: none.
     redis_cluster: RedisClusterConfig | None = None
 
     @property

@@ -27,9 +27,9 @@ import logging
 import socket
 from collections.abc import Sequence
 
-from cacheserver.bulk.handler import DISCARD_CHUNK_BYTES, BulkHandler, Pace
-from cacheserver.requests import DISK_BATCH_BYTES, RequestCore
-from cacheserver.writing import BlockSource
+from cacheserver.blocks import BlockSource
+from cacheserver.core.requests import DISK_BATCH_BYTES, RequestCore
+from cacheserver.transport.bulk.handler import DISCARD_CHUNK_BYTES, BulkHandler, Pace
 from kvcommon import bulkwire as w
 from kvcommon.errors import KvshareError, Unauthenticated
 from policy.bulkchannel import TAG_BYTES, ChannelError, PayloadMac, Receiver, Sender, server_side
@@ -192,7 +192,7 @@ class _SealedSource:
         self._mac = mac
         self.size = size
         self._principal = principal
-        self._deadline = deadline  # for the block and its tag (cacheserver.bulk.handler.Pace)
+        self._deadline = deadline  # for the block and its tag (handler.Pace)
 
     def payload(self) -> None:
         return None

@@ -25,16 +25,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from cacheserver.cluster.accounting import Admission, Tenant
-from cacheserver.cluster.layout import pack_header
-from cacheserver.cluster.nodes import Failed
+from cacheserver.blocks import BlockSource, BytesSource
 from cacheserver.tiers import Payload
-from cacheserver.writing import BlockSource, BytesSource
+from cacheserver.tiers.cluster.accounting import Admission, Tenant
+from cacheserver.tiers.cluster.layout import pack_header
+from cacheserver.tiers.cluster.nodes import Failed
 from kvcommon.errors import KvshareError
 from policy.types import ModelTag, StorageKey, TenantId
 
 if TYPE_CHECKING:
-    from cacheserver.cluster.tier import ClusterTier
+    from cacheserver.tiers.cluster.tier import ClusterTier
 
 log = logging.getLogger(__name__)
 BATCH_BLOCKS = 64

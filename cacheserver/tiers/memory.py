@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import TypeAlias
 
-from cacheserver.index import BlockIndex, EvictReason, NoRoom
+from cacheserver.events import EvictReason
+from cacheserver.store.index import BlockIndex, NoRoom
 from cacheserver.tiers import Payload
 from policy.types import StorageKey, TenantId
 

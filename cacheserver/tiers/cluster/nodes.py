@@ -47,7 +47,7 @@ from redis.exceptions import (
 )
 from redis.retry import Retry
 
-from cacheserver.cluster.config import RedisClusterConfig
+from cacheserver.tiers.cluster.config import RedisClusterConfig
 from kvcommon.errors import ConfigError
 
 log = logging.getLogger(__name__)

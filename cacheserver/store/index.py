@@ -17,11 +17,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Literal, TypeAlias
 
+from cacheserver.events import EvictReason
 from policy.types import StorageKey, TenantId
-
-EvictReason: TypeAlias = Literal["quota", "budget"]
 
 
 @dataclass(slots=True)

@@ -23,9 +23,9 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from cacheserver.cluster.accounting import Accounting, Tenant
-from cacheserver.cluster.layout import HEADER_BYTES, Keys, unpack_header
-from cacheserver.cluster.nodes import ClusterNodes, Failed
+from cacheserver.tiers.cluster.accounting import Accounting, Tenant
+from cacheserver.tiers.cluster.layout import HEADER_BYTES, Keys, unpack_header
+from cacheserver.tiers.cluster.nodes import ClusterNodes, Failed
 from policy.types import ModelTag, StorageKey
 
 KEYS_PER_ENTRY = 256  # 8 KiB of keys: a large delete becomes several stream entries

@@ -25,14 +25,14 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from cacheserver.cluster import deletes
-from cacheserver.cluster.deletes import DeleteEntry
-from cacheserver.cluster.nodes import Failed
+from cacheserver.tiers.cluster import deletes
+from cacheserver.tiers.cluster.deletes import DeleteEntry
+from cacheserver.tiers.cluster.nodes import Failed
 from policy.types import ModelTag
 
 if TYPE_CHECKING:
-    from cacheserver.cluster.sharing import LocalStore
-    from cacheserver.cluster.tier import ClusterTier
+    from cacheserver.tiers.cluster.sharing import LocalStore
+    from cacheserver.tiers.cluster.tier import ClusterTier
 
 log = logging.getLogger(__name__)
 POSITION_FILE = "cluster.position"

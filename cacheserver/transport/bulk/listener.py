@@ -8,9 +8,9 @@ the GIL is released for the whole transfer. Framing: `kvcommon.bulkwire`.
 Security: a connection is opened only with a ticket from `OpenBulk`, which gRPC issued
 after authenticating the caller (policy.TicketBook); the connection is then bound to
 that principal and tenant, and every request is admitted and named by the request core
-(cacheserver.requests), the same code the gRPC handlers call. With TLS on the gRPC
+(cacheserver.core.requests), the same code the gRPC handlers call. With TLS on the gRPC
 port, this listener uses the same certificate (and client-certificate CA), and on the
-same port takes the sealed-payload channel (cacheserver.bulk.sealed): a client whose
+same port takes the sealed-payload channel (cacheserver.transport.bulk.sealed): a client whose
 first byte does not start TLS must say "KVB2" and prove the secret OpenBulk gave it
 over TLS for a tenant that requires sealed blocks; a ticket in clear is refused.
 
@@ -22,7 +22,7 @@ no access of the server's can fault), and payloads move through the arena: one c
 each way instead of two, and no TCP stack. The server copies a put's bytes out of the
 arena before it checks or hashes them, so a client rewriting the arena meanwhile can
 only change its own block, as if it had sent other bytes. Policy is the same code as
-on TCP (cacheserver.bulk.handler).
+on TCP (cacheserver.transport.bulk.handler).
 
 Each request is observed like an RPC (ServerTelemetry.rpc, methods `kvshare.bulk/Get`,
 `kvshare.bulk/Put`, `kvshare.bulk/Hello`); a request flagged TRACED carries its
@@ -40,13 +40,13 @@ import ssl
 import threading
 from collections.abc import Callable, Iterator
 
-from cacheserver.bulk.arena import Arena, listen_locally
-from cacheserver.bulk.handler import OPS, BulkHandler, Pace
-from cacheserver.bulk.sealed import SealedHello
-from cacheserver.bulk.slots import ConnectionSlots
 from cacheserver.config import BulkConfig
-from cacheserver.requests import RequestCore
+from cacheserver.core.requests import RequestCore
 from cacheserver.telemetry import ServerTelemetry
+from cacheserver.transport.arena import Arena, listen_locally
+from cacheserver.transport.bulk.handler import OPS, BulkHandler, Pace
+from cacheserver.transport.bulk.sealed import SealedHello
+from cacheserver.transport.bulk.slots import ConnectionSlots
 from kvcommon import bulkwire as w
 from kvcommon.errors import ConfigError, InvalidArgument, KvshareError, ResourceExhausted
 from kvcommon.tracing import context_from_binary
@@ -55,7 +55,7 @@ from policy.tickets import Grant, TicketBook
 log = logging.getLogger(__name__)
 IDLE_TIMEOUT_S = 300.0  # an authenticated connection may idle between requests this long
 # Before its ticket is accepted a peer is unauthenticated: it gets only this long, in
-# total, to finish TLS and present the ticket (cacheserver.bulk.slots).
+# total, to finish TLS and present the ticket (cacheserver.transport.bulk.slots).
 HANDSHAKE_TIMEOUT_S = 5.0
 BULK_SYSTEM = "kvshare_bulk"  # the `rpc.system` of this listener's spans
 # The sealed-payload channel's hello, counted apart: an operator sees which channel
@@ -197,7 +197,7 @@ class BulkServer:
     def _hello_tcp(self, conn: socket.socket, raw: socket.socket) -> BulkHandler | None:
         """The TCP listener's hello: a ticket over TLS (plain TCP where the server has
         no TLS), or the sealed-payload channel's "KVB2" over plain TCP, whose ticket
-        only opens with its proof (cacheserver.bulk.sealed). None: refused."""
+        only opens with its proof (cacheserver.transport.bulk.sealed). None: refused."""
         magic, ticket = w.HELLO.unpack(w.recv_bytes(conn, w.HELLO.size))
         if magic == w.MAGIC_SEALED and conn is raw:
             hello = SealedHello(raw, ticket, self._tickets)

@@ -1,7 +1,7 @@
 """The put journal's ring, open for writing: reserve, commit, drain, reclaim, readers.
 
 Invariants (all under `Journal._lock`):
-- Space is written again only once the ledger (`cacheserver.journal.ledger`) has
+- Space is written again only once the ledger (`cacheserver.store.journal.ledger`) has
   released it: drained, and covered by the position LMDB records.
 - No record is handed out past the file space reserved so far (`_allocated`): touching
   a page of the mapping that tmpfs cannot back would kill the server with SIGBUS.
@@ -28,8 +28,13 @@ from pathlib import Path
 
 import xxhash
 
-from cacheserver.journal.files import fallocate_in_steps, open_private, populate, remove_journal
-from cacheserver.journal.format import (
+from cacheserver.store.journal.files import (
+    fallocate_in_steps,
+    open_private,
+    populate,
+    remove_journal,
+)
+from cacheserver.store.journal.format import (
     ALIGN,
     DATA_START,
     FLAG_COMMITTED,
@@ -42,7 +47,7 @@ from cacheserver.journal.format import (
     pack_superblock,
     record_bytes,
 )
-from cacheserver.journal.ledger import Ledger
+from cacheserver.store.journal.ledger import Ledger
 from cacheserver.tiers import NO_MODEL_TAG, Position
 from kvcommon.errors import ConfigError, ResourceExhausted
 from policy.types import ModelTag, StorageKey, TenantId

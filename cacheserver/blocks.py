@@ -10,9 +10,12 @@ same-host arena copies into it, gRPC already holds the bytes (`BytesSource`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, TypeAlias
 
-from cacheserver.tiers import Payload
+# A block's bytes as the store holds them: bytes from gRPC, the receive buffer itself
+# (bytearray, never written again), or a view of its record in the put journal, where
+# the bulk channel received it; no path copies.
+Payload: TypeAlias = bytes | bytearray | memoryview
 
 
 class BlockSource(Protocol):

@@ -1,6 +1,6 @@
 """The put journal's ledger: which records hold ring space, which of them are done, and
 how far LMDB covers the chain. Pure bookkeeping, no I/O and no lock of its own: the
-ring (`cacheserver.journal.ring`) calls it under its lock.
+ring (`cacheserver.store.journal.ring`) calls it under its lock.
 
 Invariants:
 - `used_bytes` is the ring space from the oldest unreclaimed record to the head (wrap
@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from cacheserver.journal.format import DATA_START
+from cacheserver.store.journal.format import DATA_START
 from cacheserver.tiers import Position
 
 

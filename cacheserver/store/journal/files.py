@@ -27,7 +27,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from cacheserver.journal.format import SUPERBLOCK_READ_BYTES, Record, owner_of, records_after
+from cacheserver.store.journal.format import SUPERBLOCK_READ_BYTES, Record, owner_of, records_after
 from cacheserver.tiers import Position
 from kvcommon.errors import ConfigError
 from policy.types import TenantId

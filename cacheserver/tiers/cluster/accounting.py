@@ -24,9 +24,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cacheserver.cluster import layout
-from cacheserver.cluster.layout import Keys, TenantKeys
-from cacheserver.cluster.nodes import ClusterNodes, Failed
+from cacheserver.tiers.cluster import layout
+from cacheserver.tiers.cluster.layout import Keys, TenantKeys
+from cacheserver.tiers.cluster.nodes import ClusterNodes, Failed
 from policy.types import StorageKey, TenantId
 
 TAKE_BATCH = 512

@@ -1,7 +1,7 @@
 """One bulk-channel request: read its frame, hand it to the request core, frame the reply.
 
 Framing only (kvcommon.bulkwire). Admission, naming and the tiers are the request
-core's (cacheserver.requests), exactly as for gRPC: the connection's principal and
+core's (cacheserver.core.requests), exactly as for gRPC: the connection's principal and
 tenant come from its ticket, and each request is admitted again. The header is
 admitted before the body is read (rate, tenant and action, digest count), so a caller
 cannot make the server receive a body it would refuse.
@@ -17,9 +17,9 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cacheserver.bulk.arena import Arena
-from cacheserver.requests import DISK_BATCH_BYTES, RequestCore, parse_model_bytes
-from cacheserver.writing import BlockSource
+from cacheserver.blocks import BlockSource
+from cacheserver.core.requests import DISK_BATCH_BYTES, RequestCore, parse_model_bytes
+from cacheserver.transport.arena import Arena
 from kvcommon import bulkwire as w
 from kvcommon.errors import InvalidArgument, KvshareError
 from policy import Action
@@ -51,7 +51,7 @@ class BulkHandler:
 
     The framing of headers (`recv_request`, `_recv`, `_reply`, `send_error`), of GET
     replies (`_get`) and of put payloads (`_source`) is what the sealed-payload channel
-    (cacheserver.bulk.sealed) replaces; admission and the store calls are shared."""
+    (cacheserver.transport.bulk.sealed) replaces; admission and the store calls are shared."""
 
     def __init__(
         self,

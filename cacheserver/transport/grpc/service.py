@@ -1,7 +1,7 @@
 """The gRPC face of the store: protobuf framing around the request core.
 
 Each handler reads its request, calls one `RequestCore` method with the caller's
-principal (set by the interceptor, `cacheserver.wire`), and frames the result. No
+principal (set by the interceptor, `cacheserver.transport.grpc.wire`), and frames the result. No
 policy, naming or tier decision lives here: those are the core's, shared with the bulk
 listener. Errors are `KvshareError`s, turned into statuses by the interceptor.
 
@@ -17,13 +17,13 @@ from typing import Any, TypeVar
 
 import grpc
 
+from cacheserver.blocks import BytesSource
+from cacheserver.core.requests import AdmittedPut, RequestCore
 from cacheserver.events import NoEvents
-from cacheserver.requests import AdmittedPut, RequestCore
 from cacheserver.store.backlog import WriteBacklog
 from cacheserver.tiers import Payload
-from cacheserver.wire import current_principal
-from cacheserver.workers import Workers
-from cacheserver.writing import BytesSource
+from cacheserver.transport.grpc.wire import current_principal
+from cacheserver.transport.grpc.workers import Workers
 from kvcommon.errors import InvalidArgument, ResourceExhausted
 from kvcommon.v1 import kvshare_pb2 as pb
 from kvcommon.v1 import kvshare_pb2_grpc as pb_grpc

@@ -37,15 +37,15 @@ The store's use of it (what is journaled, the views the memory tier holds, drain
 is in `cacheserver.store.journaled` and `cacheserver.store.writer`.
 """
 
-from cacheserver.journal.files import (
+from cacheserver.store.journal.files import (
     default_journal_path,
     new_journal_path,
     remove_journal,
     remove_orphans,
     replay,
 )
-from cacheserver.journal.format import ALIGN, DATA_START, Record, record_bytes
-from cacheserver.journal.ring import MIN_CAPACITY, Journal, JournalFull, Reservation
+from cacheserver.store.journal.format import ALIGN, DATA_START, Record, record_bytes
+from cacheserver.store.journal.ring import MIN_CAPACITY, Journal, JournalFull, Reservation
 
 __all__ = [
     "ALIGN",

@@ -22,12 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, TypeAlias, runtime_checkable
 
+from cacheserver.blocks import Payload as Payload
 from policy.types import ModelTag, StorageKey, TenantId
-
-# A block's bytes as the store holds them: bytes from gRPC, the receive buffer itself
-# (bytearray, never written again), or a view of its record in the put journal, where
-# the bulk channel received it; no path copies.
-Payload: TypeAlias = bytes | bytearray | memoryview
 
 NO_MODEL_TAG = ModelTag(bytes(16))  # blocks written without a model tag
 
@@ -98,7 +94,7 @@ class LowerTier(Tier, Protocol):
 @runtime_checkable
 class SharedTier(LowerTier, Protocol):
     """A lower tier that several servers use at once (issue 17: the Redis Cluster,
-    `cacheserver.cluster`). It holds blocks the index may not list (written through
+    `cacheserver.tiers.cluster`). It holds blocks the index may not list (written through
     another server, or evicted here), so the store asks it on an index miss, and it
     carries deletes to the other servers. Blocking, thread-safe, never under the lock."""
 

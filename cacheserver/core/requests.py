@@ -3,8 +3,8 @@
 The gRPC service (`cacheserver.transport.grpc.service`) and the bulk listener
 (`cacheserver.transport.bulk`) only frame: they parse their wire format into the
 arguments below, call one method, and write back its result, or its `KvshareError`
-(whose class names the status both wire formats carry). So the same bad call gets the same status over gRPC, bulk TCP and
-the same-host arena (tests/e2e/test_transport_parity.py).
+(whose class names the status both wire formats carry). So the same bad call gets the
+same status over gRPC, bulk TCP and the same-host arena (tests/e2e/test_transport_parity.py).
 
 Admission, in this order, for every operation that names blocks:
 

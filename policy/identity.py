@@ -22,6 +22,7 @@ import hashlib
 import hmac
 import re
 import secrets
+import ssl
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -98,6 +99,19 @@ def certificate_identities(auth_context: Mapping[str, Sequence[bytes]]) -> froze
             if text:
                 identities.add(f"{kind}:{text}")
     return frozenset(identities)
+
+
+def certificate_fingerprint(der: bytes) -> bytes:
+    """The SHA-256 of a verified peer certificate (DER), b"" for none: what binds a bulk
+    ticket issued under mutual TLS to the certificate that asked for it."""
+    return hashlib.sha256(der).digest() if der else b""
+
+
+def pem_certificate_fingerprint(pem: bytes) -> bytes:
+    """`certificate_fingerprint` of a PEM certificate (gRPC's `x509_pem_cert`)."""
+    if not pem:
+        return b""
+    return certificate_fingerprint(ssl.PEM_cert_to_DER_cert(pem.decode("ascii")))
 
 
 class Authenticator:

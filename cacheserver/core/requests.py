@@ -217,12 +217,19 @@ class RequestCore:
         return StatsView(tenants, self.store.tier_usage(), self.store.integrity_failures)
 
     def open_bulk(
-        self, principal: Principal, tenant: str, *, sealed_channel: bool = False
+        self,
+        principal: Principal,
+        tenant: str,
+        *,
+        sealed_channel: bool = False,
+        peer_certificate: bytes = b"",
     ) -> BulkOffer:
         """A one-time ticket for the bulk listener, bound to `principal` and `tenant`.
         Either action opens the connection; each request on it is admitted again.
         `sealed_channel`: the caller asked for the sealed-payload channel over TLS
-        (the transport checked both); granted only for a tenant with `require_sealed`."""
+        (the transport checked both); granted only for a tenant with `require_sealed`.
+        `peer_certificate`: the caller's verified client certificate (its SHA-256,
+        under mutual TLS): only a TLS connection with that certificate redeems the ticket."""
         if self.bulk is None:
             raise Unavailable("this server has no bulk listener; use Get and Put")
         action = Action.READ if Action.READ in principal.actions else Action.WRITE
@@ -230,7 +237,9 @@ class RequestCore:
         secret = b""
         if sealed_channel and self.policy.requires_sealed(tenant_id):
             secret = new_channel_secret()
-        ticket = self.bulk.tickets.issue(principal, tenant_id, channel_secret=secret)
+        ticket = self.bulk.tickets.issue(
+            principal, tenant_id, channel_secret=secret, peer_certificate=peer_certificate
+        )
         binding = ""
         if self.bulk.local_address and self.bulk.local_namespace:
             binding = local_binding(ticket, self.bulk.local_namespace, self.bulk.local_uid)

@@ -15,7 +15,7 @@ from kvcommon.errors import PermissionDenied, Unauthenticated
 from kvcommon.v1 import kvshare_pb2 as pb
 from kvcommon.v1 import kvshare_pb2_grpc as pb_grpc
 from policy.identity import Action, Principal
-from policy.tickets import TicketBook
+from policy.tickets import Route, TicketBook
 from policy.types import TenantId
 from replica_agent.client import BlockClient, BlockStoreError
 from tests.conftest import Running, free_port
@@ -60,10 +60,10 @@ def test_tickets_expire() -> None:
     book = TicketBook(ttl_s=5, clock=lambda: now[0])
     principal = Principal("p", frozenset({TenantId("t")}), frozenset({Action.READ}))
     fresh, stale = book.issue(principal, TenantId("t")), book.issue(principal, TenantId("t"))
-    assert book.redeem(fresh).principal == principal
+    assert book.redeem(fresh, Route.TLS).principal == principal
     now[0] = 6.0
-    with pytest.raises(Exception, match="invalid, used or expired"):
-        book.redeem(stale)
+    with pytest.raises(Exception, match="invalid, used, expired"):
+        book.redeem(stale, Route.TLS)
 
 
 @TRANSPORTS

@@ -220,9 +220,9 @@ def test_a_full_ticket_book_drops_expired_tickets_then_the_oldest(
     assert len(book) == 4
     for ticket in first + later[:1]:
         with pytest.raises(Unauthenticated):
-            book.redeem(ticket)
-    assert book.redeem(later[1]).tenant == "t"  # positive control
-    assert book.redeem(newest).principal == who
+            book.redeem(ticket, tickets.Route.TLS)
+    assert book.redeem(later[1], tickets.Route.TLS).tenant == "t"  # positive control
+    assert book.redeem(newest, tickets.Route.TLS).principal == who
 
 
 def test_peek_leaves_a_ticket_unspent_and_its_channel_secret_is_never_printed() -> None:
@@ -240,8 +240,41 @@ def test_peek_leaves_a_ticket_unspent_and_its_channel_secret_is_never_printed() 
     assert peeked is not None and peeked.channel_secret == secret
     assert secret.hex() not in repr(peeked) and repr(secret) not in repr(peeked)
     assert book.peek(b"x" * 32) is None
-    assert book.redeem(ticket) == peeked  # still there after the peek
+    assert book.redeem(ticket, tickets.Route.SEALED) == peeked  # still there after the peek
     assert book.peek(ticket) is None  # used
     expiring = book.issue(who, TenantId("t"))
     now[0] = 11.0
     assert book.peek(expiring) is None
+
+
+def test_a_ticket_opens_only_the_route_it_was_issued_for_and_stays_unspent_elsewhere() -> None:
+    """A sealed-channel ticket crosses the network in clear: an on-path copier who
+    presents it inside a TLS connection of its own must be refused, and the victim's
+    sealed hello must still redeem it. An ordinary ticket does not open the sealed
+    channel, and under mutual TLS only the certificate that asked for it redeems it."""
+    from policy import tickets
+    from policy.identity import Principal, certificate_fingerprint
+
+    book = tickets.TicketBook(ttl_s=10, clock=lambda: 0.0)
+    who = Principal("p", frozenset({TenantId("t")}), frozenset({Action.READ}))
+    sealed = book.issue(who, TenantId("t"), channel_secret=bytes(32))
+    with pytest.raises(Unauthenticated):
+        book.redeem(sealed, tickets.Route.TLS)
+    assert book.redeem(sealed, tickets.Route.SEALED).principal == who  # still unspent
+    same_host = book.issue(who, TenantId("t"), channel_secret=bytes(32))
+    assert book.redeem(same_host, tickets.Route.LOCAL).principal == who  # not on the wire
+
+    plain = book.issue(who, TenantId("t"))
+    with pytest.raises(Unauthenticated):
+        book.redeem(plain, tickets.Route.SEALED)
+    assert book.redeem(plain, tickets.Route.TLS).tenant == "t"
+
+    mine, theirs = certificate_fingerprint(b"my cert"), certificate_fingerprint(b"their cert")
+    bound = book.issue(who, TenantId("t"), peer_certificate=mine)
+    for presented in (theirs, b""):
+        with pytest.raises(Unauthenticated):
+            book.redeem(bound, tickets.Route.TLS, presented)
+    assert book.redeem(bound, tickets.Route.TLS, mine).principal == who
+    unbound = book.issue(who, TenantId("t"))
+    with pytest.raises(Unauthenticated):  # a certificate the OpenBulk call did not show
+        book.redeem(unbound, tickets.Route.TLS, theirs)

@@ -50,7 +50,8 @@ from cacheserver.transport.bulk.slots import ConnectionSlots
 from kvcommon import bulkwire as w
 from kvcommon.errors import ConfigError, InvalidArgument, KvshareError, ResourceExhausted
 from kvcommon.tracing import context_from_binary
-from policy.tickets import Grant, TicketBook
+from policy.identity import certificate_fingerprint
+from policy.tickets import Grant, Route, TicketBook
 
 log = logging.getLogger(__name__)
 IDLE_TIMEOUT_S = 300.0  # an authenticated connection may idle between requests this long
@@ -204,7 +205,9 @@ class BulkServer:
             grant = self._handshake(conn, raw, hello.redeem, SEALED_HELLO)
             return None if grant is None else hello.accept(self._core, grant, self._pace)
         tls_required = self._tls is not None
-        grant = self._handshake(conn, raw, lambda: self._redeem(magic, ticket, conn, tls_required))
+        grant = self._handshake(
+            conn, raw, lambda: self._redeem(magic, ticket, conn, Route.TLS, tls_required)
+        )
         if grant is None:
             return None
         conn.sendall(bytes([w.OK]))
@@ -218,7 +221,9 @@ class BulkServer:
             try:
                 conn.settimeout(self.handshake_timeout_s)
                 magic, ticket = w.HELLO.unpack(w.recv_bytes(conn, w.HELLO.size))
-                grant = self._handshake(conn, conn, lambda: self._redeem(magic, ticket, conn))
+                grant = self._handshake(
+                    conn, conn, lambda: self._redeem(magic, ticket, conn, Route.LOCAL)
+                )
                 arena = None if grant is None else self._open_arena(conn)
                 if grant is None or arena is None:
                     return
@@ -287,7 +292,12 @@ class BulkServer:
                 return None
 
     def _redeem(
-        self, magic: bytes, ticket: bytes, conn: socket.socket, tls_required: bool = False
+        self,
+        magic: bytes,
+        ticket: bytes,
+        conn: socket.socket,
+        route: Route,
+        tls_required: bool = False,
     ) -> Grant:
         if magic != w.MAGIC:
             raise InvalidArgument("not a kvshare bulk client (bad magic)")
@@ -295,7 +305,10 @@ class BulkServer:
             raise InvalidArgument(
                 "this bulk listener speaks TLS, as the gRPC port does; connect with TLS"
             )
-        return self._tickets.redeem(ticket)
+        peer = b""
+        if isinstance(conn, ssl.SSLSocket):
+            peer = certificate_fingerprint(conn.getpeercert(binary_form=True) or b"")
+        return self._tickets.redeem(ticket, route, peer)
 
     def _serve_one(self, handler: BulkHandler) -> bool:
         """One request; False when the connection should close."""

@@ -34,7 +34,7 @@ from kvcommon import bulkwire as w
 from kvcommon.errors import KvshareError, Unauthenticated
 from policy.bulkchannel import TAG_BYTES, ChannelError, PayloadMac, Receiver, Sender, server_side
 from policy.sealing import looks_sealed
-from policy.tickets import Grant, TicketBook
+from policy.tickets import Grant, Route, TicketBook
 from policy.types import StorageKey
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ class SealedHello:
                 "the sealed channel's hello does not prove the ticket's secret"
             ) from None
         self._sides = sender, receiver
-        return self._tickets.redeem(self._ticket)
+        return self._tickets.redeem(self._ticket, Route.SEALED)
 
     def accept(self, core: RequestCore, grant: Grant, pace: Pace) -> SealedHandler:
         """Answer with the server's proof; the connection's handler."""

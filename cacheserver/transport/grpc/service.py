@@ -28,6 +28,7 @@ from kvcommon.errors import InvalidArgument, ResourceExhausted
 from kvcommon.v1 import kvshare_pb2 as pb
 from kvcommon.v1 import kvshare_pb2_grpc as pb_grpc
 from policy import Action
+from policy.identity import pem_certificate_fingerprint
 from policy.types import StorageKey
 
 _T = TypeVar("_T")
@@ -50,7 +51,10 @@ class BlockStoreService(pb_grpc.BlockStoreServicer):
         # The sealed-payload channel's secret may only ever cross TLS.
         sealed_channel = request.sealed_channel and _over_tls(context)
         offer = self._core.open_bulk(
-            current_principal.get(), request.tenant, sealed_channel=sealed_channel
+            current_principal.get(),
+            request.tenant,
+            sealed_channel=sealed_channel,
+            peer_certificate=_peer_certificate(context),
         )
         endpoint = offer.endpoint
         return pb.OpenBulkResponse(
@@ -305,6 +309,12 @@ class _BlockAssembler:
                 f"block {self._count} ended after {self._received} of "
                 f"{self._expected} bytes; nothing of it was stored"
             )
+
+
+def _peer_certificate(context: Context) -> bytes:
+    """The SHA-256 of the caller's verified client certificate (mutual TLS), else b""."""
+    pems = list(context.auth_context().get("x509_pem_cert") or ())
+    return pem_certificate_fingerprint(pems[0]) if pems else b""
 
 
 def _over_tls(context: Context) -> bool:

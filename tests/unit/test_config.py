@@ -33,6 +33,7 @@ def load(tmp_path: Path, text: str) -> object:
 
 
 def test_the_design_example_is_a_complete_config(tmp_path: Path) -> None:
+    """MINIMAL is the complete config of docs/design.md §8: everything else defaults."""
     config = load(tmp_path, MINIMAL)
     assert config.listen == "127.0.0.1:50051"  # type: ignore[attr-defined]
     access = config.access  # type: ignore[attr-defined]

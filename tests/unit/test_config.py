@@ -90,7 +90,7 @@ def test_the_bulk_table(tmp_path: Path) -> None:
 
 
 def test_two_principals_with_one_token_are_refused(tmp_path: Path) -> None:
-    """Issue 15 F11: with a shared token the last principal silently won."""
+    """With a shared token the last principal used to win silently: refused at load."""
     second = MINIMAL.split("[[principals]]")[1].replace('"replica-a"', '"replica-b"')
     with pytest.raises(ConfigError, match=r"principals\[1\].token_sha256.*its own token"):
         load(tmp_path, MINIMAL + "\n[[principals]]" + second)

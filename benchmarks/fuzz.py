@@ -104,22 +104,46 @@ def log_findings(path: Path, start: int) -> dict[str, int]:
     return found
 
 
-def run_child(
+def libfuzzer_flags(runs: int, seed: int, artifacts: Path) -> list[str]:
+    """libFuzzer's flags for one child. `-artifact_prefix` sends the inputs it keeps
+    (crash-*, leak-*, timeout-*, slow-unit-*, oom-*) into the campaign's directory;
+    without it they land in the working directory, a checkout's root."""
+    flags = [
+        f"-runs={runs}",
+        "-rss_limit_mb=0",
+        "-max_len=4096",
+        "-len_control=0",
+        f"-artifact_prefix={artifacts}{os.sep}",  # a directory: libFuzzer appends the name
+    ]
+    if seed:
+        flags.append(f"-seed={seed}")
+    return flags
+
+
+def child_command(
     target: str, runs: int, seed: int, work: Path, live: str, token: str, journal_dir: Path
-) -> dict[str, Any]:
-    out = work / f"{target}.json"
-    command = [
+) -> list[str]:
+    """The fuzz child's command line; its libFuzzer artifacts go to work/artifacts/TARGET."""
+    return [
         sys.executable,
         str(Path(__file__).resolve().parent / "reliability" / "fuzz_child.py"),
         target,
         f"--runs={runs}",
         f"--seed={seed}",
-        f"--out={out}",
+        f"--out={work / f'{target}.json'}",
         f"--live={live}",
         f"--token={token}",
         f"--work={work}",
         f"--journal-dir={journal_dir}",
+        f"--artifacts={work / 'artifacts' / target}",
     ]
+
+
+def run_child(
+    target: str, runs: int, seed: int, work: Path, live: str, token: str, journal_dir: Path
+) -> dict[str, Any]:
+    out = work / f"{target}.json"
+    command = child_command(target, runs, seed, work, live, token, journal_dir)
     with open(work / f"{target}.log", "ab") as log:
         subprocess.run(command, stdout=log, stderr=log, stdin=subprocess.DEVNULL, check=False)
     try:
@@ -134,7 +158,9 @@ def main() -> int:
     parser.add_argument("--targets", default=",".join(TARGETS))
     parser.add_argument("--seed", type=int, default=0, help="libFuzzer seed (0: random)")
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--keep", type=Path, help="keep the logs and data here (debugging)")
+    parser.add_argument(
+        "--keep", type=Path, help="keep the logs, data and libFuzzer's artifacts here"
+    )
     args = parser.parse_args()
     targets = [t for t in args.targets.split(",") if t]
     unknown = set(targets) - set(TARGETS)

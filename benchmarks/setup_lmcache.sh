@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Creates a separate virtual environment holding LMCache's standalone server, the
-# peer `kvshare bench` compares against (see PERF-BASELINES.md, "Running the peers").
+# peer `kvshare bench` compares against (see docs/design.md §12, "Running the peers").
 # LMCache is never a dependency of kvshare: it lives only in this venv.
 #
 #   bash benchmarks/setup_lmcache.sh            # venv at $KVSHARE_LMCACHE_VENV or the default

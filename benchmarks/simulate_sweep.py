@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-DEFAULT_TRACE = Path(__file__).resolve().parents[1].parent / "shared/traces/synthetic_trace.jsonl"
+DEFAULT_TRACE = Path(__file__).resolve().parent / "traces/synthetic_trace.jsonl"
 SWEEP_FLAGS = ["--replicas", "1,2,4,8,16", "--shared-store", "both", "--json", "--no-progress"]
 
 

@@ -3,7 +3,7 @@
 glibc serves allocations above M_MMAP_THRESHOLD (128 KiB at start, adapting upwards)
 with fresh mmaps and returns freed heap tops past M_TRIM_THRESHOLD to the kernel; each
 fresh page then costs a fault on first touch (~4 µs per 4 KiB page measured here), which
-caps a path that allocates per request near 1 GB/s (PERF-BASELINES). Raising both
+caps a path that allocates per request near 1 GB/s (docs/design.md §12). Raising both
 keeps freed block buffers in the heap for reuse. Process-wide and idempotent: called by
 `kvshare serve`, the bench workers and `ReplicaAgent`; harmless where glibc is absent.
 """

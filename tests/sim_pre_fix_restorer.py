@@ -1,4 +1,5 @@
-"""The restorer as it was before issue 20 (commit 1f82cda), unmodified, on the simulated
+"""The restorer as it was before concurrent restores got their own staging (commit
+1f82cda; docs/gpu.md), unmodified, on the simulated
 copy engine: the evidence that the concurrency scenario fails on that code.
 
     venv/bin/python -m tests.sim_pre_fix_restorer

@@ -1,12 +1,14 @@
 """One fuzz target under atheris (libFuzzer), started by benchmarks/fuzz.py.
 
     python benchmarks/reliability/fuzz_child.py TARGET --runs N --out FILE
-        [--live HOST:PORT --token TOKEN --work DIR] [--seed S]
+        [--live HOST:PORT --token TOKEN --work DIR] [--seed S] [--artifacts DIR]
 
 The project's packages are imported inside `atheris.instrument_imports`, so their
 branches are what libFuzzer's coverage sees. Results (cases and verdicts) are
 written to --out every 256 inputs and after the last, because libFuzzer ends the
-process itself once it has run N inputs.
+process itself once it has run N inputs. The inputs libFuzzer keeps (crash-*,
+slow-unit-*, ...) go to --artifacts (default: --work/artifacts/TARGET), never to the
+working directory.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import atheris
 
 PROJECT = ["cacheserver", "replica_agent", "policy", "kvcommon"]
 
-with atheris.instrument_imports(include=PROJECT):
+with atheris.instrument_imports(include=PROJECT):  # any project module they load too
+    from benchmarks.fuzz import libfuzzer_flags
     from benchmarks.reliability import fuzz_parsers, fuzz_wire
 
 
@@ -71,7 +74,10 @@ def main() -> None:
     parser.add_argument("--token", default="")
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()))
     parser.add_argument("--journal-dir", type=Path, default=None)
+    parser.add_argument("--artifacts", type=Path, default=None)
     args = parser.parse_args()
+    artifacts: Path = args.artifacts or args.work / "artifacts" / args.target
+    artifacts.mkdir(parents=True, exist_ok=True)
     tempfile.tempdir = str(args.work)  # the targets' scratch files: removed by the parent
     logging.basicConfig(level=logging.WARNING)
     errors = fuzz_wire.LoggedErrors()
@@ -108,16 +114,7 @@ def main() -> None:
             write()
 
     write()
-    libfuzzer = [
-        sys.argv[0],
-        f"-runs={args.runs}",
-        "-rss_limit_mb=0",
-        "-max_len=4096",
-        "-len_control=0",
-    ]
-    if args.seed:
-        libfuzzer.append(f"-seed={args.seed}")
-    atheris.Setup(libfuzzer, one)
+    atheris.Setup([sys.argv[0], *libfuzzer_flags(args.runs, args.seed, artifacts)], one)
     atheris.Fuzz()
 
 

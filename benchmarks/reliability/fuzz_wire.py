@@ -35,7 +35,7 @@ from replica_agent.grpc_calls import Ticket
 
 SERVICE = "/kvshare.v1.BlockStore/"
 UNARY = ("Lookup", "Delete", "Stats", "OpenBulk")
-# Statuses a call may end with (DESIGN §5), by whether it carried a valid token.
+# Statuses a call may end with (docs/design.md §5), by whether it carried a valid token.
 CONTRACT = {"OK", "INVALID_ARGUMENT", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "UNAVAILABLE"}
 TENANTS = ("alpha", "beta", "nobody", "", "ALPHA", "a" * 70)
 # The status byte of a bulk error frame is an error class's code (kvcommon.errors);

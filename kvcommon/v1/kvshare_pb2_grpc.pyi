@@ -4,7 +4,7 @@ isort:skip_file
 kvshare block store, wire version 1.
 
 A block is the KV of `block_tokens` prompt tokens for all layers, named by a
-32-byte chained digest that the agent computes (DESIGN §4). The server never
+32-byte chained digest that the agent computes (docs/design.md §4). The server never
 trusts the tenant named in a request: it checks it against the caller's
 credential, then derives the storage name itself (HMAC under a per-tenant key).
 

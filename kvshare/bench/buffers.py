@@ -1,7 +1,7 @@
 """Page-aligned, pre-touched buffers that the harness reuses across requests.
 
 Why: touching fresh memory costs ~4 us per 4 KiB page on these machines, and copies
-between buffers whose offsets differ by 16 mod 4096 run ~10x slower (PERF-BASELINES.md).
+between buffers whose offsets differ by 16 mod 4096 run ~10x slower (docs/design.md §12).
 So every buffer a client sends from or receives into is an anonymous mmap (page
 aligned), faulted in once before timing starts, then reused for every request.
 """

@@ -18,11 +18,12 @@ MIN_GET_RATIO_TO_TCP = 0.5
 MIN_PUT_RATIO_TO_REDIS = 1.0
 # A 128k-token prompt is 512 blocks; at 5,000 blocks/s one restore stays near 0.1 s.
 MIN_BATCH_BLOCKS_PER_S_PER_CLIENT = 5_000.0
-# Across hosts (issue 14): the bulk channel over TCP near the wire, and the secure
-# configuration the docs recommend (TLS + sealed blocks) at least half of it.
+# Across hosts (`--two-host`, docs/benchmarks.md): the bulk channel over TCP near the
+# wire, and the secure configuration the docs recommend (TLS + sealed blocks) at least
+# half of it.
 MIN_TWO_HOST_GET_RATIO_TO_TCP = 0.8
 MIN_TWO_HOST_SECURE_GET_RATIO_TO_TCP = 0.5
-# Over one Redis Cluster (issue 17): a cold read through a server that did not write the
+# Over one Redis Cluster (docs/scale-out.md): a cold read through a server that did not write the
 # block, against redis-py's cluster client straight to the cluster; warm reads (served by
 # the reading server's local tiers) faster than that.
 MIN_CLUSTER_COLD_GET_RATIO = 0.5

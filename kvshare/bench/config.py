@@ -23,7 +23,7 @@ DEFAULT_SYSTEMS = (
     "kvshare-sealed",
     "kvshare-tls-sealed",
 )
-# Over a 3-node Redis Cluster on loopback (issue 17): opt-in, each starts a cluster.
+# Over a 3-node Redis Cluster on loopback (docs/scale-out.md): opt-in, each starts a cluster.
 CLUSTER_SYSTEMS = ("redis-cluster", "kvshare-cluster", "kvshare-cluster-warm")
 KNOWN_SYSTEMS = (*DEFAULT_SYSTEMS, "tcp-tls", "kvshare-nosync", "kvshare-grpc", *CLUSTER_SYSTEMS)
 # Across hosts: no Unix socket (redis-unix), and plain `kvshare` would measure what

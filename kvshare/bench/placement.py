@@ -4,7 +4,7 @@
 `two_host(rig)`: each server inside the rig's server namespace, started with
 `ip netns exec`, and the harness with its client processes inside the client
 namespace, dialing the server's address across the veth (kvshare.bench.netns). Every
-result row carries the placement's `topology` (DESIGN §8).
+result row carries the placement's `topology` (docs/design.md §8).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The run as a terminal table or as the JSON document of DESIGN.md §8."""
+"""The run as a terminal table or as the JSON document of docs/design.md §8."""
 
 from __future__ import annotations
 

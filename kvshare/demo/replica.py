@@ -40,7 +40,8 @@ class ReplicaSettings:
     local_cache_blocks: int = 512
     torch_threads: int = 1
     # 2 KV heads (grouped-query attention, as in most served models): 16 KiB of fp32 KV
-    # per token, the ratio of KV bytes to prefill work of PERF-BASELINES' reference model.
+    # per token, the ratio of KV bytes to prefill work of the reference model in
+    # docs/design.md §12.
     num_kv_heads: int = 2
 
 

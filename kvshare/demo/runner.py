@@ -188,7 +188,7 @@ class DemoResult:
         return all(a.output_tokens == b.output_tokens for a, b in pairs)
 
     def report(self) -> dict[str, Any]:
-        """The `kvshare demo --json` object (DESIGN §8 contract keys)."""
+        """The `kvshare demo --json` object (docs/design.md §8 contract keys)."""
         return {
             "replicas": self.options.replicas,
             "requests": self.options.requests,

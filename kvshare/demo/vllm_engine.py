@@ -33,7 +33,7 @@ CONNECTOR_MODULE = "replica_agent.adapters.vllm"
 # head_dim 64 (hidden / heads): the CPU attention kernels do not support 16. The tests'
 # model is small (fast to start and run); the demo's is the transformers demo's model
 # (8 layers, 512 hidden, 2 KV heads), whose prefill work per KV byte is that of
-# PERF-BASELINES' reference model, so TTFT compares as it would on a real one.
+# the reference model in docs/design.md §12, so TTFT compares as it would on a real one.
 TEST_MODEL = {
     "num_layers": 4,
     "hidden_size": 256,

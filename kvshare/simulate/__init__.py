@@ -11,5 +11,5 @@ one configuration (policy x replicas x store) over a `cluster` of replicas with 
 `caches`, the routing `policies` and the `timing` model (speeds from `presets`);
 `sweep` runs many configurations; `report` and `plot` present them; `cli` wires it to
 `kvshare simulate`. Pure Python: no numpy, no torch; matplotlib only inside `plot`.
-The hit-rate semantics are DESIGN §8's contract; docs/round-robin.md has the study.
+The hit-rate semantics are docs/design.md §8's contract; docs/round-robin.md has the study.
 """

@@ -1,6 +1,6 @@
 """Replay one configuration (policy x replicas x store) over a trace.
 
-Hit-rate semantics are the DESIGN §8 contract, so results compare across tools:
+Hit-rate semantics are the docs/design.md §8 contract, so results compare across tools:
 requests are served in trace order; a request reuses min(k x block_tokens,
 input_tokens) tokens where k is its number of leading blocks found in the serving
 replica's local cache or, with the store enabled, in the store — the larger; after

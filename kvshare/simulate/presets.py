@@ -43,7 +43,7 @@ PRESETS: dict[str, Preset] = {
             source=(
                 "Meta-Llama-3-8B config.json (32 layers, 8 KV heads, head dim 128); "
                 "H100 SXM datasheet 989 TFLOP/s bf16 dense; 16 GFLOP/token at ~32% MFU; "
-                "matches the ~20k tokens/s in PERF-BASELINES.md"
+                "matches the ~20k tokens/s of docs/design.md §12"
             ),
         ),
         Preset(

@@ -1,7 +1,7 @@
 """Present results: the contract JSON object and a human-readable table.
 
 The JSON keys `results[].policy, replicas, shared_store, token_hit_rate,
-local_hit_rate, store_hit_rate` and `ideal_token_hit_rate` are the DESIGN §8
+local_hit_rate, store_hit_rate` and `ideal_token_hit_rate` are the docs/design.md §8
 contract; every other key is an addition and may grow.
 """
 

@@ -1,6 +1,7 @@
-"""Faults (issue 17): a Redis node down, a failover, the whole cluster gone, a server
-that was down while a delete ran. No request fails because the cluster did; what the
-cluster cannot answer is a miss, and the server says so in health and metrics.
+"""Faults of the Redis Cluster tier (docs/scale-out.md): a Redis node down, a failover,
+the whole cluster gone, a server that was down while a delete ran. No request fails
+because the cluster did; what the cluster cannot answer is a miss, and the server says
+so in health and metrics.
 
 Each test kills nodes, so each starts its own cluster.
 """

@@ -1,4 +1,5 @@
-"""Two kvshare servers over one real 3-node Redis Cluster serve one store (issue 17).
+"""Two kvshare servers over one real 3-node Redis Cluster serve one store
+(docs/scale-out.md).
 
 Each test puts through one server and checks through the other, whose local tiers
 never held the block: what it finds, it found in the cluster.

@@ -122,7 +122,7 @@ GARBAGE = b"\xff\xff\xff\x0f not a protobuf message"
 def test_garbage_is_decoded_only_after_authentication_and_logs_no_traceback(
     dev_server: Running, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Issue 15 F10: garbage from a stranger was decoded before the auth wrapper ran
+    """Garbage from a stranger was once decoded before the auth wrapper ran
     (a traceback in the log per call, and no audit record); a malformed message from an
     authenticated caller was INTERNAL with a traceback."""
     token = (("authorization", f"Bearer {dev_server.tokens['dev']}"),)
@@ -138,7 +138,7 @@ def test_garbage_is_decoded_only_after_authentication_and_logs_no_traceback(
 
 
 def test_two_authorization_headers_are_refused(dev_server: Running) -> None:
-    """Issue 15 F11: with two headers the first one won; now neither does."""
+    """With two authorization headers the first one used to win; now neither does."""
     good = ("authorization", f"Bearer {dev_server.tokens['dev']}")
     stats = SERVICE.methods_by_name["Stats"]
     empty = kvshare_pb2.StatsRequest().SerializeToString()

@@ -1,6 +1,6 @@
 """`kvshare bench` end to end: real servers, real client processes, tiny sizes.
 
-These are smoke runs of the harness and its JSON contract (DESIGN.md §8), not timed
+These are smoke runs of the harness and its JSON contract (docs/design.md §8), not timed
 tests: no figure is asserted beyond being positive.
 """
 
@@ -59,7 +59,7 @@ def test_json_contract_for_the_tcp_ceiling() -> None:
         assert row["value_bytes"] == 16 * 1024 or row["system"] == "tcp-batch"
         assert row["clients"] == 1
         assert row["ratio_to_tcp"] == 1.0
-        assert row["topology"] == "loopback"  # DESIGN §8: every row says where it ran
+        assert row["topology"] == "loopback"  # docs/design.md §8: every row says where it ran
     assert rows[("tcp-batch", "get")]["blocks_per_call"] == 4
     assert document["failed"] == {}
 

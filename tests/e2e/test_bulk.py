@@ -197,9 +197,9 @@ def test_one_bulk_request_carries_thousands_of_digests(
 def test_a_failed_bulk_channel_is_retried_after_a_backoff_not_on_every_call(
     dev_server: Running, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issues 13 and 14: a failed bulk channel was retried (OpenBulk and a connect) on
-    every call. Now calls go over gRPC for a backoff window, each fallback is counted,
-    one warning is logged per window, and the channel is tried again after it."""
+    """A failed bulk channel used to be retried (OpenBulk and a connect) on every call.
+    Now calls go over gRPC for a backoff window, each fallback is counted, one warning
+    is logged per window, and the channel is tried again after it."""
     import replica_agent.client as client_module
 
     monkeypatch.setattr(client_module, "FIRST_BACKOFF_S", 0.5)

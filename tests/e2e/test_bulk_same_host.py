@@ -348,7 +348,7 @@ def test_a_get_split_over_the_arena_counts_its_blocks_once(tmp_path: Path) -> No
 
 
 def test_openbulk_tells_no_caller_the_servers_boot_id_or_uid(tenant_server: Running) -> None:
-    """Issue 15 F11: OpenBulk told every caller the server's uid and boot id, which only
+    """OpenBulk used to tell every caller the server's uid and boot id, which only
     a same-host client needs, to check the listener. Now it sends a value bound to the
     one-time ticket that a client on the server's host can recompute and check."""
     response = open_bulk(tenant_server)

@@ -1,4 +1,4 @@
-"""Bulk-channel connection slots: strangers cannot hold them (issue 15 F5).
+"""Bulk-channel connection slots: strangers cannot hold them.
 
 A peer without a ticket gets a total deadline to present one, however slowly it sends;
 each listener's strangers are counted apart (a local user flooding the same-host

@@ -1,5 +1,6 @@
-"""The gRPC Put stream's framing rules (issue 15 F6, F11): every rule the bulk channel's
-fixed framing enforces by construction, the stream enforces explicitly."""
+"""The gRPC Put stream's framing rules: every rule the bulk channel's fixed framing
+enforces by construction, the stream enforces explicitly (at most max_digests_per_call
+blocks, one header and only in the first frame, no empty chunks)."""
 
 from __future__ import annotations
 
@@ -41,14 +42,14 @@ def block(data: bytes) -> pb.PutFrame:
 
 
 def test_a_stream_of_more_blocks_than_max_digests_per_call_is_refused(running: Running) -> None:
-    """F11: the stream was not capped (8,193 blocks were accepted)."""
+    """The stream used to have no cap (8,193 blocks were accepted)."""
     assert put(running, [header(), *(block(b"x") for _ in range(8))]) == grpc.StatusCode.OK
     too_many = [header(), *(block(b"x") for _ in range(9))]
     assert put(running, too_many) == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_a_header_in_a_later_frame_is_refused(running: Running) -> None:
-    """F11: a second header was silently ignored (the blocks went to the first tenant)."""
+    """A second header used to be ignored silently (the blocks went to the first tenant)."""
     second = pb.PutFrame(header=pb.PutHeader(tenant="beta", model=MODEL))
     assert put(running, [header(), block(b"a"), block(b"b")]) == grpc.StatusCode.OK
     assert put(running, [header(), block(b"a"), second, block(b"b")]) == (
@@ -57,7 +58,7 @@ def test_a_header_in_a_later_frame_is_refused(running: Running) -> None:
 
 
 def test_empty_chunks_are_refused(running: Running) -> None:
-    """F6: zero-byte chunks at the same offset were accepted forever, each one kept
+    """Zero-byte chunks at the same offset used to be accepted forever, each one kept
     (14 MiB on the wire grew the server by 174 MiB for a declared 1 KiB block)."""
     digest = os.urandom(32)
 

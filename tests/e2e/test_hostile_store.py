@@ -1,4 +1,4 @@
-"""A hostile or broken store must not crash the client (issue 15 F9).
+"""A hostile or broken store must not crash the client.
 
 A fake server (real gRPC and a real bulk socket, speaking the wire formats) announces
 absurd block sizes. The client answers DATA_LOSS — a KvshareError, which the agent
@@ -101,7 +101,7 @@ def test_an_absurd_announced_size_is_data_loss_not_a_crash(fake_store: str, bulk
 
 
 def test_the_agent_serves_a_miss_from_a_hostile_store(fake_store: str) -> None:
-    """F9 end to end: `ReplicaAgent.load` raised OverflowError/MemoryError from the
+    """End to end: `ReplicaAgent.load` used to raise OverflowError/MemoryError from the
     sizes such a server announces. Now the replica recomputes: a miss, counted."""
     from replica_agent.agent import PrefixMatch, ReplicaAgent
     from replica_agent.spec import ModelSpec

@@ -1,4 +1,4 @@
-"""Where the put journal lives: never at a name others can plant (issue 15 F8).
+"""Where the put journal lives: never at a name others can plant.
 
 /dev/shm is world-writable. The journal used to sit at a name anyone could compute
 (uid + a hash of the data dir): a planted file stopped the server (exit 2) and a planted

@@ -92,8 +92,8 @@ def test_data_files_hold_no_digest_token_or_plaintext(
 
 
 def test_every_file_and_dir_the_server_writes_is_owner_only(tmp_path: Path) -> None:
-    """Issue 15 F1: under umask 022 the data dir and lmdb/ were 0755 and data.mdb,
-    lock.mdb and server.lock 0644: any local user read a tenant's unsealed payloads
+    """Under umask 022 the data dir and lmdb/ were once 0755 and data.mdb, lock.mdb
+    and server.lock 0644: any local user could read a tenant's unsealed payloads
     and tenant ids, while the server ran and after it stopped."""
     os.umask(old := os.umask(0o022))  # the test process's umask is what a library sees
     try:

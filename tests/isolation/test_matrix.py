@@ -223,7 +223,7 @@ def test_denial_is_the_same_whether_or_not_the_tenant_exists(tls_server: Served)
 def test_a_client_for_the_other_tenant_cannot_name_the_tenant_in_any_client_method(
     tls_server: Served,
 ) -> None:
-    """The hand-written client too (DESIGN §9 names), with the owner's hit as control."""
+    """The hand-written client too (docs/design.md §9 names), with the owner's hit as control."""
     digest = os.urandom(32)
     with tls_server.client("a") as a, tls_server.client("b") as b:
         a.put("alpha", MODEL, [digest], [b"secret"])

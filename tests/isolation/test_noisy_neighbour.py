@@ -1,15 +1,16 @@
-"""A noisy neighbour: one tenant holds open the worst requests of issue 15 (F2-F6) while
+"""A noisy neighbour: one tenant holds open the worst requests an adversarial review found
+(docs/isolation.md, "One tenant cannot stall, starve or outgrow the others") while
 another tenant works. The victim's puts, gets and deletes all finish within a bounded
 time, nothing it stored is lost, and the server's memory stays within its configured
 budgets.
 
 The attacker (tenant alpha, principals `a` and the read-only `r`) at once:
 - holds bulk PUTs of 16 MiB blocks open after one byte (journal records RESERVED, the
-  write backlog taken: F2, F4);
-- leaves a bulk GET of its journaled blocks unread (a reader pinning the journal: F3);
-- opens handshakes that never present a ticket (F5);
+  write backlog taken);
+- leaves a bulk GET of its journaled blocks unread (a reader pinning the journal);
+- opens handshakes that never present a ticket (the bulk listener's slots);
 - leaves gRPC Gets of a long prefix unread, and gRPC Puts holding half-sent 24 MiB
-  blocks (server memory: F6).
+  blocks (server memory).
 The victim (tenant beta, principal `b`) meanwhile puts, reads back and deletes.
 """
 
@@ -124,7 +125,7 @@ def bulk_socket(served: Served, who: str) -> socket.socket:
 
 
 def hold_bulk_put(served: Served, size: int) -> socket.socket:
-    """F2, F4: a PUT whose block never arrives (one byte of it is sent)."""
+    """Journal and backlog: a PUT whose block never arrives (one byte of it is sent)."""
     sock = bulk_socket(served, "a")
     model = MODEL.encode()
     sock.sendall(
@@ -134,7 +135,7 @@ def hold_bulk_put(served: Served, size: int) -> socket.socket:
 
 
 def leave_bulk_get_unread(served: Served, digests: list[bytes]) -> socket.socket:
-    """F3: a GET of journaled blocks whose reply is never read (its receive window is
+    """Journal: a GET of journaled blocks whose reply is never read (its receive window is
     kept tiny, so the server's send blocks at once)."""
     sock = bulk_socket(served, "r")
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -144,7 +145,7 @@ def leave_bulk_get_unread(served: Served, digests: list[bytes]) -> socket.socket
 
 
 def strangers(served: Served, count: int) -> list[socket.socket]:
-    """F5: connections to the bulk listener that never present a ticket."""
+    """Bulk slots: connections to the bulk listener that never present a ticket."""
     with grpc.insecure_channel(served.address) as channel:
         ticket = pb_grpc.BlockStoreStub(channel).OpenBulk(
             pb.OpenBulkRequest(tenant="alpha"), timeout=10, metadata=served.metadata("a")
@@ -154,7 +155,7 @@ def strangers(served: Served, count: int) -> list[socket.socket]:
 
 
 def stalled_grpc_gets(served: Served, digests: list[bytes], count: int) -> list[Stalled]:
-    """F6: gRPC Gets of a long prefix whose frames are never read."""
+    """Server memory: gRPC Gets of a long prefix whose frames are never read."""
     calls: list[Stalled] = []
     for _ in range(count):
         channel = grpc.insecure_channel(served.address)
@@ -168,7 +169,7 @@ def stalled_grpc_gets(served: Served, digests: list[bytes], count: int) -> list[
 
 
 def held_grpc_puts(served: Served, release: threading.Event, count: int) -> list[threading.Thread]:
-    """F6: gRPC Puts that send 8 MiB of a declared 24 MiB block, then wait."""
+    """Server memory: gRPC Puts that send 8 MiB of a declared 24 MiB block, then wait."""
 
     def frames() -> Iterator[pb.PutFrame]:
         yield pb.PutFrame(header=pb.PutHeader(tenant="alpha", model=MODEL))

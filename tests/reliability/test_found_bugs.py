@@ -70,8 +70,9 @@ def test_replay_after_kill_9_keeps_the_tenant_within_its_quota(serve: Serve) -> 
 def test_a_malformed_request_gets_a_contract_status_and_no_traceback(
     serve: Serve, authenticated: bool
 ) -> None:
-    """Issue 15 F10: bytes that are not a protobuf message are decoded after the auth
-    wrapper, and refused with a contract status, without a traceback in the log."""
+    """Bytes that are not a protobuf message are decoded after the auth wrapper (so a
+    stranger's garbage costs no parsing), and refused with a contract status, without a
+    traceback in the log."""
     import grpc
 
     from benchmarks.reliability.fuzz_wire import raw_bytes
@@ -125,7 +126,7 @@ def _hostile_bulk_get(script: bytes, *, local: bool) -> BaseException | None:
 def test_a_hostile_bulk_reply_ends_in_an_error_the_client_handles(
     script: bytes, local: bool, refusal: str
 ) -> None:
-    """Issue 15 F9: sizes and counts a hostile server announces are checked before
+    """Sizes and counts a hostile server announces are checked before
     anything is allocated for them; the client raises a store error (DATA_LOSS), which
     its caller turns into a miss."""
     from benchmarks.reliability.fuzz_wire import HANDLED
@@ -209,7 +210,7 @@ def test_a_corrupt_journal_record_is_counted(serve: Serve, journal_dir: Path) ->
 
 
 def test_a_stalled_bulk_get_does_not_stop_another_tenants_puts(serve: Serve) -> None:
-    """Issue 15 F3: a bulk GET left unread does not keep the journal from wrapping
+    """A bulk GET left unread does not keep the journal from wrapping
     (transfer deadlines): another tenant's puts go on."""
     import os
 

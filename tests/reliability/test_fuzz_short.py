@@ -16,8 +16,8 @@ from benchmarks.reliability.harness import REPO
 
 CASES = 3500
 # finding pattern -> the bug it is (and its xfail test in test_found_bugs.py). Empty:
-# the F10 (malformed protobuf) and F9 (hostile bulk replies) findings are fixed, and
-# their tests in test_found_bugs.py are plain tests now.
+# the malformed-protobuf and hostile-bulk-reply findings are fixed, and their tests in
+# test_found_bugs.py are plain tests now.
 KNOWN_FINDINGS: dict[str, str] = {}
 
 

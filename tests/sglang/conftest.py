@@ -117,7 +117,7 @@ if HAS_SGLANG:
     def kvshare_extra(
         store: Store, *, tenant: str = "alpha", token: str = "engine", sealed: bool = True
     ) -> dict[str, Any]:
-        """The JSON object of --hicache-storage-backend-extra-config, as DESIGN §7 gives it."""
+        """The JSON object of --hicache-storage-backend-extra-config (docs/design.md §7)."""
         extra: dict[str, Any] = {
             "backend_name": "kvshare",
             "module_path": "replica_agent.adapters.sglang",

@@ -1,7 +1,7 @@
 """KVShareHiCacheStorage as SGLang builds and calls it, against a real kvshare server.
 
 The backend comes from SGLang's own `StorageBackendFactory.create_backend("dynamic",
-...)` with the extra config of DESIGN §7, over real SGLang MHA host pools on the CPU;
+...)` with the extra config of docs/design.md §7, over real SGLang MHA host pools on the CPU;
 page keys come from SGLang's own hashing; pages are read back with SGLang's own
 `get_data_page`. Two host pools with two backends are two replicas of one deployment.
 """

@@ -1,6 +1,6 @@
 """`kvshare bench --two-host`: each server in one namespace, its clients in another.
 
-A smoke run of the command and its JSON (DESIGN §8: every row carries "topology"); no
+A smoke run of the command and its JSON (docs/design.md §8: every row carries "topology"); no
 figure is asserted beyond being positive.
 """
 

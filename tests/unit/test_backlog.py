@@ -1,4 +1,5 @@
-"""The writer's backlog bound, in total and per tenant (issue 15 F4)."""
+"""The writer's backlog bound, in total and per tenant, so one tenant's slow or held
+puts cannot take all of it (docs/isolation.md)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ def backlog(max_bytes: int = 100, share: int = 0) -> WriteBacklog:
 
 
 def test_one_tenant_takes_at_most_its_share_and_others_still_get_theirs() -> None:
-    """F4: two held 16 MiB puts of one tenant filled the whole bound for everyone."""
+    """Two held 16 MiB puts of one tenant used to fill the whole bound for everyone."""
     bound = backlog()  # share: half
     bound.reserve(A, 40, 0.0)
     with pytest.raises(ResourceExhausted, match="its share"):

@@ -1,4 +1,4 @@
-"""`[redis_cluster]` (DESIGN §6): the contract keys, defaults, errors that name the key
+"""`[redis_cluster]` (docs/design.md §6): the contract keys, defaults, errors that name the key
 and line, and the owner-only password file."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from cacheserver.tiers.cluster.nodes import read_password
 from kvcommon.errors import ConfigError
 from tests.unit.test_config import MINIMAL
 
+# The [redis_cluster] example of docs/design.md §6.
 DESIGN_EXAMPLE = """
 [redis_cluster]
 nodes = ["10.0.0.7:7000", "10.0.0.8:7000"]   # seed nodes

@@ -33,6 +33,7 @@ def load(tmp_path: Path, text: str) -> object:
 
 
 def test_the_design_example_is_a_complete_config(tmp_path: Path) -> None:
+    """MINIMAL is the complete config of docs/design.md §8: everything else defaults."""
     config = load(tmp_path, MINIMAL)
     assert config.listen == "127.0.0.1:50051"  # type: ignore[attr-defined]
     access = config.access  # type: ignore[attr-defined]
@@ -89,7 +90,7 @@ def test_the_bulk_table(tmp_path: Path) -> None:
 
 
 def test_two_principals_with_one_token_are_refused(tmp_path: Path) -> None:
-    """Issue 15 F11: with a shared token the last principal silently won."""
+    """With a shared token the last principal used to win silently: refused at load."""
     second = MINIMAL.split("[[principals]]")[1].replace('"replica-a"', '"replica-b"')
     with pytest.raises(ConfigError, match=r"principals\[1\].token_sha256.*its own token"):
         load(tmp_path, MINIMAL + "\n[[principals]]" + second)

@@ -221,7 +221,8 @@ def test_the_drain_point_covers_only_an_unbroken_run_of_finished_records(
     assert journal.drained_seq == 0
     assert journal.reclaimable(keep_bytes=0) is None  # drained, but not covered
     point = journal.drain_point({1})
-    # 1 completes the run: it covers 2 and 3, finished before it (issue 15 F2)
+    # 1 completes the run: it covers 2 and 3, finished before it (a slow record does
+    # not hold back the ones finished behind it)
     assert point is not None and point.seq == 3
     journal.finish({1}, point)
     assert journal.drained_seq == 3

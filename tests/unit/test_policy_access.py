@@ -184,7 +184,7 @@ def test_admit_rules(
 
 
 def test_authn_failure_records_are_rate_limited_and_say_how_many_were_left_out() -> None:
-    """Issue 15 F10: a stranger must not fill the audit log's disk at network speed."""
+    """A stranger must not fill the audit log's disk at network speed."""
     from policy.access import AuditGate
 
     now = [0.0]
@@ -200,7 +200,7 @@ def test_authn_failure_records_are_rate_limited_and_say_how_many_were_left_out()
 def test_a_full_ticket_book_drops_expired_tickets_then_the_oldest(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Issue 15 F11: a full book scanned all 65,536 tickets on every OpenBulk. Tickets
+    """A full book used to scan all 65,536 tickets on every OpenBulk. Tickets
     are now kept oldest first: expired ones leave from the front, then the oldest."""
     from policy import tickets
     from policy.identity import Principal

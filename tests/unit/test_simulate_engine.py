@@ -1,4 +1,4 @@
-"""The DESIGN §8 hit-rate contract and the time model, on traces small enough to do by hand.
+"""The docs/design.md §8 hit-rate contract and the time model, on traces small enough to do by hand.
 
 Shared trace (block_tokens = 4, arrivals one second apart):
 

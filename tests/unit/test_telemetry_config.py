@@ -43,7 +43,7 @@ def test_bad_telemetry_keys_are_errors(tmp_path: Path, table: str, message: str)
 
 
 def test_a_bare_metrics_port_binds_loopback() -> None:
-    """Issue 15 F11: the endpoint has no authentication, so loopback is the default."""
+    """The endpoint has no authentication, so loopback is the default."""
     from cacheserver.telemetry import ServerTelemetry
 
     telemetry = ServerTelemetry(TelemetryConfig(metrics_listen="0"))

@@ -1,4 +1,4 @@
-"""Writes block_digests.json: known-answer vectors for the block digest chain (DESIGN §4).
+"""Writes block_digests.json: known-answer vectors for the block digest chain (docs/design.md §4).
 
 Run once, by hand, when the chain format changes on purpose (and bump the chain's
 version string then): `python tests/vectors/make_block_digests.py`. The digests are

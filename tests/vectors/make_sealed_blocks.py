@@ -1,4 +1,4 @@
-"""Writes sealed_blocks.json: known-answer vectors for sealed block payloads (DESIGN §3).
+"""Writes sealed_blocks.json: known-answer vectors for sealed block payloads (docs/design.md §3).
 
 Run by hand only when the sealing format changes on purpose (and bump its format
 byte and labels): `python tests/vectors/make_sealed_blocks.py`. The layout is packed

@@ -1,4 +1,4 @@
-"""Writes storage_names.json: known-answer vectors for keyed block names (DESIGN §3).
+"""Writes storage_names.json: known-answer vectors for keyed block names (docs/design.md §3).
 
 Run by hand only when the naming scheme changes on purpose (and bump its label):
 `python tests/vectors/make_storage_names.py`. HKDF (RFC 5869) and the HMAC are

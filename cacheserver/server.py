@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = kvshare_pb2.DESCRIPTOR.services_by_name["BlockStore"].full_name
 SHUTDOWN_GRACE_S = 10.0
 CLUSTER_HEALTH_SERVICE = "kvshare.cluster"  # SERVING while every Redis node answers
+BULK_HEALTH_SERVICE = "kvshare.bulk"  # SERVING while the bulk listeners can accept
 GRPC_SLACK_BYTES = 1 << 20  # room for protobuf framing around max_message_bytes of payload
 
 __all__ = ["Server", "TlsFiles", "serve"]
@@ -205,6 +206,7 @@ class Server:
             on_change=lambda serving: setattr(self.telemetry, "serving", serving),
         )
         self.cluster_health: HealthMonitor | None = None
+        self.bulk_health: HealthMonitor | None = None
         if self.cluster is not None:
             self.cluster.start(self.store)
             self.telemetry.watch_cluster(self.cluster.counts.as_dict)
@@ -254,6 +256,14 @@ class Server:
         )
         self.bulk_announced = bulk_announced_address(self.config, bulk.address)
         self.telemetry.watch_bulk(lambda: bulk.arenas)
+        # A listener out of descriptors keeps retrying; its state has a health service
+        # of its own, as the cluster's has: gRPC still serves meanwhile.
+        self.bulk_health = HealthMonitor(
+            self.health,
+            (BULK_HEALTH_SERVICE,),
+            bulk.problem,
+            self.config.telemetry.health_interval_ms / 1000,
+        )
         bulk.start()
         core.bulk = BulkEndpoint(
             self.tickets,
@@ -279,6 +289,7 @@ class Server:
         await self.health_monitor.start()
         if self.cluster_health is not None:
             await self.cluster_health.start()
+        await self.bulk_health.start()
         self._server = server
         self.address = f"{host}:{port}"
         return self.address
@@ -307,6 +318,8 @@ class Server:
         await self.health_monitor.stop()
         if self.cluster_health is not None:
             await self.cluster_health.stop()
+        if self.bulk_health is not None:
+            await self.bulk_health.stop()
         await self.health.enter_graceful_shutdown()  # probes see NOT_SERVING while draining
         if self._server is not None:
             await self._server.stop(grace_s)

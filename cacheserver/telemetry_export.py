@@ -5,20 +5,57 @@ OTLP/HTTP export (`otlp_endpoint`, the optional `otlp` extra, imported only then
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+import socket
+import threading
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from opentelemetry.sdk.metrics.export import MetricReader
 from opentelemetry.sdk.trace import SpanProcessor
 
 from kvcommon.errors import ConfigError
 
-if TYPE_CHECKING:
-    from wsgiref.simple_server import WSGIServer
-
 log = logging.getLogger(__name__)
 # Bounds each OTLP export with its retries, so a dead collector delays shutdown by
 # seconds, not the exporter's default minute.
 OTLP_TIMEOUT_S = 3.0
+# The metrics port answers without authentication: a connection that idles or drips
+# its request is let go after this long, and at most this many are served at once (a
+# scraper needs one), so idle connections cannot pile up threads in the server.
+METRICS_CONNECTION_TIMEOUT_S = 5.0
+MAX_METRICS_CONNECTIONS = 16
+
+
+class _QuietHandler(WSGIRequestHandler):
+    timeout = METRICS_CONNECTION_TIMEOUT_S  # socketserver sets it on the connection
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # scrapes are not news; errors still reach the server's log
+
+
+class _MetricsServer(ThreadingMixIn, WSGIServer):
+    """A thread per scrape, at most MAX_METRICS_CONNECTIONS of them: past that a new
+    connection is closed at once instead of taking a thread."""
+
+    daemon_threads = True
+    block_on_close = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._slots = threading.BoundedSemaphore(MAX_METRICS_CONNECTIONS)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 def prometheus_reader() -> tuple[MetricReader, Any]:
@@ -35,16 +72,23 @@ def prometheus_reader() -> tuple[MetricReader, Any]:
 def serve_prometheus(listen: str, registry: Any, per_tenant_labels: bool) -> tuple[WSGIServer, str]:
     """The endpoint on `listen` (HOST:PORT; a bare :PORT means loopback: it answers
     without authentication, so a scrape network must be named) and its bound address."""
-    from prometheus_client import start_http_server
+    from prometheus_client import make_wsgi_app
 
     host, _, port_text = listen.rpartition(":")
     host = host.strip("[]") or "127.0.0.1"
+
+    class Server(_MetricsServer):
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
     try:
-        http, _ = start_http_server(int(port_text), host, registry)
+        http = make_server(
+            host, int(port_text), make_wsgi_app(registry), Server, handler_class=_QuietHandler
+        )
     except (OSError, ValueError) as error:
         raise ConfigError(
             f"cannot serve metrics on {listen}: {error}; pick another --metrics-listen"
         ) from None
+    threading.Thread(target=http.serve_forever, name="kvshare-metrics", daemon=True).start()
     port = http.server_port
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     if host not in ("127.0.0.1", "::1", "localhost"):

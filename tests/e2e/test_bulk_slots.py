@@ -12,8 +12,10 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import ssl
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -21,8 +23,10 @@ from cacheserver.transport.bulk.listener import BulkServer
 from cacheserver.transport.bulk.slots import ConnectionSlots
 from kvcommon import bulkwire as w
 from kvcommon.errors import ResourceExhausted
-from tests.conftest import Running
+from tests.certs import Certs
+from tests.conftest import Running, launch
 from tests.e2e.test_bulk import open_bulk
+from tests.isolation.conftest import isolation_config
 
 MODEL = "m;fp32;L2"
 
@@ -44,7 +48,7 @@ def closed_within(sock: socket.socket, seconds: float, trickle: bytes = b"") -> 
                 return True
         except TimeoutError:
             pass
-        except ConnectionResetError:
+        except (ConnectionResetError, ssl.SSLError):
             return True
         if sent < len(trickle):
             try:
@@ -67,6 +71,30 @@ def test_a_trickling_stranger_is_cut_off_at_the_total_deadline(dev_server: Runni
     with socket.create_connection((host, int(port)), timeout=10) as quick:  # control
         quick.sendall(w.HELLO.pack(w.MAGIC, fresh.ticket))
         assert w.recv_bytes(quick, 1)[0] == w.OK
+
+
+def test_a_stranger_that_completes_tls_then_trickles_is_cut_off_too(
+    tmp_path: Path, certs: Certs
+) -> None:
+    """Wrapping a connection in TLS detaches the accepted socket: the reaper must shut
+    the wrapped one, or a peer that finishes the TLS handshake and then drips its hello
+    holds a slot and a server thread for as long as it likes."""
+    with launch(isolation_config(tmp_path, certs), certs) as running:
+        bulk = bulk_server(running)
+        bulk.handshake_timeout_s = 1.0
+        host, _, port = bulk.address.rpartition(":")
+        tls = running.tls()
+        assert tls is not None
+        context = tls.ssl_context()
+        context.check_hostname = False
+        raw = socket.create_connection((host, int(port)), timeout=10)
+        with raw, context.wrap_socket(raw) as slow:  # the TLS handshake completes
+            assert closed_within(slow, 5.0, trickle=w.HELLO.pack(w.MAGIC, os.urandom(32)))
+        with running.client("b", transport="bulk-tcp") as client:  # control
+            digest, payload = os.urandom(32), os.urandom(4096)
+            assert client.put("beta", MODEL, [digest], [payload]) == [True]
+            assert client.get("beta", MODEL, [digest]) == [payload]
+            assert client.transport_stats.bulk_fallbacks == 0
 
 
 @contextlib.contextmanager

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import resource
 import socket
 import subprocess
 import sys
@@ -30,6 +31,7 @@ from typing import Any
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvcommon import bulkwire as w
 from kvcommon.v1 import kvshare_pb2 as pb
@@ -59,7 +61,8 @@ VICTIM_OP_LIMIT_S = 10.0  # every victim operation finishes within this
 
 
 class Served:
-    def __init__(self, tmp_path: Path) -> None:
+    def __init__(self, tmp_path: Path, *, max_descriptors: int = 0) -> None:
+        """`max_descriptors`: the server's RLIMIT_NOFILE (0: inherited)."""
         tenancy = write_config(
             tmp_path,
             quotas={"alpha": 128 * MiB, "beta": 128 * MiB},
@@ -79,7 +82,9 @@ class Served:
             text=True,
             cwd=REPO,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            preexec_fn=_limit_descriptors(max_descriptors) if max_descriptors else None,
         )
+        self.log = tmp_path / "server.log"
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             match = re.search(r"serving on (\S+)", line)
@@ -100,6 +105,13 @@ class Served:
         self.proc.terminate()
         self.proc.wait(30)
         self._log.close()
+
+
+def _limit_descriptors(count: int) -> Any:
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (count, count))
+
+    return limit
 
 
 @pytest.fixture
@@ -245,3 +257,64 @@ def test_a_noisy_neighbour_neither_stalls_nor_starves_another_tenant(served: Ser
     )
     assert max(latencies) < VICTIM_OP_LIMIT_S
     assert rss_peak - rss_start < BUDGET_BYTES
+
+
+def bulk_health(channel: grpc.Channel) -> int:
+    check = health_pb2_grpc.HealthStub(channel).Check
+    return int(check(health_pb2.HealthCheckRequest(service="kvshare.bulk"), timeout=10).status)
+
+
+def wait_for(condition: Any, seconds: float = 20.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.slow
+def test_after_a_descriptor_flood_the_bulk_channel_serves_again(tmp_path: Path) -> None:
+    """Idle connections to the gRPC port (no credentials needed) exhaust the server's
+    descriptors; the bulk listener's accepts then fail (EMFILE). It must say so in its
+    log and health, keep trying, and serve bulk calls again once the flood ends — a
+    loop that returned on the error left the bulk channel dead for good."""
+    served = Served(tmp_path, max_descriptors=256)
+    flood: list[socket.socket] = []
+    digest, payload = os.urandom(32), os.urandom(256 << 10)
+    health = grpc.insecure_channel(served.address)  # opened before the flood
+    try:
+        serving = health_pb2.HealthCheckResponse.SERVING
+        assert bulk_health(health) == serving
+        with BlockClient(served.address, served.tokens["b"], same_host=False) as b:
+            assert b.put("beta", MODEL, [digest], [payload]) == [True]
+            assert b.transport_stats.bulk_fallbacks == 0  # positive control: bulk in use
+            with grpc.insecure_channel(served.address) as channel:
+                bulk = (
+                    pb_grpc.BlockStoreStub(channel)
+                    .OpenBulk(
+                        pb.OpenBulkRequest(tenant="beta"), timeout=10, metadata=served.metadata("b")
+                    )
+                    .address
+                )
+        host, _, port = served.address.rpartition(":")
+        for _ in range(400):
+            flood.append(socket.create_connection((host, int(port)), timeout=10))
+        bulk_host, _, bulk_port = bulk.rpartition(":")
+        knock = socket.create_connection((bulk_host, int(bulk_port)), timeout=10)
+        flood.append(knock)  # accepted by the kernel; the server's accept() fails
+        assert wait_for(lambda: "cannot accept connections" in served.log.read_text())
+        not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+        assert wait_for(lambda: bulk_health(health) == not_serving)
+    finally:
+        for sock in flood:
+            sock.close()
+    try:
+        assert wait_for(lambda: bulk_health(health) == serving)
+        with BlockClient(served.address, served.tokens["b"], same_host=False) as b:
+            assert b.get("beta", MODEL, [digest]) == [payload]
+            assert b.transport_stats.bulk_fallbacks == 0  # the bulk channel, not gRPC
+        assert "accepting connections again" in served.log.read_text()
+    finally:
+        health.close()
+        served.stop()

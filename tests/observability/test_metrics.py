@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import time
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from cacheserver.config import ServerConfig, StorageConfig, TelemetryConfig
 from cacheserver.telemetry import ServerTelemetry
+from cacheserver.telemetry_export import MAX_METRICS_CONNECTIONS, METRICS_CONNECTION_TIMEOUT_S
 from kvcommon.errors import ResourceExhausted
 from replica_agent.client import BlockClient
 from tests.conftest import ServerProcess, flip_stored_byte, launch, write_config
@@ -176,3 +178,31 @@ def test_no_exporter_by_default() -> None:
     telemetry = ServerTelemetry(ServerConfig().telemetry)
     assert telemetry.start() == ""  # nothing listens
     telemetry.shutdown()
+
+
+def test_idle_connections_to_the_metrics_port_hold_no_threads(tmp_path: Path) -> None:
+    """The metrics port answers without authentication: idle connections are let go
+    after a few seconds and at most a few are served at once, so a flood of them
+    cannot pile up server threads (it kept one thread per idle connection before)."""
+    server = ServerProcess(
+        "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "data"),
+        "--metrics-listen", "127.0.0.1:0",
+    )  # fmt: skip
+    try:
+        found = [m.group(1) for line in server.startup_lines if (m := METRICS_RE.search(line))]
+        assert found, server.startup_lines
+        assert "kvshare_" in scrape_text(found[0])  # positive control: the port serves
+        threads = len(list(Path(f"/proc/{server.proc.pid}/task").iterdir()))
+        host, _, port = found[0].rpartition(":")
+        idle = [socket.create_connection((host, int(port)), timeout=10) for _ in range(100)]
+        time.sleep(1.0)
+        during = len(list(Path(f"/proc/{server.proc.pid}/task").iterdir()))
+        assert during <= threads + MAX_METRICS_CONNECTIONS + 4  # + the server's own churn
+        deadline = time.monotonic() + METRICS_CONNECTION_TIMEOUT_S + 10
+        for sock in idle:  # each is closed by the server (at once, or at its timeout)
+            sock.settimeout(max(0.1, deadline - time.monotonic()))
+            assert sock.recv(1) == b""
+            sock.close()
+        assert "kvshare_" in scrape_text(found[0])  # and scrapes go on
+    finally:
+        server.terminate()

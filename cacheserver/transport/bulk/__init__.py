@@ -7,6 +7,7 @@ sealed-only GETs) for tenants that require sealed blocks; `arena` is the same-ho
 transport's shared memory. Framing: kvcommon.bulkwire.
 """
 
-from cacheserver.transport.bulk.listener import BulkServer, server_tls_context
+from cacheserver.transport.bulk.accepting import server_tls_context
+from cacheserver.transport.bulk.listener import BulkServer
 
 __all__ = ["BulkServer", "server_tls_context"]

@@ -32,7 +32,6 @@ caller's trace context, so its span joins the caller's trace as a gRPC call's do
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 import socket
@@ -44,11 +43,12 @@ from cacheserver.config import BulkConfig
 from cacheserver.core.requests import RequestCore
 from cacheserver.telemetry import ServerTelemetry
 from cacheserver.transport.arena import Arena, listen_locally
+from cacheserver.transport.bulk.accepting import AcceptLoop, bind_listener
 from cacheserver.transport.bulk.handler import OPS, BulkHandler, Pace
 from cacheserver.transport.bulk.sealed import SealedHello
 from cacheserver.transport.bulk.slots import ConnectionSlots
 from kvcommon import bulkwire as w
-from kvcommon.errors import ConfigError, InvalidArgument, KvshareError, ResourceExhausted
+from kvcommon.errors import InvalidArgument, KvshareError, ResourceExhausted
 from kvcommon.tracing import context_from_binary
 from policy.identity import certificate_fingerprint
 from policy.tickets import Grant, Route, TicketBook
@@ -81,7 +81,7 @@ class BulkServer:
         self._core = core
         self._tickets = tickets
         self._tls = tls
-        self._listener = _bind_listener(host, port)
+        self._listener = bind_listener(host, port)
         _bound_host, port = self._listener.getsockname()[:2]
         self.address = f"{host}:{port}"
         self._connections: set[socket.socket] = set()
@@ -93,6 +93,7 @@ class BulkServer:
         self._reaper = threading.Thread(
             target=self._slots.reap, name="kvshare-bulk-reaper", daemon=True
         )
+        self._loops: list[AcceptLoop] = []
         self._acceptors = [self._acceptor(self._listener, self._serve, "tcp")]
         # The same-host listener, as OpenBulk describes it: its abstract socket's name
         # (without the leading NUL), its host and network namespace, the server's uid.
@@ -108,12 +109,26 @@ class BulkServer:
     def _acceptor(
         self, listener: socket.socket, serve: Callable[[socket.socket], None], kind: str
     ) -> threading.Thread:
-        return threading.Thread(
-            target=self._accept_loop,
-            args=(listener, serve, kind),
-            name=f"kvshare-bulk-accept-{kind}",
-            daemon=True,
-        )
+        def accepted(conn: socket.socket) -> None:
+            with self._lock:
+                self._connections.add(conn)
+            self._slots.accept(conn, kind)
+            try:
+                threading.Thread(
+                    target=serve, args=(conn,), name="kvshare-bulk", daemon=True
+                ).start()
+            except RuntimeError:
+                self._forget(conn)
+                raise
+
+        loop = AcceptLoop(listener, kind, accepted, lambda: self._stopping)
+        self._loops.append(loop)
+        return threading.Thread(target=loop.run, name=f"kvshare-bulk-accept-{kind}", daemon=True)
+
+    def problem(self) -> str | None:
+        """Why a bulk listener cannot take connections now (health), or None."""
+        problems = [p for p in (loop.problem() for loop in self._loops) if p]
+        return "; ".join(problems) or None
 
     @property
     def handshake_timeout_s(self) -> float:
@@ -148,19 +163,6 @@ class BulkServer:
         for acceptor in self._acceptors:
             acceptor.join(timeout=5)
 
-    def _accept_loop(
-        self, listener: socket.socket, serve: Callable[[socket.socket], None], kind: str
-    ) -> None:
-        while not self._stopping:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return  # listener closed
-            with self._lock:
-                self._connections.add(conn)
-            self._slots.accept(conn, kind)
-            threading.Thread(target=serve, args=(conn,), name="kvshare-bulk", daemon=True).start()
-
     @contextlib.contextmanager
     def _connection_scope(self, raw: socket.socket) -> Iterator[None]:
         """One accepted connection's lifetime, for both listeners: a client going away
@@ -182,7 +184,15 @@ class BulkServer:
                 raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 raw.settimeout(self.handshake_timeout_s)
                 if self._tls is not None and _opens_tls(raw):
-                    conn = self._tls.wrap_socket(raw, server_side=True)
+                    # Wrapping detaches `raw`: the slot and the stop list must hold the
+                    # wrapped socket before the handshake, or neither the reaper nor
+                    # stop() could shut a peer that drips its handshake or its hello.
+                    conn = self._tls.wrap_socket(
+                        raw, server_side=True, do_handshake_on_connect=False
+                    )
+                    self._rebind(raw, conn)
+                    assert isinstance(conn, ssl.SSLSocket)
+                    conn.do_handshake()
                 handler = self._hello_tcp(conn, raw)
                 if handler is None:
                     return
@@ -194,6 +204,7 @@ class BulkServer:
                     pass
             finally:
                 _close_quietly(conn)
+                self._forget(conn)  # the wrapped socket, if TLS; `raw` is forgotten too
 
     def _hello_tcp(self, conn: socket.socket, raw: socket.socket) -> BulkHandler | None:
         """The TCP listener's hello: a ticket over TLS (plain TCP where the server has
@@ -206,7 +217,7 @@ class BulkServer:
             return None if grant is None else hello.accept(self._core, grant, self._pace)
         tls_required = self._tls is not None
         grant = self._handshake(
-            conn, raw, lambda: self._redeem(magic, ticket, conn, Route.TLS, tls_required)
+            conn, conn, lambda: self._redeem(magic, ticket, conn, Route.TLS, tls_required)
         )
         if grant is None:
             return None
@@ -266,6 +277,12 @@ class BulkServer:
                 error = ResourceExhausted("the server could not create a shared-memory arena")
             conn.sendall(w.error_frame(error))
             return None
+
+    def _rebind(self, raw: socket.socket, conn: socket.socket) -> None:
+        with self._lock:
+            self._connections.discard(raw)
+            self._connections.add(conn)
+        self._slots.rebind(raw, conn)
 
     def _forget(self, conn: socket.socket) -> None:
         self._slots.release(conn)
@@ -334,52 +351,8 @@ def _opens_tls(raw: socket.socket) -> bool:
     return raw.recv(1, socket.MSG_PEEK) == bytes([w.TLS_RECORD_HANDSHAKE])
 
 
-def _bind_listener(host: str, port: int) -> socket.socket:
-    """The TCP listener on `host:port` ([bulk] listen), or ConfigError saying what to change."""
-    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
-    listener = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((host.strip("[]"), port))
-        listener.listen(128)
-    except OSError as error:
-        listener.close()
-        reason = (
-            "the port is in use"
-            if error.errno == errno.EADDRINUSE
-            else f"cannot bind ({error.strerror or error})"
-        )
-        raise ConfigError(
-            f"cannot listen on {host}:{port} for the bulk channel: {reason}; set "
-            "[bulk] listen or --bulk-listen (default: the --listen host at its port + 1)"
-        ) from None
-    return listener
-
-
 def _close_quietly(conn: socket.socket) -> None:
     with contextlib.suppress(OSError):
         conn.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in accept()/recv()
     with contextlib.suppress(OSError):
         conn.close()
-
-
-def server_tls_context(
-    cert_chain: bytes, private_key: bytes, client_ca: bytes | None
-) -> ssl.SSLContext:
-    """The bulk listener's TLS context, from the same files as the gRPC port."""
-    import tempfile
-    from pathlib import Path
-
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
-    context.options |= w.SSL_OP_ENABLE_KTLS
-    with tempfile.TemporaryDirectory() as tmp:
-        cert_path, key_path = Path(tmp) / "cert.pem", Path(tmp) / "key.pem"
-        cert_path.write_bytes(cert_chain)
-        key_path.write_bytes(private_key)
-        key_path.chmod(0o600)
-        context.load_cert_chain(cert_path, key_path)
-    if client_ca is not None:
-        context.load_verify_locations(cadata=client_ca.decode("ascii"))
-        context.verify_mode = ssl.CERT_REQUIRED
-    return context

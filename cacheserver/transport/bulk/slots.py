@@ -83,6 +83,19 @@ class ConnectionSlots:
             self._principals[conn] = principal
             self._per_principal[principal] += 1
 
+    def rebind(self, old: socket.socket, new: socket.socket) -> None:
+        """`old` became `new` (a TLS wrap detaches the accepted socket): the slot, its
+        deadline and its place in the pool follow, so the reaper shuts `new`."""
+        with self._lock:
+            for pool in self._handshaking.values():
+                if old in pool:
+                    items = [(new if c is old else c, d) for c, d in pool.items()]
+                    pool.clear()
+                    pool.update(items)
+            principal = self._principals.pop(old, None)
+            if principal is not None:
+                self._principals[new] = principal
+
     def release(self, conn: socket.socket) -> None:
         with self._lock:
             for pool in self._handshaking.values():

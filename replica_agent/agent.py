@@ -7,13 +7,15 @@
     agent.save(tenant, digests[i:j], blocks)    # write-behind; never blocks inference
 
 Contract: inference never fails and never waits long because of the store. Every store
-call has a timeout; failures are counted, feed a circuit breaker, and come back as
-misses (`match` -> 0 blocks, `load` -> fewer blocks, `save` -> dropped). The gRPC channel
-reconnects by itself, and the breaker lets a trial call through after its cooldown.
-With a sealer, payloads are sealed before they leave the replica and opened before
-they are decoded: a block that fails to open is a miss plus a counter and never
-becomes a tensor. `AgentStats` counts for this agent; `AgentTelemetry` records the same
-events as OpenTelemetry metrics and spans (replica_agent/telemetry.py).
+call goes through the replica side's one gate (replica_agent/gate.py, shared with the
+vLLM and SGLang adapters): a timeout, a circuit breaker, and one table of outcomes, so
+failures come back as misses (`match` -> 0 blocks, `load` -> fewer blocks, `save` ->
+dropped) exactly as in the other engines. The gRPC channel reconnects by itself, and
+the breaker lets a trial call through after its cooldown. With a sealer, payloads are
+sealed before they leave the replica (by the shared saver, replica_agent/saver.py) and
+opened before they are decoded: a block that fails to open is a miss plus a counter
+and never becomes a tensor. `AgentStats` counts for this agent; `AgentTelemetry`
+records the same events as OpenTelemetry metrics and spans (replica_agent/telemetry.py).
 
 Threads and devices: `load` may be called from several threads at once (each restore
 borrows its own staging, replica_agent/device.py). On CUDA `load` returns before the
@@ -27,24 +29,24 @@ must agree on how many blocks it uses: pass `tp_agree` (e.g. `min_across_ranks`)
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
+from contextlib import closing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvcommon.errors import KvshareError
 from kvcommon.memtune import tune_allocator
-from policy.sealing import BlockSealer, SealError
+from policy.sealing import BlockSealer
 from replica_agent.breaker import CircuitBreaker
-from replica_agent.client import BlockClient, ClientTls
+from replica_agent.client import BlockClient, ClientTls, View
 from replica_agent.codec import HEADER_BYTES
 from replica_agent.device import BlockRestorer, Restored, Targets
 from replica_agent.device_snapshot import HostPool, Snapshotter
+from replica_agent.gate import Outcome, StoreGate, StoreStats
 from replica_agent.hashing import BlockHasher
-from replica_agent.saver import SaveJob, WriteBehind
+from replica_agent.saver import SaveJob, Saver
 from replica_agent.spec import ModelSpec
-from replica_agent.telemetry import AgentTelemetry, DropReason
+from replica_agent.telemetry import AgentTelemetry
 
 if TYPE_CHECKING:
     import torch
@@ -54,25 +56,21 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_SAVE_QUEUE_JOBS = 64
+DEFAULT_FLUSH_TIMEOUT_S = 10.0  # how long `close` waits for queued saves
 DEFAULT_SAVE_BUFFER_BYTES = 256 << 20  # host memory for blocks waiting to be stored
 # (pinned on CUDA; at least 4 blocks' worth when blocks are larger than 64 MiB)
 
 
 @dataclass
-class AgentStats:
+class AgentStats(StoreStats):
+    """The gate's and saver's counts (`StoreStats`, as in every engine) and the agent's."""
+
     lookups: int = 0
     blocks_matched: int = 0
     blocks_restored: int = 0
     bytes_restored: int = 0
-    open_failures: int = 0  # sealed blocks that failed to open (tampered, moved, retired key)
-    format_errors: int = 0  # opened blocks whose layout did not match the model spec
     oom_misses: int = 0  # restores cut short: device memory ran out
     capture_skips: int = 0  # loads and saves skipped: the thread was capturing a CUDA graph
-    store_errors: int = 0  # failed or timed-out store calls
-    skipped_breaker_open: int = 0  # store calls not made because the breaker was open
-    saves_queued: int = 0
-    saves_dropped: int = 0  # save jobs dropped: queue or buffers full, breaker open, error
-    blocks_saved: int = 0
 
 
 @dataclass(frozen=True)
@@ -120,9 +118,8 @@ class ReplicaAgent:
         self.sealer = sealer
         self.breaker = breaker or CircuitBreaker()
         self.stats = AgentStats()
-        self._stats_lock = threading.Lock()
         self.telemetry = telemetry or AgentTelemetry()
-        self.telemetry.watch_breaker(self.breaker)
+        self.gate = StoreGate(self.breaker, self.telemetry, self.stats)
         self._tp_agree = tp_agree
         self._restorer = BlockRestorer(spec, device, ops=device_ops)
         self.device = self._restorer.device
@@ -132,7 +129,8 @@ class ReplicaAgent:
         pool = HostPool(spec, self._restorer.ops, self.device, save_buffer_bytes)
         self._snapshots = Snapshotter(spec, self._restorer.ops, pool)
         self._hashers: dict[bytes, BlockHasher] = {}
-        self._writer = WriteBehind(self._save_now, self._save_failed, save_queue_jobs)
+        # The snapshot pool bounds the bytes of queued saves; the saver bounds the jobs.
+        self._saver = Saver(client, self.gate, sealer, max_jobs=save_queue_jobs)
 
     @classmethod
     def connect(
@@ -166,15 +164,9 @@ class ReplicaAgent:
         """How many leading blocks the store holds; blocks before `first_block` are
         assumed present locally and not asked for (every TP rank passes the same)."""
         self._collect()
-        found = 0
         with self.telemetry.span("kvshare.agent.match", tenant) as span:
-            if first_block < len(digests) and self._allow():
-                try:
-                    found = self.client.lookup(tenant, self.model, digests[first_block:])
-                    self.breaker.record_success()
-                except Exception as error:  # any failure of the store is a miss
-                    self._store_failed("lookup", error)
-            found = self._agree(found)
+            asking = digests[first_block:]
+            found = self._agree(self.gate.leading(self.client, tenant, self.model, asking))
             asked = max(len(digests) - first_block, 0)
             self.telemetry.matched(span, tenant, asked, found, self.spec.block_tokens)
         self._count(lookups=1, blocks_matched=found)
@@ -230,10 +222,11 @@ class ReplicaAgent:
             if capturing:  # before the breaker: no trial call wasted
                 run(iter(()), 0)
                 restored = Restored(0, "capturing")
-            elif not wanted or not self._allow():
+            elif not wanted or not self.gate.allow():
                 restored = run(iter(()), 0)
-            else:
-                restored = run(self._opened(match.tenant, wanted), len(wanted))
+            else:  # closed as soon as the restorer stops: the call is settled then
+                with closing(self._opened(match.tenant, wanted)) as payloads:
+                    restored = run(payloads, len(wanted))
             self._note_stop(restored)
             count = self._agree(restored.blocks)
             nbytes = count * self.spec.block_payload_bytes
@@ -244,30 +237,23 @@ class ReplicaAgent:
         self._count(blocks_restored=count, bytes_restored=nbytes)
         return count
 
-    def _opened(self, tenant: str, digests: Sequence[bytes]) -> Iterator[bytes | memoryview]:
-        try:
-            for digest, payload in zip(
-                digests, self.client.iter_views(tenant, self.model, digests), strict=False
-            ):
-                if self.sealer is not None:
-                    try:
-                        payload = self.sealer.open(tenant, self.model, digest, payload)
-                    except SealError:
-                        self._count(open_failures=1)
-                        self.telemetry.open_failure()
-                        log.warning("a block failed to open; treating it as a miss")
-                        return
-                yield payload
-            self.breaker.record_success()
-        except Exception as error:  # a store error, or a bug below: a miss, never a crash
-            self._store_failed("get", error)
+    def _opened(self, tenant: str, digests: Sequence[bytes]) -> Generator[View, None, None]:
+        """The opened payloads of a read the gate allowed, up to the first that fails
+        to open; the restorer decodes them (a layout mismatch: `_note_stop`)."""
+
+        def check(digest: bytes, payload: View) -> View | None:
+            return self.gate.opened(self.sealer, (tenant, self.model, digest), payload)
+
+        with self.gate.settled("get"):
+            read: Iterator[View] = self.gate.read(self.client, tenant, self.model, digests, check)
+            yield from read
 
     def _note_stop(self, restored: Restored) -> None:
         if restored.stopped_by is None:
             return
         self.telemetry.restore_stopped(restored.stopped_by)
         if restored.stopped_by == "format_error":
-            self._count(format_errors=1)
+            self.gate.settle(Outcome.MALFORMED)
         elif restored.stopped_by == "out_of_memory":
             self._count(oom_misses=1)
             log.warning("device memory ran out during a restore; serving a shorter prefix")
@@ -293,54 +279,33 @@ class ReplicaAgent:
         if not digests:
             return True
         self._collect()
-        if not self._writer.reserve():
-            self._drop("queue_full")
+        nbytes = len(blocks) * self._snapshots.pool.block_bytes
+        if not self._saver.reserve(len(blocks), nbytes):
             return False
         try:
             snapshot = self._snapshots.take(blocks)
         except BaseException:
-            self._writer.cancel()
+            self._saver.cancel(len(blocks), nbytes, "error")
             raise
         if isinstance(snapshot, str):
-            self._writer.cancel()
-            self._drop(snapshot)
+            self._saver.cancel(len(blocks), nbytes, snapshot)
+            self._count(capture_skips=int(snapshot == "capturing"))
             return False
-        pool, snapshots = self._snapshots.pool, self._snapshots
-        self._writer.submit(
+        pool, snapshots, encoded = self._snapshots.pool, self._snapshots, snapshot.encoded()
+        self._saver.submit(
             SaveJob(
                 tenant,
+                self.model,
                 tuple(digests),
-                snapshot.encoded(),
+                encoded.__getitem__,  # read by the saver thread once the copies are done
+                nbytes,
                 self.telemetry.current_context(),
-                is_copied=lambda: snapshots.is_done(snapshot),
-                wait_copied=lambda: snapshots.wait(snapshot),
+                is_ready=lambda: snapshots.is_done(snapshot),
+                wait_ready=lambda: snapshots.wait(snapshot),
                 release=lambda: pool.give_back(snapshot.buffers),
             )
         )
-        self._count(saves_queued=1)
         return True
-
-    def _save_now(self, job: SaveJob) -> None:
-        """On the saver thread: seal and store one job (no device calls here)."""
-        if not self._allow():
-            self._drop("breaker_open")
-            return
-        with self.telemetry.span("kvshare.agent.save", job.tenant, job.parent) as span:
-            payloads: list[bytes | memoryview] = []
-            for digest, encoded in zip(job.digests, job.encoded, strict=True):
-                if self.sealer is not None:
-                    # seal reads any buffer (AESGCM takes the buffer protocol): no copy first
-                    sealed = self.sealer.seal(job.tenant, self.model, digest, encoded)
-                    payloads.append(sealed)
-                else:
-                    payloads.append(encoded)
-            try:
-                self.client.put(job.tenant, self.model, job.digests, payloads)
-                self.breaker.record_success()
-                self._count(blocks_saved=len(payloads))
-                self.telemetry.saved(span, job.tenant, len(payloads))
-            except Exception as error:  # the save is dropped; inference is not touched
-                self._store_failed("put", error)
 
     def _collect(self, capturing: bool | None = None) -> None:
         """Hand saves whose copies finished to the saver; never during a capture (an
@@ -348,48 +313,17 @@ class ReplicaAgent:
         if capturing is None:
             capturing = self._restorer.is_capturing()
         if not capturing:
-            self._writer.collect()
+            self._saver.collect()
 
-    def _save_failed(self) -> None:
-        self._drop("error")
-
-    def flush(self) -> None:
-        """Wait until every queued save has been attempted (tests, demo, shutdown)."""
-        self._writer.flush()
-
-    # -- failure handling -----------------------------------------------------------------
-
-    def _allow(self) -> bool:
-        if self.breaker.allow():
-            return True
-        self._count(skipped_breaker_open=1)
-        self.telemetry.breaker_skip()
-        return False
-
-    def _drop(self, reason: DropReason) -> None:
-        self._count(saves_dropped=1, capture_skips=int(reason == "capturing"))
-        self.telemetry.save_dropped(reason)
-
-    def _store_failed(self, operation: str, error: Exception) -> None:
-        """A store call failed: counted, fed to the breaker, a miss. An error that is
-        not the store's (kvcommon.errors) is a bug, logged with its traceback, and
-        still a miss: inference never fails because the cache failed."""
-        self._count(store_errors=1)
-        self.telemetry.store_error(operation)
-        self.breaker.record_failure()
-        if not isinstance(error, KvshareError):
-            log.error("store %s failed unexpectedly; serving a miss", operation, exc_info=error)
-            return
-        code = getattr(error, "code", None)
-        status = code().name if callable(code) else type(error).__name__
-        log.warning("store %s failed (%s); serving a miss", operation, status)
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every queued save has been attempted (tests, demo, shutdown);
+        False when `timeout_s` ran out first."""
+        return self._saver.flush(timeout_s)
 
     def _count(self, **deltas: int) -> None:
-        """Add to `stats` (several threads load and save at once)."""
-        with self._stats_lock:
-            for name, delta in deltas.items():
-                setattr(self.stats, name, getattr(self.stats, name) + delta)
+        self.gate.count(**deltas)
 
-    def close(self) -> None:
-        self._writer.close()
+    def close(self, flush_timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S) -> None:
+        """Store what is queued, for at most `flush_timeout_s`, then disconnect."""
+        self._saver.close(flush_timeout_s)
         self.client.close()

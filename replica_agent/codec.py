@@ -22,6 +22,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+# BlockFormatError lives with the spec so the store gate can name it without torch.
+from replica_agent.spec import BlockFormatError as BlockFormatError
 from replica_agent.spec import ModelSpec
 
 MAGIC = b"KVSBLOCK"
@@ -39,10 +41,6 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 # where that would silently differ.
 if sys.byteorder != "little":  # pragma: no cover - no big-endian hosts in use
     raise ImportError("replica_agent.codec needs a little-endian host")
-
-
-class BlockFormatError(ValueError):
-    """The bytes are not a block of the expected spec (any header or length mismatch)."""
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,11 @@ MAX_REVISION_CHARS = 128  # a 40-hex commit or a branch name; the server caps th
 _MAX_U32 = 2**32 - 1
 
 
+class BlockFormatError(ValueError):
+    """The bytes are not a block of the expected spec (any header or length mismatch);
+    raised by the codec (replica_agent/codec.py)."""
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """A model and the canonical layout of one KV block.

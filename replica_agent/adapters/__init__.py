@@ -4,7 +4,8 @@
 (`KVShareConnector`, with `vllm_plan`, `vllm_store` and `vllm_layout`); `sglang` is an
 SGLang HiCache storage backend (`KVShareHiCacheStorage`, with `sglang_pages`). Only
 `vllm` imports vLLM and only `sglang` imports SGLang, and nothing imports either of them
-(the engines load them by module path). `settings` (the extra-config keys) and
-`store_gate` (breaker, deadline, block verification) are shared. Each adapter is the
-only place that knows its engine's cache layout.
+(the engines load them by module path). `settings` (the extra-config keys) is shared;
+every store call goes through the replica side's one gate and saver
+(`replica_agent.gate`, `replica_agent.saver`), which the transformers agent uses too.
+Each adapter is the only place that knows its engine's cache layout.
 """

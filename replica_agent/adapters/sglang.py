@@ -45,8 +45,8 @@ from replica_agent.adapters.sglang_pages import (
     page_digest,
     parse_put_bytes,
 )
-from replica_agent.adapters.store_gate import StoreGate, StoreStats
 from replica_agent.breaker import CircuitBreaker
+from replica_agent.gate import StoreGate, StoreStats
 from replica_agent.telemetry import AgentTelemetry
 
 if TYPE_CHECKING:
@@ -217,6 +217,8 @@ class KVShareHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         log.warning("kvshare HiCache backend: clear ignored; the store is shared")
 
     def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
         self._client.close()
 
     def _safely(self, what: str, miss: T, action: Callable[[PageStore, HostPages], T]) -> T:

@@ -25,15 +25,18 @@ Invariants:
 - A page reaches the pool only after it opened (sealed) and its header matched; the
   first page that fails ends the load, and the pages after it are not touched.
 - The store down, slow or refusing is a miss or a dropped save, never an exception:
-  every call goes through `StoreGate` (deadline, breaker).
+  every call goes through the replica side's one gate and saver (replica_agent/gate.py,
+  replica_agent/saver.py), so each outcome is treated as in the other engines. Saves
+  are stored on the caller's thread (`Saver.store`): SGLang calls from its own
+  background thread and needs each page's result.
 """
 
 from __future__ import annotations
 
 import hashlib
-import logging
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import closing
 from typing import Any
 
 import numpy as np
@@ -43,13 +46,11 @@ import torch
 from kvcommon.encoding import enc
 from kvcommon.errors import ConfigError
 from policy.sealing import BlockSealer
-from replica_agent.adapters.store_gate import StoreGate, verified
-from replica_agent.client import BlockClient, Payload
+from replica_agent.client import BlockClient, Payload, View
 from replica_agent.codec import HEADER_BYTES, encode_header, tensor_bytes
+from replica_agent.gate import StoreGate
+from replica_agent.saver import DEFAULT_PUT_BYTES, SaveJob, Saver
 from replica_agent.spec import ModelSpec
-from replica_agent.telemetry import DropReason
-
-log = logging.getLogger(__name__)
 
 CANONICAL = "LKHPD"  # the codec's block layout: [layers, k/v, heads, tokens, dim]
 # The axes of one page in each host layout (as `get_data_page` slices it).
@@ -60,10 +61,8 @@ PAGE_AXES = {
     "page_head": "KHPLD",
 }
 PAGE_INDEXED = frozenset({"page_first_direct", "page_head"})  # pages are their own axis
-# Pages per Put: SGLang saves up to 128 pages a call, which for a large model's pages
-# is gigabytes; a Put holds its payloads in memory, and the server refuses more pending
-# bytes than its max_pending_write_bytes (1 GiB by default).
-DEFAULT_PUT_BYTES = 64 << 20
+# Bytes per Put (`put_bytes`, DEFAULT_PUT_BYTES from the saver): SGLang saves up to 128
+# pages a call, which for a large model's pages is gigabytes.
 _HEX_KEY = re.compile(r"[0-9a-f]{64}")
 KEY_LABEL = "kvshare/sglang/key/v1"
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -234,99 +233,53 @@ class PageStore:
         self.gate = gate
         self.stats = gate.stats
         self._header = encode_header(spec)
+        self._saver = Saver(client, gate, sealer, put_bytes=put_bytes)
 
     def leading(self, digests: Sequence[bytes]) -> int:
         """How many leading pages the store holds (0 when it cannot say)."""
-        if not digests:
-            return 0
-        found = self.gate.call(
-            "lookup", lambda: self.client.lookup(self.tenant, self.model, digests)
-        )
-        if found is None:
-            self.stats.lookups_failed += 1
-        return found or 0
+        return self.gate.leading(self.client, self.tenant, self.model, digests)
 
     def load(self, digests: Sequence[bytes], pages: Sequence[torch.Tensor]) -> list[bool]:
         """Fill `pages` from the store, in one Get; True for each page filled (a prefix)."""
         done = 0
         if digests and self.gate.allow():
-            with self.gate.telemetry.span("kvshare.agent.load", self.tenant):
-                done, error = self._fetch_into(digests, pages)
-                if error is None:
-                    self.gate.breaker.record_success()
-                else:  # a broken stream ends the load, never SGLang's prefetch
-                    self.gate.failed("get", error)
-        self.stats.blocks_loaded += done
-        self.stats.blocks_failed += len(digests) - done
-        return [i < done for i in range(len(digests))]
-
-    def _fetch_into(
-        self, digests: Sequence[bytes], pages: Sequence[torch.Tensor]
-    ) -> tuple[int, Exception | None]:
-        """Pages written, and the error that stopped the stream (None: it ended, or a
-        page failed its checks)."""
-        done = 0
-        try:
-            payloads = self.client.iter_views(self.tenant, self.model, digests)
-            try:
-                for digest, payload, page in zip(digests, payloads, pages, strict=False):
-                    where = (self.tenant, self.model, digest)
-                    data = verified(self.gate, self.sealer, self.spec, where, payload, tensor_bytes)
-                    if data is None:
-                        break
+            read = self.gate.read(self.client, self.tenant, self.model, digests, self._verified)
+            with (
+                self.gate.telemetry.span("kvshare.agent.load", self.tenant),
+                self.gate.settled("get"),  # a broken stream ends the load, never SGLang's
+                closing(read) as blocks,
+            ):
+                for data, page in zip(blocks, pages, strict=False):
                     copy_in(data, page)
                     done += 1
-            finally:
-                close = getattr(payloads, "close", None)
-                if close is not None:  # a stream left early is cancelled at once
-                    close()
-        except Exception as error:
-            return done, error
-        return done, None
+        self.gate.count(blocks_loaded=done, blocks_failed=len(digests) - done)
+        return [i < done for i in range(len(digests))]
+
+    def _verified(self, digest: bytes, payload: View) -> memoryview | None:
+        where = (self.tenant, self.model, digest)
+        return self.gate.verified(self.sealer, self.spec, where, payload, tensor_bytes)
 
     def save(self, digests: Sequence[bytes], pages: Sequence[torch.Tensor]) -> list[bool]:
         """Store `pages`: one Put per `put_bytes` of pages (one for a batch of small
         pages); True for each page stored or already there. The first Put that fails
-        ends the save: the pages after it are dropped (False), never waited for."""
+        ends the save: the pages after it are dropped (False), never waited for. Each
+        page is copied out only when its Put is allowed."""
         count = len(digests)
-        stored = [False] * count
         if not count:
-            return stored
-        if self.gate.is_open():  # no copies for a store that is down
-            self._dropped(count, "breaker_open")
-            return stored
-        per_put = max(1, self.put_bytes // self.spec.block_payload_bytes)
-        with self.gate.telemetry.span("kvshare.agent.save", self.tenant) as span:
-            for start in range(0, count, per_put):
-                end = min(count, start + per_put)
-                if not self._put(digests[start:end], pages[start:end]):
-                    self._dropped(count - start, "error")
-                    break
-                stored[start:end] = [True] * (end - start)
-            saved = stored.count(True)
-            self.stats.blocks_saved += saved
-            self.gate.telemetry.saved(span, self.tenant, saved)
-        return stored
+            return []
+        nbytes = count * self.spec.block_payload_bytes  # what `put_bytes` counts
+        job = SaveJob(self.tenant, self.model, tuple(digests), self._block(pages), nbytes)
+        stored = self._saver.store(job)
+        return [i < stored for i in range(count)]
 
-    def _put(self, digests: Sequence[bytes], pages: Sequence[torch.Tensor]) -> bool:
-        try:
-            payloads = [self._payload(d, p) for d, p in zip(digests, pages, strict=True)]
-        except Exception:  # a bug in the copy must not reach SGLang: drop the save
-            log.exception("copying pages out for a save failed; dropped")
-            return False
-        put = self.gate.call(
-            "put", lambda: self.client.put(self.tenant, self.model, digests, payloads)
-        )
-        return put is not None
-
-    def _payload(self, digest: bytes, page: torch.Tensor) -> Payload:
-        block = bytearray(HEADER_BYTES + self.spec.block_payload_bytes)
-        block[:HEADER_BYTES] = self._header
-        copy_out(page, memoryview(block)[HEADER_BYTES:])
-        if self.sealer is None:
+    def _block(self, pages: Sequence[torch.Tensor]) -> Callable[[int], Payload]:
+        def encoded(index: int) -> Payload:
+            block = bytearray(HEADER_BYTES + self.spec.block_payload_bytes)
+            block[:HEADER_BYTES] = self._header
+            copy_out(pages[index], memoryview(block)[HEADER_BYTES:])
             return block
-        return self.sealer.seal(self.tenant, self.model, digest, block)
 
-    def _dropped(self, count: int, reason: DropReason) -> None:
-        self.stats.blocks_dropped += count
-        self.gate.telemetry.save_dropped(reason)
+        return encoded
+
+    def close(self) -> None:
+        self._saver.close()

@@ -36,7 +36,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvcommon.errors import ConfigError
 from replica_agent.adapters.settings import parse_store_settings
-from replica_agent.adapters.store_gate import StoreGate, StoreStats
 from replica_agent.adapters.vllm_layout import PagedLayout, detect_layout, learn_page_layout
 from replica_agent.adapters.vllm_plan import (
     ENGINE_KEYS,
@@ -52,6 +51,7 @@ from replica_agent.adapters.vllm_plan import (
 )
 from replica_agent.adapters.vllm_store import PagedCache, WorkerStore
 from replica_agent.breaker import CircuitBreaker
+from replica_agent.gate import StoreGate, StoreStats
 from replica_agent.spec import ModelSpec
 from replica_agent.telemetry import AgentTelemetry
 
@@ -168,12 +168,7 @@ class KVShareConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return RequestKey(tenant, request.prompt_token_ids, salt, lora)
 
     def _lookup(self, tenant: str, digests: Any) -> int:
-        found = self._gate.call(
-            "lookup", lambda: self._client.lookup(tenant, self.namespace, digests)
-        )
-        if found is None:
-            self.stats.lookups_failed += 1
-        return found or 0
+        return self._gate.leading(self._client, tenant, self.namespace, digests)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         assert self._planner is not None
@@ -297,8 +292,7 @@ class KVShareConnector(KVConnectorBase_V1):  # type: ignore[misc]
         for plan in metadata.saves:
             try:
                 self._store.save(self._cache, plan)
-            except Exception:  # a bug in the copy must not fail the step: drop the save
-                self.stats.blocks_dropped += len(plan.digests)
+            except Exception:  # a bug in the copy must not fail the step: the save is dropped
                 log.exception("copying blocks out for a save failed; dropped")
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -18,9 +18,9 @@ import torch
 from kvcommon.errors import ConfigError
 from policy.sealing import BlockSealer
 from replica_agent.adapters.sglang_pages import HostPages, PageStore, page_digest, parse_put_bytes
-from replica_agent.adapters.store_gate import StoreGate, StoreStats
 from replica_agent.breaker import BreakerState, CircuitBreaker
 from replica_agent.client import BlockClient
+from replica_agent.gate import StoreGate, StoreStats
 from replica_agent.spec import ModelSpec
 from replica_agent.telemetry import AgentTelemetry
 from tests.conftest import Running, launch, read_allocated, write_config

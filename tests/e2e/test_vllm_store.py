@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from policy.sealing import BlockSealer
-from replica_agent.adapters.store_gate import StoreGate, StoreStats
 from replica_agent.adapters.vllm_layout import ConcatLastDim
 from replica_agent.adapters.vllm_plan import LoadPlan, SavePlan
 from replica_agent.adapters.vllm_store import PagedCache, WorkerStore
 from replica_agent.breaker import CircuitBreaker
 from replica_agent.client import BlockClient
+from replica_agent.gate import StoreGate, StoreStats
 from replica_agent.spec import ModelSpec
 from replica_agent.telemetry import AgentTelemetry
 from tests.conftest import Running, free_port, launch, write_config

@@ -146,6 +146,9 @@ class BulkConfig:
     # Same-host connections open at once (each holds up to arena_bytes of memory);
     # past it, clients use TCP.
     max_arenas: int = 32
+    # Of which one principal may hold at most this many, so one replica (or one stolen
+    # token) cannot push every other principal's same-host connections to TCP.
+    max_arenas_per_principal: int = 8
     # A PUT's block must arrive, and a GET's reply must be taken, at least this fast
     # (after 2 s of slack), or the connection is closed. While a block arrives it holds
     # journal space, and while a reply is sent it keeps the journal from reusing space:

@@ -16,10 +16,12 @@ import mmap
 import os
 import secrets
 import socket
+import threading
+from collections import Counter
 from collections.abc import Sequence
 
 from kvcommon import bulkwire as w
-from kvcommon.errors import InvalidArgument
+from kvcommon.errors import InvalidArgument, ResourceExhausted
 
 log = logging.getLogger(__name__)
 # Linux only (memfd, seals, abstract sockets): elsewhere the same-host listener is off.
@@ -90,3 +92,44 @@ def listen_locally() -> tuple[socket.socket, str] | None:
         log.warning("no same-host bulk listener (%s); clients use TCP", error.strerror)
         return None
     return listener, name
+
+
+class ArenaCount:
+    """How many arenas are open, in all and per principal: each holds up to its size in
+    memory, so both are capped; past either cap a client uses the TCP listener."""
+
+    def __init__(self, max_total: int, max_per_principal: int) -> None:
+        self._max_total = max_total
+        self._max_per_principal = max_per_principal
+        self._lock = threading.Lock()
+        self._total = 0
+        self._of: Counter[str] = Counter()
+
+    @property
+    def total(self) -> int:
+        with self._lock:
+            return self._total
+
+    def take(self, principal: str) -> None:
+        """One more arena for `principal`, or ResourceExhausted saying which cap."""
+        with self._lock:
+            if self._total >= self._max_total:
+                raise ResourceExhausted(
+                    f"all {self._max_total} same-host arenas are in use "
+                    "([bulk] max_arenas); use the TCP listener"
+                )
+            if self._of[principal] >= self._max_per_principal:
+                raise ResourceExhausted(
+                    f"principal {principal!r} holds {self._max_per_principal} same-host "
+                    "arenas ([bulk] max_arenas_per_principal); its further connections "
+                    "use the TCP listener"
+                )
+            self._total += 1
+            self._of[principal] += 1
+
+    def give_back(self, principal: str) -> None:
+        with self._lock:
+            self._total -= 1
+            self._of[principal] -= 1
+            if not self._of[principal]:
+                del self._of[principal]

@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterator
 from cacheserver.config import BulkConfig
 from cacheserver.core.requests import RequestCore
 from cacheserver.telemetry import ServerTelemetry
-from cacheserver.transport.arena import Arena, listen_locally
+from cacheserver.transport.arena import Arena, ArenaCount, listen_locally
 from cacheserver.transport.bulk.accepting import AcceptLoop, bind_listener
 from cacheserver.transport.bulk.handler import OPS, BulkHandler, Pace
 from cacheserver.transport.bulk.sealed import SealedHello
@@ -85,7 +85,7 @@ class BulkServer:
         _bound_host, port = self._listener.getsockname()[:2]
         self.address = f"{host}:{port}"
         self._connections: set[socket.socket] = set()
-        self._arenas = 0
+        self._arenas = ArenaCount(self._bulk.max_arenas, self._bulk.max_arenas_per_principal)
         self._lock = threading.Lock()
         self._stopping = False
         self._slots = ConnectionSlots(HANDSHAKE_TIMEOUT_S)
@@ -141,8 +141,7 @@ class BulkServer:
     @property
     def arenas(self) -> int:
         """Same-host connections holding an arena now."""
-        with self._lock:
-            return self._arenas
+        return self._arenas.total
 
     def start(self) -> str:
         self._reaper.start()
@@ -235,8 +234,11 @@ class BulkServer:
                 grant = self._handshake(
                     conn, conn, lambda: self._redeem(magic, ticket, conn, Route.LOCAL)
                 )
-                arena = None if grant is None else self._open_arena(conn)
-                if grant is None or arena is None:
+                if grant is None:
+                    return
+                principal = grant.principal.name
+                arena = self._open_arena(conn, principal)
+                if arena is None:
                     return
                 try:
                     socket.send_fds(conn, [w.ARENA_REPLY.pack(w.OK, arena.size)], [arena.fd])
@@ -252,30 +254,22 @@ class BulkServer:
                     try:
                         arena.close()
                     finally:
-                        with self._lock:
-                            self._arenas -= 1
+                        self._arenas.give_back(principal)
 
-    def _open_arena(self, conn: socket.socket) -> Arena | None:
+    def _open_arena(self, conn: socket.socket, principal: str) -> Arena | None:
         """This connection's arena, or None (and an error frame) when no more may open."""
-        with self._lock:
-            room = self._arenas < self._bulk.max_arenas
-            if room:
-                self._arenas += 1
         try:
-            if not room:
-                raise ResourceExhausted(
-                    f"all {self._bulk.max_arenas} same-host arenas are in use "
-                    "([bulk] max_arenas); use the TCP listener"
-                )
-            return Arena(self._bulk.arena_bytes)
-        except (KvshareError, OSError) as error:
-            if room:
-                with self._lock:
-                    self._arenas -= 1
-            if isinstance(error, OSError):
-                log.error("cannot create a same-host arena: %s", error.strerror)
-                error = ResourceExhausted("the server could not create a shared-memory arena")
+            self._arenas.take(principal)
+        except ResourceExhausted as error:
             conn.sendall(w.error_frame(error))
+            return None
+        try:
+            return Arena(self._bulk.arena_bytes)
+        except OSError as error:
+            self._arenas.give_back(principal)
+            log.error("cannot create a same-host arena: %s", error.strerror)
+            refusal = ResourceExhausted("the server could not create a shared-memory arena")
+            conn.sendall(w.error_frame(refusal))
             return None
 
     def _rebind(self, raw: socket.socket, conn: socket.socket) -> None:

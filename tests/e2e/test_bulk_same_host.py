@@ -181,16 +181,19 @@ def test_one_principal_cannot_hold_every_arena(tmp_path: Path) -> None:
     share (`max_arenas_per_principal`), or its connections alone could push every
     other principal's same-host replicas to TCP."""
     bulk = "max_arenas = 4\nmax_arenas_per_principal = 1\n"
-    with serving(tmp_path, bulk) as running:
-        with running.client("a") as first, running.client("a") as second:
-            for client in (first, second):
-                assert client.put("alpha", MODEL, [b"k" * 32], [b"v" * 100]) is not None
-            assert [c.arena is not None for c in connections(first)] == [True]
-            assert [c.arena is None for c in connections(second)] == [True]  # TCP instead
-            assert second.get("alpha", MODEL, [b"k" * 32]) == [b"v" * 100]
-            with running.client("b") as other:  # another principal still gets its own
-                assert other.put("beta", MODEL, [b"k" * 32], [b"v"]) == [True]
-                assert [c.arena is not None for c in connections(other)] == [True]
+    with (
+        serving(tmp_path, bulk) as running,
+        running.client("a") as first,
+        running.client("a") as second,
+    ):
+        for client in (first, second):
+            assert client.put("alpha", MODEL, [b"k" * 32], [b"v" * 100]) is not None
+        assert [c.arena is not None for c in connections(first)] == [True]
+        assert [c.arena is None for c in connections(second)] == [True]  # TCP instead
+        assert second.get("alpha", MODEL, [b"k" * 32]) == [b"v" * 100]
+        with running.client("b") as other:  # another principal still gets its own
+            assert other.put("beta", MODEL, [b"k" * 32], [b"v"]) == [True]
+            assert [c.arena is not None for c in connections(other)] == [True]
 
 
 def test_an_operator_can_turn_the_same_host_transport_off(tmp_path: Path) -> None:

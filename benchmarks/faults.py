@@ -12,6 +12,8 @@ Scenarios (benchmarks/reliability/fault_scenarios*.py; each docstring says what 
   agents         an agent killed mid-PUT and one stalled mid-GET, beside another tenant
   server_paused  SIGSTOP/SIGCONT of the server under a replica agent (breaker)
   clock_jumps    the server's wall clock jumps a day back and forth (libfaketime)
+  descriptor_flood  idle connections exhaust the server's descriptors; the bulk
+                 listener says so and serves again once they end
 A scenario that needs root or a tool it does not find is skipped with the reason
 ("passed": null). `--json` prints {"scenarios": [{"name", "passed", "detail"}],
 "kill9_cycles", "acknowledged_lost", "torn_served"}.
@@ -31,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 
 from benchmarks.reliability import fault_scenarios as f1
 from benchmarks.reliability import fault_scenarios2 as f2
+from benchmarks.reliability import fault_scenarios3 as f3
 from benchmarks.reliability.harness import private_journal_dir
 
 SCENARIOS = {
@@ -42,6 +45,7 @@ SCENARIOS = {
     "agents": f2.agents,
     "server_paused": f2.server_paused,
     "clock_jumps": f2.clock_jumps,
+    "descriptor_flood": f3.descriptor_flood,
 }
 
 

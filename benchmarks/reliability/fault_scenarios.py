@@ -63,8 +63,12 @@ class Env:
         settings = {"journal_dir": str(self.journal_dir), **(storage or {})}
         return write_tenancy(self.directory, TENANTS, PRINCIPALS, storage=settings, tokens=tokens)
 
-    def start(self, tenancy: Tenancy, env: dict[str, str] | None = None) -> ServerProc:
-        server = ServerProc(tenancy.path, self.directory / "server.log", env=env)
+    def start(
+        self, tenancy: Tenancy, env: dict[str, str] | None = None, *, max_descriptors: int = 0
+    ) -> ServerProc:
+        server = ServerProc(
+            tenancy.path, self.directory / "server.log", env=env, max_descriptors=max_descriptors
+        )
         self.servers.append(server)
         return server
 

@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import os
 import re
+import resource
 import secrets
 import shutil
 import signal
@@ -21,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -114,7 +115,9 @@ class ServerProc:
         env: Mapping[str, str] | None = None,
         startup_timeout_s: float = 60.0,
         extra_args: Sequence[str] = (),
+        max_descriptors: int = 0,
     ) -> None:
+        """`max_descriptors`: the server's RLIMIT_NOFILE (0: inherited)."""
         self.config = config
         self.log_path = log_path
         self._log: IO[bytes] = open(log_path, "ab")  # noqa: SIM115 - kept for the process
@@ -126,6 +129,7 @@ class ServerProc:
             text=True,
             cwd=REPO,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            preexec_fn=_descriptor_limit(max_descriptors) if max_descriptors else None,
         )
         self.address = self._wait_ready(startup_timeout_s)
 
@@ -184,6 +188,13 @@ class ServerProc:
 
     def owned_rss_bytes(self) -> int:
         return owned_rss_bytes(self.pid)
+
+
+def _descriptor_limit(count: int) -> Callable[[], None]:
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (count, count))
+
+    return limit
 
 
 def rss_bytes(pid: int, fields: tuple[str, ...] = ("VmRSS",)) -> int:

@@ -24,7 +24,7 @@ from cacheserver.blocks import BlockSource
 from cacheserver.config import StorageConfig
 from cacheserver.events import NoEvents, StoreEvents
 from cacheserver.store import local
-from cacheserver.store.index import BlockIndex, NoRoom
+from cacheserver.tiers.index import BlockIndex, NoRoom
 from cacheserver.store.jobs import PutJob, done
 from cacheserver.store.journaled import JournaledPuts
 from cacheserver.store.reading import Reading

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from cacheserver.blocks import BlockSource
 from cacheserver.store.backlog import WriteBacklog
-from cacheserver.store.index import NoRoom
+from cacheserver.tiers.index import NoRoom
 from cacheserver.store.jobs import PutJob
 from cacheserver.store.journal import Journal, JournalFull
 from cacheserver.store.tiering import Tiers

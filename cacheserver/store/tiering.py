@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from cacheserver.events import EvictReason, StoreEvents
-from cacheserver.store.index import BlockIndex, Entry, NoRoom
+from cacheserver.tiers.index import BlockIndex, Entry, NoRoom
 from cacheserver.store.jobs import PutJob
 from cacheserver.tiers import (
     JournalCheckpoint,

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TypeAlias
 
 from cacheserver.events import EvictReason
-from cacheserver.store.index import BlockIndex, NoRoom
+from cacheserver.tiers.index import BlockIndex, NoRoom
 from cacheserver.tiers import Payload
 from policy.types import StorageKey, TenantId
 

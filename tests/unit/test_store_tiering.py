@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from cacheserver.events import NoEvents
-from cacheserver.store.index import BlockIndex
+from cacheserver.tiers.index import BlockIndex
 from cacheserver.store.jobs import PutJob
 from cacheserver.store.tiering import Tiers
 from cacheserver.tiers.lmdb import LmdbTier

@@ -1,4 +1,6 @@
-"""Journaled puts: the put journal as a tier of the store (a `Tier`).
+"""Journaled puts: the put journal as a tier of the store, in process and under its
+lock. It is the store's own, not a `cacheserver.tiers.Tier`: it lives and dies with the
+store's writer, and only its reads and deletes look like a tier's.
 
 A journaled put is acknowledged once its record is committed in the journal
 (`cacheserver.store.journal`), and stays here (`_pending`) until the writer has moved it into
@@ -26,7 +28,6 @@ from pathlib import Path
 
 from cacheserver.blocks import BlockSource
 from cacheserver.store.backlog import WriteBacklog
-from cacheserver.tiers.index import NoRoom
 from cacheserver.store.jobs import PutJob
 from cacheserver.store.journal import Journal, JournalFull
 from cacheserver.store.tiering import Tiers
@@ -87,15 +88,8 @@ class JournaledPuts:
         tenant's quota, the writer's backlog or the journal has no room."""
         tiers = self._tiers
         job = PutJob(key, tenant, self._epochs.get(tenant, 0), b"", model_tag)
-        with tiers.lock:
-            if key in tiers.index:
-                tiers.index.touch(key)
-                tiers.events.put_outcome(tenant, "already_present", size)
-                return None
-            try:  # refuse before journaling what cannot be admitted
-                tiers.index.victims_with_reasons(tenant, size)
-            except NoRoom as error:
-                raise tiers.no_room(tenant, size, error) from None
+        if not tiers.admissible(tenant, key, size):  # refused before it is journaled
+            return None
         self._backlog.reserve(tenant, size, JOURNAL_WAIT_S)
         try:
             job.record = self.journal.reserve(
@@ -215,7 +209,7 @@ class JournaledPuts:
     def undrained_blocks(self) -> int:
         return len(self._pending)
 
-    # -- the Tier protocol (cacheserver.tiers), under the store's lock ---------------
+    # -- reads and deletes as a tier's, under the store's lock ------------------------
 
     def read_many(self, keys: Sequence[StorageKey]) -> list[Payload | None]:
         held = self.held(keys)

@@ -27,8 +27,8 @@ from collections.abc import Sequence
 
 from cacheserver.events import StoreEvents
 from cacheserver.store.backlog import WriteBacklog
-from cacheserver.store.jobs import Barrier, Message, PutJob, Reclaim
-from cacheserver.store.tiering import Tiers, commit_error
+from cacheserver.store.jobs import Barrier, Message, PutJob, Reclaim, commit_error
+from cacheserver.store.tiering import Tiers
 from cacheserver.store.upkeep import lower_this_threads_priority
 from kvcommon.errors import Unavailable
 
@@ -199,8 +199,7 @@ class Writer:
         journal.finish(seqs, point)
         for job in jobs:
             self.backlog.release(job.tenant, len(job.payload), landed=job.landed)
-        if tiers.behind and writes:
-            tiers.write_behind(writes)
+        tiers.lineup.write_behind(writes)
 
     def _reclaim(self) -> None:
         journaled = self._tiers.journaled

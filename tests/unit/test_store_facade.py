@@ -17,7 +17,7 @@ import pytest
 from cacheserver.blocks import BytesSource
 from cacheserver.config import StorageConfig
 from cacheserver.store import BlockStore
-from cacheserver.tiers import LowerTier
+from cacheserver.tiers import Tier
 from cacheserver.tiers.lmdb import LmdbTier
 from kvcommon.errors import ResourceExhausted, Unavailable
 from policy.types import ModelTag, StorageKey, TenantId
@@ -70,7 +70,7 @@ def open_store(
     journaled: bool,
     quotas: dict[TenantId, int] | None = None,
     epochs: dict[TenantId, int] | None = None,
-    lower_tiers: Sequence[LowerTier] = (),
+    lower_tiers: Sequence[Tier] = (),
     **overrides: int,
 ) -> BlockStore:
     return BlockStore(

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from cacheserver.events import NoEvents
-from cacheserver.tiers.index import BlockIndex
 from cacheserver.store.jobs import PutJob
+from cacheserver.store.lineup import Lineup
 from cacheserver.store.tiering import Tiers
+from cacheserver.tiers.index import BlockIndex
 from cacheserver.tiers.lmdb import LmdbTier
 from cacheserver.tiers.memory import MemoryTier
 from kvcommon.errors import ResourceExhausted
@@ -29,7 +30,9 @@ BLOCK = 64 * KiB
 def tiers(tmp_path: Path) -> Iterator[Tiers]:
     quotas = {A: 3 * BLOCK}  # alpha: three blocks; beta: no quota
     disk = LmdbTier(tmp_path / "lmdb", map_bytes=64 * MiB, sync_writes=False)
-    t = Tiers(BlockIndex(64 * MiB, quotas), MemoryTier(4 * MiB, quotas), disk, (), NoEvents())
+    t = Tiers(
+        BlockIndex(64 * MiB, quotas), Lineup(MemoryTier(4 * MiB, quotas), disk, ()), NoEvents()
+    )
     yield t
     t.close()
 
@@ -73,7 +76,9 @@ def test_a_failed_commit_fails_the_whole_batch_superseded_blocks_included(
     """A job evicted by its own batch is reported stored only once the batch commits."""
     quotas = {A: 2 * MiB}  # one block of 2 MiB: the second of the batch evicts the first
     disk = LmdbTier(tmp_path / "lmdb", map_bytes=1 * MiB, sync_writes=False)  # too small
-    t = Tiers(BlockIndex(64 * MiB, quotas), MemoryTier(4 * MiB, quotas), disk, (), NoEvents())
+    t = Tiers(
+        BlockIndex(64 * MiB, quotas), Lineup(MemoryTier(4 * MiB, quotas), disk, ()), NoEvents()
+    )
     try:
         batch = [
             PutJob(StorageKey(os.urandom(32)), A, 0, bytes([i]) * 2 * MiB, TAG) for i in (1, 2)

@@ -73,7 +73,8 @@ class BlockStore:
             on_evict=lambda reason, nbytes: self.events.evicted("memory", reason, nbytes),
         )
         index = BlockIndex(storage.disk_budget_bytes, quotas_bytes)
-        self._tiers = Tiers(index, Lineup(memory, disk, lower_tiers), self.events)
+        self._lineup = Lineup(memory, disk, lower_tiers)
+        self._tiers = Tiers(index, self._lineup, self.events)
         self._journaled: JournaledPuts | None = None
         self._epochs = dict(epochs)
         self._closing = threading.Event()
@@ -101,7 +102,7 @@ class BlockStore:
         if not storage.sync_writes and storage.sync_interval_ms:
             self._syncer = start_syncer(disk, storage.sync_interval_ms / 1000, self._closing)
         local = StoreCopies(self._tiers, self.put, self.pin, self._writer.barrier)
-        self._tiers.lineup.start(local)
+        self._lineup.start(local)
 
     def _start_journal(
         self, data_dir: Path, storage: StorageConfig, recorded: JournalCheckpoint | None
@@ -137,9 +138,8 @@ class BlockStore:
     def lookup(self, tenant: TenantId, keys: Sequence[StorageKey]) -> int:
         """How many of `keys`, leading, are stored. Blocking only with a shared tier
         (`lookup_blocks`), which is asked about the keys after the index's last hit."""
-        tiers = self._tiers
-        present = tiers.touch_leading(keys)
-        present += tiers.lineup.count_shared(tenant, keys, present)
+        present = self._tiers.touch_leading(keys)
+        present += self._lineup.count_shared(tenant, keys, present)
         self.events.looked_up(tenant, len(keys), present)
         return present
 
@@ -189,7 +189,7 @@ class BlockStore:
         if journaled is not None:
             stored = journaled.put(tenant, key, model_tag, source)
             if stored:  # shared tiers write it now: a drain may be far off
-                self._tiers.lineup.share(tenant, key, model_tag)
+                self._lineup.share(tenant, key, model_tag)
             return done(stored)
         if self._tiers.already_present(tenant, key, source.size):
             source.skip()
@@ -238,23 +238,21 @@ class BlockStore:
         writer cannot be waited for (Unavailable), nothing is reported deleted, and a
         retry deletes from the tiers below what the first attempt already took out of
         the index: no state a retry hides."""
-        tiers = self._tiers
-        present = len(tiers.forget(keys))
+        present = len(self._tiers.forget(keys))
         self._writer.barrier()
-        held = tiers.lineup.delete_shared(keys)
-        deleted = tiers.lineup.delete_below(keys)
+        held = self._lineup.delete_shared(keys)
+        deleted = self._lineup.delete_below(keys)
         return max(present, deleted, held)
 
     def delete_tenant(self, tenant: TenantId, model_tag: ModelTag | None = None) -> int:
         """Every block of the tenant, or (with `model_tag`) of one model of it, by the
         same rules as `delete`; LMDB is swept for the tenant's blocks, so a retry after
         a failure finds what the index no longer lists. Blocking."""
-        tiers = self._tiers
-        keys = tiers.forget_namespace(tenant, model_tag)
+        keys = self._tiers.forget_namespace(tenant, model_tag)
         self._writer.barrier()
-        swept = tiers.swept(tenant, model_tag)
-        held = tiers.lineup.delete_shared_namespace(tenant, model_tag)
-        deleted = tiers.lineup.delete_below(sorted({*keys, *swept}))
+        swept = self._tiers.swept(tenant, model_tag)
+        held = self._lineup.delete_shared_namespace(tenant, model_tag)
+        deleted = self._lineup.delete_below(sorted({*keys, *swept}))
         return max(len(keys), deleted, held)
 
     # -- figures, shutdown ------------------------------------------------------------
@@ -262,7 +260,7 @@ class BlockStore:
     @property
     def lookup_blocks(self) -> bool:
         """Whether `lookup` may block (it asks a shared tier on index misses)."""
-        return self._tiers.lineup.asks_on_miss
+        return self._lineup.asks_on_miss
 
     def tenant_usage(self, tenant: TenantId) -> tuple[int, int]:
         return self._tiers.tenant_usage(tenant)
@@ -285,7 +283,7 @@ class BlockStore:
         """Finish queued writes, then close every tier (LMDB cleanly; the journal is
         removed when everything in it is in LMDB, so it is not needed to start again).
         The tiers' own threads stop first: they may still put or read local copies."""
-        self._tiers.lineup.stop()
+        self._lineup.stop()
         self._closing.set()  # a writer retrying a failed drain gives up; the journal keeps it
         self._writer.stop()
         if self._syncer is not None:

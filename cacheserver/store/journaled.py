@@ -28,11 +28,11 @@ from pathlib import Path
 
 from cacheserver.blocks import BlockSource
 from cacheserver.store.backlog import WriteBacklog
-from cacheserver.store.jobs import PutJob
+from cacheserver.store.jobs import PutJob, commit_error
 from cacheserver.store.journal import Journal, JournalFull
 from cacheserver.store.tiering import Tiers
 from cacheserver.tiers import Payload
-from kvcommon.errors import Unavailable
+from kvcommon.errors import KvshareError, Unavailable
 from policy.types import ModelTag, StorageKey, TenantId
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,9 @@ class JournaledPuts:
         # dropped from memory before the record's space is released.
         self._views: dict[int, tuple[StorageKey, memoryview]] = {}
         self._view_seqs: list[int] = []  # a heap of the seqs in _views
+        # Why the writer cannot move journaled puts into LMDB (its last drain failed),
+        # or None: a put the full journal refuses then says so (`_why_full`).
+        self.drain_failure: KvshareError | None = None
 
     # -- puts ------------------------------------------------------------------------
 
@@ -115,7 +118,7 @@ class JournaledPuts:
         The ring only knows it is full; when that is because the writer cannot move its
         blocks into LMDB (the map or the disk is full), more journal space would only
         postpone the refusal, so the message says what LMDB needs instead."""
-        failure = self._tiers.drain_failure
+        failure = self.drain_failure
         if failure is None:
             return full
         return JournalFull(
@@ -160,18 +163,28 @@ class JournaledPuts:
         job.void = True
         self._enqueue(job)
 
-    # -- the writer's side (under the store's lock) ----------------------------------
+    # -- the writer's side (each takes the store's lock) -----------------------------
 
     def live(self, jobs: Sequence[PutJob]) -> list[PutJob]:
         """Those of `jobs` still to be moved into LMDB (not given up, deleted or evicted)."""
-        return [j for j in jobs if not j.void and self._pending.get(j.key) is j]
+        with self._tiers.lock:
+            return [j for j in jobs if not j.void and self._pending.get(j.key) is j]
 
     def drained(self, jobs: Sequence[PutJob]) -> None:
         """`jobs` are in LMDB now: reads find them there."""
-        for job in jobs:
-            if self._pending.get(job.key) is job:
-                del self._pending[job.key]
-            self._tiers.events.stored(job.tenant, "lmdb", len(job.payload))
+        with self._tiers.lock:
+            self.drain_failure = None
+            for job in jobs:
+                if self._pending.get(job.key) is job:
+                    del self._pending[job.key]
+                self._tiers.events.stored(job.tenant, "lmdb", len(job.payload))
+
+    def drain_failed(self, error: Exception) -> None:
+        """Moving journaled puts into LMDB failed: the health probe says so, and so does
+        the refusal of a put the journal has no room for."""
+        with self._tiers.lock:
+            self._tiers.note_commit_failure(error)
+            self.drain_failure = commit_error(error)
 
     def reclaim(self) -> None:
         """Reuse journal space of drained blocks, oldest first, down to half the ring

@@ -57,9 +57,6 @@ class Tiers:
         # Journal records dropped at replay because their bytes failed their checksum
         # (LMDB counts its own corrupt blocks: LmdbTier.integrity_failures).
         self.journal_integrity_failures = 0
-        # Why the writer cannot move journaled puts into LMDB (its last drain failed),
-        # or None: a put the full journal refuses then says so (JournaledPuts).
-        self.drain_failure: KvshareError | None = None
 
     # -- admission (under `lock`) ----------------------------------------------------
 
@@ -168,7 +165,7 @@ class Tiers:
         with self.lock:
             for key, entry, _ in evicted:
                 self.index.add(key, entry.tenant, entry.size, clock=entry.clock, tag=entry.tag)
-            self.commit_failure = f"an LMDB commit failed ({type(error).__name__})"
+            self.note_commit_failure(error)
             for job in admitted:
                 self.events.put_outcome(job.tenant, "failed", len(job.payload))
         if not isinstance(error, KvshareError):
@@ -177,6 +174,10 @@ class Tiers:
         for job in admitted:
             job.future.set_exception(failure)
         return failure
+
+    def note_commit_failure(self, error: Exception) -> None:
+        """An LMDB commit failed: the next health probe says so (under `lock`)."""
+        self.commit_failure = f"an LMDB commit failed ({type(error).__name__})"
 
     # -- reads (the facade's) ---------------------------------------------------------
 

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 from cacheserver.events import StoreEvents
 from cacheserver.store.backlog import WriteBacklog
-from cacheserver.store.jobs import Barrier, Message, PutJob, Reclaim, commit_error
+from cacheserver.store.jobs import Barrier, Message, PutJob, Reclaim
 from cacheserver.store.tiering import Tiers
 from cacheserver.store.upkeep import lower_this_threads_priority
 from kvcommon.errors import Unavailable
@@ -175,8 +175,7 @@ class Writer:
         assert journaled is not None
         journal = journaled.journal
         seqs = {job.record.seq for job in jobs if job.record is not None}
-        with tiers.lock:
-            live = journaled.live(jobs)
+        live = journaled.live(jobs)
         deletes = [key for job in jobs for key in job.evicted]
         writes = [job.as_write() for job in live]
         point = journal.drain_point(seqs)
@@ -188,14 +187,10 @@ class Writer:
             except Exception as error:
                 reason = type(error).__name__
                 log.error("moving journaled puts into LMDB failed (%s); retrying", reason)
-                with tiers.lock:
-                    tiers.commit_failure = f"an LMDB commit failed ({reason})"
-                    tiers.drain_failure = commit_error(error)  # why the journal fills up
+                journaled.drain_failed(error)  # health, and why the journal fills up
                 if self._closing.wait(RETRY_DRAIN_S):
                     return  # stopping: the journal keeps them for the next start
-        with tiers.lock:
-            tiers.drain_failure = None
-            journaled.drained(live)
+        journaled.drained(live)
         journal.finish(seqs, point)
         for job in jobs:
             self.backlog.release(job.tenant, len(job.payload), landed=job.landed)

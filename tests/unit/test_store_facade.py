@@ -1,5 +1,5 @@
 """The block store through its public methods, with and without the put journal, and
-with a tier behind LMDB (a second real LMDB, in the place issue 17's cluster tier
+with a tier behind LMDB (a second real LMDB, in the place the Redis Cluster tier
 takes): no server, real LMDB and journal files in a temporary directory."""
 
 from __future__ import annotations
@@ -293,9 +293,10 @@ def _stall_the_writer(store: BlockStore, monkeypatch: pytest.MonkeyPatch) -> thr
 def test_a_delete_that_failed_on_the_writer_is_finished_by_its_retry(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 15 F7: keys left the index before the writer's barrier; when it timed out
-    the LMDB delete was skipped, the retry found nothing ("deleted 0") and a restart
-    served the blocks again. A reported success must be durable."""
+    """A delete once lost its keys: they left the index before the writer's barrier;
+    when the barrier timed out the LMDB delete was skipped, the retry found nothing
+    ("deleted 0") and a restart served the blocks again. A reported success must be
+    durable."""
     import cacheserver.store.writer as writer_module
 
     monkeypatch.setattr(writer_module, "BARRIER_TIMEOUT_S", 0.3)
@@ -323,7 +324,7 @@ def test_a_delete_that_failed_on_the_writer_is_finished_by_its_retry(
 def test_a_tenant_delete_that_failed_is_finished_by_its_retry(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """F7 for whole-tenant deletes: the retry sweeps LMDB for what the index lost."""
+    """The same for whole-tenant deletes: the retry sweeps LMDB for what the index lost."""
     import cacheserver.store.writer as writer_module
 
     monkeypatch.setattr(writer_module, "BARRIER_TIMEOUT_S", 0.3)

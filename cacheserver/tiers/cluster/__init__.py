@@ -1,4 +1,4 @@
-"""The shared tier on a Redis Cluster (issue 17): several servers, one store.
+"""The shared tier on a Redis Cluster: several servers, one store.
 
 With `[redis_cluster]` configured, every `kvshare serve` process that shares the same
 tenants, principals and `secret_file` names a block the same way and finds it in the

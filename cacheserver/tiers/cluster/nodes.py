@@ -13,8 +13,8 @@ Block values (`get`) are read off the node's socket by a reader of their own, no
 redis-py's: a `$<n>` reply header says the value's size, and the value is received
 straight into one buffer of that size. redis-py's reader takes a value in 64 KiB-1 MiB
 reads, copies each into its parser and builds a bytes object at the end: two more copies
-of every block, and a server reading for four clients spent its time there (issue 17:
-35% more 2 MiB GETs from four threads). Everything else (scripts, errors on other
+of every block, and a server reading for four clients spent its time there (its own
+reader served 35% more 2 MiB GETs from four threads). Everything else (scripts, errors on other
 commands, MOVED handling on them) stays with redis-py; the socket is that of one of
 redis-py's pooled connections, which did the connecting, TLS and AUTH.
 

@@ -117,6 +117,7 @@ class BlockStore:
             self._tiers, journal, path, self._epochs, writer.backlog, writer.enqueue
         )
         self._tiers.journaled = self._journaled
+        writer.use_journal(self._journaled)
         start_prefaulter(journal, self._closing)
 
     def _integrity_failed(self, tenant: TenantId, blocks: int) -> None:

@@ -111,7 +111,7 @@ class Tiers:
         journaled block of them not yet in LMDB is passed over by the writer."""
         for key in keys:
             self.index.remove(key)
-            self.memory.drop(key)
+        self.memory.delete(keys)
         if self.journaled is not None:
             self.journaled.delete(keys)
 
@@ -125,8 +125,7 @@ class Tiers:
         Returns why the commit failed (each job's future carries it too), or None."""
         with self.lock:
             admitted, evicted, superseded = self.plan(batch)
-            for key, _, _ in evicted:
-                self.memory.drop(key)
+            self.memory.delete([key for key, _, _ in evicted])
             # Entries are in the index for planning only; hide them until committed.
             for job in admitted:
                 self.index.remove(job.key)

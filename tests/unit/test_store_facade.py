@@ -17,7 +17,7 @@ import pytest
 from cacheserver.blocks import BytesSource
 from cacheserver.config import StorageConfig
 from cacheserver.store import BlockStore
-from cacheserver.tiers import Tier
+from cacheserver.tiers import Capability, Tier
 from cacheserver.tiers.lmdb import LmdbTier
 from kvcommon.errors import ResourceExhausted, Unavailable
 from policy.types import ModelTag, StorageKey, TenantId
@@ -266,6 +266,33 @@ def test_a_failing_tier_behind_fails_no_put(
     s = open_store(tmp_path, journaled=False)
     try:
         assert get(s, A, ks) == [b"z" * MiB] * 2  # stored all the same
+    finally:
+        s.close()
+
+
+class Unhealthy(LmdbTier):
+    def probe(self) -> str | None:
+        return "the tier behind is down"
+
+
+class UnhealthyWithOwnHealth(Unhealthy):
+    capabilities = Capability.OWN_HEALTH  # the server serves without it
+
+
+def test_a_tier_behind_fails_the_store_probe_unless_it_has_a_health_of_its_own(
+    tmp_path: Path,
+) -> None:
+    behind = Unhealthy(tmp_path / "behind", map_bytes=64 * MiB, sync_writes=False)
+    s = open_store(tmp_path, journaled=False, lower_tiers=[behind])
+    try:
+        assert s.probe() == "the tier behind is down"
+    finally:
+        s.close()
+    own = UnhealthyWithOwnHealth(tmp_path / "behind", map_bytes=64 * MiB, sync_writes=False)
+    s = open_store(tmp_path, journaled=False, lower_tiers=[own])
+    try:
+        assert s.probe() is None
+        assert s.put(A, keys(1)[0], TAG, BytesSource(b"z" * KiB)).result(30)
     finally:
         s.close()
 

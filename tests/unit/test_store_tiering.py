@@ -14,6 +14,7 @@ from cacheserver.events import NoEvents
 from cacheserver.store.jobs import PutJob
 from cacheserver.store.lineup import Lineup
 from cacheserver.store.tiering import Tiers
+from cacheserver.tiers import Capability
 from cacheserver.tiers.index import BlockIndex
 from cacheserver.tiers.lmdb import LmdbTier
 from cacheserver.tiers.memory import MemoryTier
@@ -92,3 +93,22 @@ def test_a_failed_commit_fails_the_whole_batch_superseded_blocks_included(
         assert t.index.tenant_blocks(A) == 0
     finally:
         t.close()
+
+
+class ClaimsToBeShared(LmdbTier):
+    capabilities = Capability.SHARED  # without SharedTier's methods
+
+
+def test_the_lineup_refuses_tiers_that_declare_what_they_cannot_be(tmp_path: Path) -> None:
+    disk = LmdbTier(tmp_path / "lmdb", map_bytes=MiB, sync_writes=False)
+    claims = ClaimsToBeShared(tmp_path / "behind", map_bytes=MiB, sync_writes=False)
+    try:
+        with pytest.raises(TypeError, match="SHARED"):
+            Lineup(MemoryTier(MiB), disk, [claims])
+        with pytest.raises(TypeError, match="in process"):
+            Lineup(MemoryTier(MiB), disk, [MemoryTier(MiB)])
+        lineup = Lineup(MemoryTier(MiB), disk, [])
+        assert lineup.all == (lineup.memory, disk) and not lineup.asks_on_miss
+    finally:
+        claims.close()
+        disk.close()

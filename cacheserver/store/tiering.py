@@ -13,8 +13,10 @@ Invariants:
 - Tiers behind LMDB (none by default) get every block LMDB commits, after the commit
   (written behind: their failures never fail a put), and every delete (`Lineup`).
 
-The store's other modules use the verbs here rather than the index and the lock: each
-verb takes the lock itself where it needs it, and says when it blocks.
+The facade and the local copies (`local`) use the verbs here, never the index or the
+lock: each verb takes the lock itself where it needs it, and says when it blocks. The
+journal's puts (`journaled`), the writer and the recovery at start-up are parts of the
+same machinery under the same lock: they work on the index and the tiers directly.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import pytest
 from cacheserver.blocks import BytesSource
 from cacheserver.config import StorageConfig
 from cacheserver.store import BlockStore
-from cacheserver.tiers import Capability, Tier
+from cacheserver.tiers import Capability, LocalCopies, Tier
 from cacheserver.tiers.lmdb import LmdbTier
 from kvcommon.errors import ResourceExhausted, Unavailable
 from policy.types import ModelTag, StorageKey, TenantId
@@ -293,6 +293,42 @@ def test_a_tier_behind_fails_the_store_probe_unless_it_has_a_health_of_its_own(
     try:
         assert s.probe() is None
         assert s.put(A, keys(1)[0], TAG, BytesSource(b"z" * KiB)).result(30)
+    finally:
+        s.close()
+
+
+class HandedCopies(LmdbTier):
+    """A tier behind that keeps what the store hands every tier at start."""
+
+    local: LocalCopies | None = None
+
+    def start(self, local: LocalCopies) -> None:
+        self.local = local
+
+
+def test_every_tier_gets_the_stores_local_copies_at_start_and_no_store(
+    tmp_path: Path, journaled: bool
+) -> None:
+    behind = HandedCopies(tmp_path / "behind", map_bytes=64 * MiB, sync_writes=False)
+    s = open_store(tmp_path, journaled, lower_tiers=[behind])
+    try:
+        local = behind.local
+        assert local is not None and not isinstance(local, BlockStore)
+        ks, payload = keys(3), os.urandom(64 * KiB)
+        assert local.keep_copy(A, ks[0], TAG, BytesSource(payload)).result(30)  # as a put
+        assert s.put(A, ks[1], OTHER_TAG, BytesSource(payload)).result(30)
+        assert sorted(local.local_keys(A)) == sorted([(ks[0], TAG), (ks[1], OTHER_TAG)])
+        copy = local.local_copy(ks[1])
+        assert isinstance(copy, bytes | bytearray) and copy == payload  # stays valid
+        assert local.local_copy(ks[2]) is None
+        assert local.forget_local([ks[0], ks[2]]) == 1  # a delete through another server
+        assert local.forget_local(namespace=(A, OTHER_TAG)) == 1
+        assert s.lookup(A, ks[:2]) == 0 and get(s, A, ks[:2]) == []
+    finally:
+        s.close()
+    s = open_store(tmp_path, journaled)  # forgotten durably: not back after a restart
+    try:
+        assert s.lookup(A, ks[:2]) == 0
     finally:
         s.close()
 

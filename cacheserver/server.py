@@ -207,15 +207,14 @@ class Server:
         )
         self.cluster_health: HealthMonitor | None = None
         self.bulk_health: HealthMonitor | None = None
-        if self.cluster is not None:
-            self.cluster.start(self.store)
-            self.telemetry.watch_cluster(self.cluster.counts.as_dict)
-            # The cluster's state has a health service of its own: the server keeps
-            # serving its local tiers while the cluster is unreachable.
+        if self.cluster is not None:  # the store started it (Tier.start)
+            self.telemetry.watch_cluster(self.cluster.counts)
+            # The cluster's state has a health service of its own (Capability.OWN_HEALTH):
+            # the server keeps serving its local tiers while the cluster is unreachable.
             self.cluster_health = HealthMonitor(
                 self.health,
                 (CLUSTER_HEALTH_SERVICE,),
-                self.cluster.problem,
+                self.cluster.probe,
                 config.telemetry.health_interval_ms / 1000,
                 on_change=lambda up: setattr(self.telemetry, "cluster_reachable", up),
             )
@@ -330,9 +329,7 @@ class Server:
         if self._service is not None:
             self._service.close()
             self._service = None
-        if self.cluster is not None:
-            self.cluster.stop()  # its threads read from the store: before it closes
-        self.store.close()
+        self.store.close()  # stops the tiers' threads (the cluster's) first
         self.telemetry.shutdown()
         self.audit.close()
         self._lock_file.close()

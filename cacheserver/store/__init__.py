@@ -1,5 +1,6 @@
-"""The block store: a memory tier over the put journal and LMDB, composed through the
-tier protocols of `cacheserver.tiers`, with one writer thread.
+"""The block store: a memory tier over the put journal and LMDB, and any tiers behind
+them, composed through the one tier interface of `cacheserver.tiers`, with one writer
+thread.
 
 Invariants (each module states its own in detail):
 - A block is visible (to lookup and get) only once a crash of the server can no longer
@@ -14,55 +15,65 @@ Invariants (each module states its own in detail):
 
 Modules, in the order to read them:
 - `facade`: `BlockStore`, what the request core and the transports call;
-- `tiering`: `Tiers`, the tiers and the index under one lock: admission (`plan`), the
-  commit of new blocks, reads through the lower tiers, deletes across them;
-- `journaled`: `JournaledPuts`, the journal as a tier: records reserved, committed or
-  given up, blocks not yet drained, the memory tier's views of records;
+- `tiering`: `Tiers`, the index and the in-process state under one lock, and the verbs
+  the rest of the store uses: admission (`plan`), the commit of new blocks, reads,
+  puts' checks, deletes, figures;
+- `lineup`: `Lineup`, the tiers as one ordered list, sorted once by what each declares
+  (`cacheserver.tiers.Capability`), and the verbs across them;
+- `journaled`: `JournaledPuts`, the journal as the store's own tier: records reserved,
+  committed or given up, blocks not yet drained, the memory tier's views of records;
 - `writer`: the writer thread: group commit, drain of journaled puts, barriers;
 - `recovery`: start-up: index rebuild, reclamation of retired epochs, journal replay;
+- `local`: `StoreCopies`, what a tier may ask of this server's own copies;
 - `backlog` (bytes waiting for the writer), `jobs` (what threads hand each other),
   `upkeep` (periodic fsync, journal prefaulting).
 
 The tiers, fastest first:
 
     memory    MemoryTier      in process, under the lock; an inclusive LRU cache
-    journal   JournaledPuts   in process, under the lock; acknowledged, not yet in LMDB
+    journal   JournaledPuts   the store's own, under the lock; acknowledged, not in LMDB
     lmdb      LmdbTier        the first lower tier: the index is rebuilt from it
-    behind    lower_tiers=    further lower tiers, none by default (issue 17: the
-                              Redis Cluster tier)
+    behind    lower_tiers=    further tiers, in order, none by default (the Redis
+                              Cluster, `cacheserver.tiers.cluster`, with [redis_cluster])
 
-How a new lower tier plugs in. It is one module (e.g. `cacheserver/cluster_tier.py`)
-with a class that implements `cacheserver.tiers.LowerTier` — `read_many`, `write`,
-`delete`, `probe`, `close`: blocking, thread-safe, never called under the store's
-lock — and the server assembly passes it from its configuration section:
-`BlockStore(..., lower_tiers=[tier])`. From then on:
-- Reads fall through to it in `Tiers.read_below`: a key the index lists that neither
+How a tier behind LMDB plugs in (docs/architecture.md, "Adding a tier", has the
+checklist). It is one module under `cacheserver/tiers/` with a class that implements
+`cacheserver.tiers.Tier` — `read_many`, `write`, `delete`, `probe`, `start`, `stop`,
+`close`, `counts`, a `name` and its `capabilities`: blocking, thread-safe, never called
+under the store's lock — and the server assembly passes it from its configuration
+section: `BlockStore(..., lower_tiers=[tier])`. From then on (`Lineup`):
+- Reads fall through to it (`Lineup.read_below`): a key the index lists that neither
   the journal nor LMDB can return (a local copy found corrupt, say) is read from it,
   served and promoted to memory like an LMDB read.
 - Writes reach it after the local commit, on the writer thread: `Tiers.commit`
   (write-through puts, the replay at start-up) and `Writer._drain` (journaled puts)
-  hand `Tiers.write_behind` the blocks LMDB has just committed. Written behind: a
+  hand `Lineup.write_behind` the blocks LMDB has just committed. Written behind: a
   failure there fails no put (each is acknowledged already); it is logged, and the
   tier's `probe` says why. A crash between the local commit and the write behind
   loses the copy below, never the block. A slow tier should queue internally rather
-  than hold up the writer.
-- Deletes reach it: `Tiers.delete_below` asks every tier behind LMDB to delete every
-  key asked (it may hold blocks this index no longer lists), except the shared tier,
-  whose deletes `BlockStore.delete` and `delete_tenant` make themselves
-  (`SharedTier.delete_held`, `delete_namespace`) so that they reach the other servers.
-  Local evictions never reach a tier behind: its own capacity and quotas govern what
-  it keeps.
-- `BlockStore.probe` asks it after LMDB (`Tiers.probe`); `close` closes it last.
+  than hold up the writer, and declare `QUEUED_WRITES`: its `write` then answers what
+  it took on, and its `counts` what landed.
+- Deletes reach it: `Lineup.delete_below` asks every tier behind LMDB to delete every
+  key asked (it may hold blocks this index no longer lists), except a `SHARED` tier,
+  whose deletes `BlockStore.delete` and `delete_tenant` make through it
+  (`Lineup.delete_shared`) so that they reach the other servers. Local evictions never
+  reach a tier behind: its own capacity and quotas govern what it keeps.
+- `BlockStore.probe` asks it after LMDB, unless it declares `OWN_HEALTH` (the server
+  keeps serving without it; the assembly publishes its probe as a health service of
+  its own). The store starts it once it exists, handing it `StoreCopies` (the tier's
+  only way to this server's copies: no tier holds the store), stops it first when it
+  closes, and closes it last.
 
-What the index is authoritative for. Without a shared tier: existence — a key not in
+What the index is authoritative for. Without a `SHARED` tier: existence — a key not in
 the index is a miss, and the journal and LMDB hold exactly the indexed blocks (besides
-records the writer will pass over). With one (`cacheserver.tiers.cluster`, issue 17): what
-this server holds locally. An index miss then asks the shared tier, in
-`BlockStore.lookup` after the index walk (the gRPC Lookup handler runs on a worker
-thread once `lookup_blocks` is true) and in `BlockStore.read_through` when the first key
-is not indexed; what it returns is kept as a local copy (`local_copy`). Deletes made
-through other servers arrive through the shared tier's delete stream and drop this
-server's copies (`forget_local`); the shared tier reclaims retired epochs itself.
+records the writer will pass over). With one (`cacheserver.tiers.cluster`): what this
+server holds locally. An index miss then asks the shared tiers, in `BlockStore.lookup`
+after the index walk (the gRPC Lookup handler runs on a worker thread once
+`lookup_blocks` is true) and in `Tiers.read_through` when the first key is not
+indexed; what they return is kept as a local copy (`StoreCopies.keep_copy`). Deletes
+made through other servers arrive through the shared tier's delete stream and drop
+this server's copies (`StoreCopies.forget_local`); the shared tier reclaims retired
+epochs itself.
 """
 
 from cacheserver.store.facade import BlockStore

@@ -6,7 +6,10 @@ Invariants of the facade (the store's own are in `cacheserver.store.tiering`):
   of the server cannot lose it; the caller never learns whether it was journaled.
 - `read_from_memory` never blocks (the index and memory tier, under the lock): safe on
   the event loop; nor does `lookup` unless a shared tier is configured
-  (`lookup_blocks`, issue 17). Methods marked Blocking run off it.
+  (`lookup_blocks`: it asks that tier on an index miss). Methods marked Blocking run
+  off it.
+- The facade reaches the tiers only through the verbs of `Tiers` and `Lineup`, which
+  take the lock where they need it.
 - Everything countable (hits, misses, blocks and bytes per tier, evictions, refusals,
   integrity failures) is reported to `events` as it happens; the events carry
   tenants and sizes, never keys.
@@ -16,23 +19,23 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from cacheserver.blocks import BlockSource
 from cacheserver.config import StorageConfig
 from cacheserver.events import NoEvents, StoreEvents
-from cacheserver.store import local
-from cacheserver.store.index import BlockIndex, NoRoom
 from cacheserver.store.jobs import PutJob, done
 from cacheserver.store.journaled import JournaledPuts
+from cacheserver.store.lineup import Lineup
+from cacheserver.store.local import StoreCopies
 from cacheserver.store.reading import Reading
 from cacheserver.store.recovery import open_journal, rebuild_index, replay_journal
 from cacheserver.store.tiering import Tiers
 from cacheserver.store.upkeep import start_prefaulter, start_syncer
 from cacheserver.store.writer import Writer
-from cacheserver.tiers import JournalCheckpoint, LowerTier, Payload
+from cacheserver.tiers import JournalCheckpoint, Payload, Tier
+from cacheserver.tiers.index import BlockIndex
 from cacheserver.tiers.lmdb import LmdbTier
 from cacheserver.tiers.memory import MemoryTier, memory_quotas
 from policy.types import ModelTag, StorageKey, TenantId
@@ -52,9 +55,10 @@ class BlockStore:
         *,
         on_integrity_failure: Callable[[TenantId, int], None] | None = None,
         events: StoreEvents | None = None,
-        lower_tiers: Sequence[LowerTier] = (),
+        lower_tiers: Sequence[Tier] = (),
     ) -> None:
-        """`lower_tiers`: durable tiers behind LMDB (see the package docstring)."""
+        """`lower_tiers`: tiers behind LMDB, in order (see the package docstring). The
+        store starts them once it exists (`Tier.start`), and stops and closes them."""
         self.events: StoreEvents = events or NoEvents()
         self._on_integrity_failure = on_integrity_failure
         disk = LmdbTier(
@@ -69,7 +73,9 @@ class BlockStore:
             on_evict=lambda reason, nbytes: self.events.evicted("memory", reason, nbytes),
         )
         index = BlockIndex(storage.disk_budget_bytes, quotas_bytes)
-        self._tiers = Tiers(index, memory, disk, lower_tiers, self.events)
+        self._lineup = Lineup(memory, disk, lower_tiers)
+        self._tiers = Tiers(index, self._lineup, self.events)
+        self._journaled: JournaledPuts | None = None
         self._epochs = dict(epochs)
         self._closing = threading.Event()
         self._writer = Writer(
@@ -95,6 +101,8 @@ class BlockStore:
         self._syncer: threading.Thread | None = None
         if not storage.sync_writes and storage.sync_interval_ms:
             self._syncer = start_syncer(disk, storage.sync_interval_ms / 1000, self._closing)
+        local = StoreCopies(self._tiers, self.put, self.pin, self._writer.barrier)
+        self._lineup.start(local)
 
     def _start_journal(
         self, data_dir: Path, storage: StorageConfig, recorded: JournalCheckpoint | None
@@ -105,9 +113,11 @@ class BlockStore:
         journal, path = opened
         journal.on_full = self._writer.journal_full
         writer = self._writer
-        self._tiers.journaled = JournaledPuts(
+        self._journaled = JournaledPuts(
             self._tiers, journal, path, self._epochs, writer.backlog, writer.enqueue
         )
+        self._tiers.journaled = self._journaled
+        writer.use_journal(self._journaled)
         start_prefaulter(journal, self._closing)
 
     def _integrity_failed(self, tenant: TenantId, blocks: int) -> None:
@@ -120,26 +130,17 @@ class BlockStore:
 
         A real commit that failed since the last probe counts once even if the probe's
         own write works, so a failure between probes is seen; health then recovers by
-        itself as soon as the tier commits again."""
-        tiers = self._tiers
-        with tiers.lock:
-            failure, tiers.commit_failure = tiers.commit_failure, None
-        return tiers.probe() or failure
+        itself as soon as the tier commits again. A tier with a health of its own
+        (`Capability.OWN_HEALTH`, the Redis Cluster) is not asked."""
+        return self._tiers.probe()
 
     # -- reads ------------------------------------------------------------------------
 
     def lookup(self, tenant: TenantId, keys: Sequence[StorageKey]) -> int:
-        tiers = self._tiers
-        index = tiers.index
-        with tiers.lock:
-            tiers.last_activity = time.monotonic()
-            present = 0
-            for key in keys:
-                if not index.touch(key):
-                    break
-                present += 1
-        if tiers.shared is not None:  # issue 17: an index miss asks the shared tier (blocks)
-            present += tiers.shared.count_leading(tenant, keys, present)
+        """How many of `keys`, leading, are stored. Blocking only with a shared tier
+        (`lookup_blocks`), which is asked about the keys after the index's last hit."""
+        present = self._tiers.touch_leading(keys)
+        present += self._lineup.count_shared(tenant, keys, present)
         self.events.looked_up(tenant, len(keys), present)
         return present
 
@@ -151,7 +152,7 @@ class BlockStore:
         """Keep views of journal records valid until the returned function is called:
         a record's space is not written again while a reader that entered before it
         was released is still using it."""
-        journaled = self._tiers.journaled
+        journaled = self._journaled
         if journaled is None:
             return _nothing
         return journaled.pin()
@@ -161,22 +162,7 @@ class BlockStore:
     ) -> tuple[list[Payload], bool]:
         """Leading payloads held in memory (about `max_bytes` of them, at least one),
         and whether the key after them is stored (fast; safe on the event loop)."""
-        out: list[Payload] = []
-        total = 0
-        tiers = self._tiers
-        memory, index = tiers.memory, tiers.index
-        with tiers.lock:
-            tiers.last_activity = time.monotonic()
-            for key in keys:
-                if out and total >= max_bytes:
-                    break
-                payload = memory.get(key)
-                if payload is None or not index.touch(key):
-                    break
-                out.append(payload)
-                total += len(payload)
-            more = len(out) < len(keys) and (keys[len(out)] in index or tiers.shared is not None)
-        return out, more
+        return self._tiers.read_from_memory(keys, max_bytes)
 
     def read_through(
         self, tenant: TenantId, keys: Sequence[StorageKey], max_bytes: int
@@ -184,41 +170,7 @@ class BlockStore:
         """Leading payloads (about `max_bytes` of them, at least one) read through the
         journal and the lower tiers and promoted to memory, and whether the key after
         them is stored. Blocking: run it off the event loop."""
-        tiers = self._tiers
-        journaled = tiers.journaled
-        with tiers.lock:
-            wanted: list[StorageKey] = []
-            total = 0
-            for key in keys:
-                entry = tiers.index.get(key)
-                if entry is None or (wanted and total + entry.size > max_bytes):
-                    break
-                wanted.append(key)
-                total += entry.size
-            held = journaled.held(wanted) if journaled is not None else {}
-        if not wanted and tiers.shared is not None:  # issue 17: an index miss
-            return tiers.shared.read_leading(tenant, keys, max_bytes)
-        below = [key for key in wanted if key not in held]
-        read = tiers.read_below(below) if below else {}
-        out: list[Payload] = []
-        with tiers.lock:
-            for key in wanted:
-                payload = held[key] if key in held else read[key]
-                if payload is None:
-                    if journaled is None or not journaled.holds(key):  # not put again
-                        tiers.remove_everywhere([key])  # corrupt or gone: a miss from now on
-                    return out, False
-                # A view of a journal record is not promoted: the record may have been
-                # drained and its space reclaimed since it was taken above, and the
-                # memory tier must never keep such a view past the reclaim.
-                touched = tiers.index.touch(key)
-                if touched and key not in held and tiers.memory.admit(key, tenant, payload):
-                    self.events.stored(tenant, "memory", len(payload))
-                out.append(payload)
-            more = len(out) < len(keys) and (
-                keys[len(out)] in tiers.index or tiers.shared is not None
-            )
-        return out, more
+        return self._tiers.read_through(tenant, keys, max_bytes)
 
     # -- writes -----------------------------------------------------------------------
 
@@ -234,21 +186,18 @@ class BlockStore:
         memory tier keeps, and the future completes once the writer has committed the
         block to LMDB (callers wait for all of a request's futures together, so one
         commit acknowledges them all)."""
-        journaled = self._tiers.journaled
+        journaled = self._journaled
         if journaled is not None:
             stored = journaled.put(tenant, key, model_tag, source)
-            if stored and self._tiers.shared is not None:  # issue 17: now, not at the drain
-                self._tiers.shared.share(tenant, key, model_tag)
+            if stored:  # shared tiers write it now: a drain may be far off
+                self._lineup.share(tenant, key, model_tag)
             return done(stored)
-        tiers = self._tiers
-        with tiers.lock:
-            if key in tiers.index:
-                tiers.index.touch(key)
-                self.events.put_outcome(tenant, "already_present", source.size)
-                source.skip()
-                return done(False)
+        if self._tiers.already_present(tenant, key, source.size):
+            source.skip()
+            return done(False)
         # Room in the writer's backlog before any buffer is taken for the bytes: a
-        # bound checked after allocating bounds nothing (issue 15, F6).
+        # bound checked after allocating bounds nothing (a put of many large blocks
+        # would hold them all in memory before the first refusal).
         self._writer.backlog.reserve(tenant, source.size, 0.0)
         try:
             payload = source.payload()
@@ -268,25 +217,14 @@ class BlockStore:
         admitted — bigger than the tenant's quota or the budget, or no block left that
         the rules let it evict — before its bytes are received. A block stored already
         is not refused: its put is answered "already present" (first writer wins)."""
-        tiers = self._tiers
-        with tiers.lock:
-            if key in tiers.index:
-                return
-            try:
-                tiers.index.victims_with_reasons(tenant, size)
-            except NoRoom as error:
-                raise tiers.no_room(tenant, size, error) from None
+        self._tiers.check_room(tenant, key, size)
 
     def _put_through(self, job: PutJob) -> concurrent.futures.Future[bool]:
         """Write-through (no journal): queue the block for the writer's next commit."""
-        tiers = self._tiers
-        with tiers.lock:
-            if job.key in tiers.index:
-                tiers.index.touch(job.key)
-                self._writer.backlog.release(job.tenant, len(job.payload))
-                job.future.set_result(False)
-                self.events.put_outcome(job.tenant, "already_present", len(job.payload))
-                return job.future
+        if self._tiers.already_present(job.tenant, job.key, len(job.payload)):
+            self._writer.backlog.release(job.tenant, len(job.payload))
+            job.future.set_result(False)
+            return job.future
         return self._writer.submit(job)
 
     # -- deletes, stats, shutdown -----------------------------------------------------
@@ -297,88 +235,56 @@ class BlockStore:
         Durable when it returns: the keys leave the index and memory, the writer passes
         their journal records (so neither its next commit nor a replay after a crash
         can bring them back), then every tier below deletes every key asked — listed in
-        the index or not. When the writer cannot be waited for (Unavailable), nothing
-        is reported deleted, and a retry deletes from the tiers below what the first
-        attempt already took out of the index: no state a retry hides."""
-        tiers = self._tiers
-        with tiers.lock:
-            present = sum(1 for k in keys if k in tiers.index)
-            tiers.remove_everywhere(keys)
+        the index or not; a shared tier deletes the other servers' copies too. When the
+        writer cannot be waited for (Unavailable), nothing is reported deleted, and a
+        retry deletes from the tiers below what the first attempt already took out of
+        the index: no state a retry hides."""
+        present = len(self._tiers.forget(keys))
         self._writer.barrier()
-        shared = tiers.shared  # issue 17: it deletes the other servers' copies too
-        held = shared.delete_held(keys) if shared is not None else set()
-        deleted = tiers.delete_below(keys)
-        return max(present, deleted, len(held))
+        held = self._lineup.delete_shared(keys)
+        deleted = self._lineup.delete_below(keys)
+        return max(present, deleted, held)
 
     def delete_tenant(self, tenant: TenantId, model_tag: ModelTag | None = None) -> int:
         """Every block of the tenant, or (with `model_tag`) of one model of it, by the
         same rules as `delete`; LMDB is swept for the tenant's blocks, so a retry after
         a failure finds what the index no longer lists. Blocking."""
-        tiers = self._tiers
-        with tiers.lock:
-            keys = tiers.index.keys_of(tenant, model_tag)
-            tiers.remove_everywhere(keys)
+        keys = self._tiers.forget_namespace(tenant, model_tag)
         self._writer.barrier()
-        swept = [
-            meta.key
-            for meta in tiers.disk.scan()
-            if meta.tenant == tenant and (model_tag is None or meta.model_tag == model_tag)
-        ]
-        shared = tiers.shared  # issue 17: blocks of other servers, and their copies
-        held = shared.delete_namespace(tenant, model_tag) if shared is not None else set()
-        deleted = tiers.delete_below(sorted({*keys, *swept}))
-        return max(len(keys), deleted, len(held))
+        swept = self._tiers.swept(tenant, model_tag)
+        held = self._lineup.delete_shared_namespace(tenant, model_tag)
+        deleted = self._lineup.delete_below(sorted({*keys, *swept}))
+        return max(len(keys), deleted, held)
 
-    # -- issue 17: what the shared tier (cacheserver.tiers.cluster) asks of this server ------
+    # -- figures, shutdown ------------------------------------------------------------
 
     @property
     def lookup_blocks(self) -> bool:
         """Whether `lookup` may block (it asks a shared tier on index misses)."""
-        return self._tiers.shared is not None
-
-    def local_keys(self, tenant: TenantId) -> list[tuple[StorageKey, ModelTag]]:
-        return local.keys_of(self._tiers, tenant)
-
-    def local_copy(self, key: StorageKey) -> bytes | bytearray | None:
-        return local.copy_of(self._tiers, self.pin, key)
-
-    def forget_local(
-        self,
-        keys: Sequence[StorageKey] = (),
-        namespace: tuple[TenantId, ModelTag | None] | None = None,
-    ) -> int:
-        return local.forget(self._tiers, self._writer.barrier, keys, namespace)
+        return self._lineup.asks_on_miss
 
     def tenant_usage(self, tenant: TenantId) -> tuple[int, int]:
-        tiers = self._tiers
-        with tiers.lock:
-            return tiers.index.tenant_blocks(tenant), tiers.index.tenant_bytes(tenant)
+        return self._tiers.tenant_usage(tenant)
 
     def tier_usage(self) -> dict[str, tuple[int, int, int]]:
         """name -> (blocks, bytes, budget_bytes)."""
-        tiers = self._tiers
-        memory, index = tiers.memory, tiers.index
-        with tiers.lock:
-            return {
-                "memory": (len(memory), memory.used_bytes, memory.budget_bytes),
-                "lmdb": (len(index), index.used_bytes, index.budget_bytes),
-            }
+        return self._tiers.usage()
 
     @property
     def undrained_blocks(self) -> int:
         """Journaled (acknowledged) blocks not yet committed to LMDB."""
-        tiers = self._tiers
-        with tiers.lock:
-            return tiers.journaled.undrained_blocks if tiers.journaled is not None else 0
+        return self._tiers.undrained_blocks
 
     @property
     def integrity_failures(self) -> int:
         """Corrupt blocks dropped: read from LMDB, or found in the journal at replay."""
-        return self._tiers.disk.integrity_failures + self._tiers.journal_integrity_failures
+        return self._tiers.integrity_failures
 
     def close(self) -> None:
         """Finish queued writes, then close every tier (LMDB cleanly; the journal is
-        removed when everything in it is in LMDB, so it is not needed to start again)."""
+        removed when everything in it is in LMDB, so it is not needed to start again).
+        The tiers' own threads stop first: they may still put or read local copies."""
+        self._lineup.stop()
         self._closing.set()  # a writer retrying a failed drain gives up; the journal keeps it
         self._writer.stop()
         if self._syncer is not None:

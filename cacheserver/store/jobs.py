@@ -1,4 +1,5 @@
-"""What the store's threads hand each other: put jobs, barriers, reclaim requests.
+"""What the store's threads hand each other: put jobs, barriers, reclaim requests, the
+admission of a batch, and what a failed commit means for a caller.
 
 Invariant: a put job's future completes exactly once, and only when the put's outcome
 is final: stored (True, the block is visible and survives a crash of the server),
@@ -10,9 +11,13 @@ from __future__ import annotations
 
 import concurrent.futures
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
+from cacheserver.events import EvictReason
 from cacheserver.store.journal import Reservation
 from cacheserver.tiers import Payload, PendingWrite
+from cacheserver.tiers.index import Entry
+from kvcommon.errors import KvshareError, Unavailable
 from policy.types import ModelTag, StorageKey, TenantId
 
 
@@ -73,3 +78,29 @@ def done(stored: bool) -> concurrent.futures.Future[bool]:
 
 def was_stored(job: PutJob) -> bool:
     return job.future.done() and job.future.exception() is None and job.future.result()
+
+
+Evicted = list[tuple[StorageKey, Entry, EvictReason]]
+
+
+class Admission(NamedTuple):
+    """What `Tiers.plan` decided for a batch of puts."""
+
+    admitted: list[PutJob]  # in the index now, to be committed
+    evicted: Evicted  # entries their room took, stored before the batch
+    # Jobs of the batch that a later job of it evicted again, with why: stored for the
+    # caller (their put succeeded, then lost its room like any stored block), but never
+    # written. Their futures complete with the commit of the batch.
+    superseded: list[tuple[PutJob, EvictReason]]
+
+
+def commit_error(error: Exception) -> KvshareError:
+    """What a failed LMDB commit means for a caller, with what to change: the tier's
+    own error where it has one (a full map: ResourceExhausted naming lmdb_map_bytes),
+    else the disk (full, or not writable)."""
+    if isinstance(error, KvshareError):
+        return error
+    return Unavailable(
+        "the disk tier could not commit: free space on the data dir's disk and check its "
+        "permissions, or lower [storage] disk_budget_bytes to what that disk holds"
+    )

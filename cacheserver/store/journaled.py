@@ -1,4 +1,6 @@
-"""Journaled puts: the put journal as a tier of the store (a `Tier`).
+"""Journaled puts: the put journal as a tier of the store, in process and under its
+lock. It is the store's own, not a `cacheserver.tiers.Tier`: it lives and dies with the
+store's writer, and only its reads and deletes look like a tier's.
 
 A journaled put is acknowledged once its record is committed in the journal
 (`cacheserver.store.journal`), and stays here (`_pending`) until the writer has moved it into
@@ -26,12 +28,11 @@ from pathlib import Path
 
 from cacheserver.blocks import BlockSource
 from cacheserver.store.backlog import WriteBacklog
-from cacheserver.store.index import NoRoom
-from cacheserver.store.jobs import PutJob
+from cacheserver.store.jobs import PutJob, commit_error
 from cacheserver.store.journal import Journal, JournalFull
 from cacheserver.store.tiering import Tiers
 from cacheserver.tiers import Payload
-from kvcommon.errors import Unavailable
+from kvcommon.errors import KvshareError, Unavailable
 from policy.types import ModelTag, StorageKey, TenantId
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,9 @@ class JournaledPuts:
         # dropped from memory before the record's space is released.
         self._views: dict[int, tuple[StorageKey, memoryview]] = {}
         self._view_seqs: list[int] = []  # a heap of the seqs in _views
+        # Why the writer cannot move journaled puts into LMDB (its last drain failed),
+        # or None: a put the full journal refuses then says so (`_why_full`).
+        self.drain_failure: KvshareError | None = None
 
     # -- puts ------------------------------------------------------------------------
 
@@ -87,15 +91,8 @@ class JournaledPuts:
         tenant's quota, the writer's backlog or the journal has no room."""
         tiers = self._tiers
         job = PutJob(key, tenant, self._epochs.get(tenant, 0), b"", model_tag)
-        with tiers.lock:
-            if key in tiers.index:
-                tiers.index.touch(key)
-                tiers.events.put_outcome(tenant, "already_present", size)
-                return None
-            try:  # refuse before journaling what cannot be admitted
-                tiers.index.victims_with_reasons(tenant, size)
-            except NoRoom as error:
-                raise tiers.no_room(tenant, size, error) from None
+        if not tiers.admissible(tenant, key, size):  # refused before it is journaled
+            return None
         self._backlog.reserve(tenant, size, JOURNAL_WAIT_S)
         try:
             job.record = self.journal.reserve(
@@ -121,7 +118,7 @@ class JournaledPuts:
         The ring only knows it is full; when that is because the writer cannot move its
         blocks into LMDB (the map or the disk is full), more journal space would only
         postpone the refusal, so the message says what LMDB needs instead."""
-        failure = self._tiers.drain_failure
+        failure = self.drain_failure
         if failure is None:
             return full
         return JournalFull(
@@ -166,18 +163,28 @@ class JournaledPuts:
         job.void = True
         self._enqueue(job)
 
-    # -- the writer's side (under the store's lock) ----------------------------------
+    # -- the writer's side (each takes the store's lock) -----------------------------
 
     def live(self, jobs: Sequence[PutJob]) -> list[PutJob]:
         """Those of `jobs` still to be moved into LMDB (not given up, deleted or evicted)."""
-        return [j for j in jobs if not j.void and self._pending.get(j.key) is j]
+        with self._tiers.lock:
+            return [j for j in jobs if not j.void and self._pending.get(j.key) is j]
 
     def drained(self, jobs: Sequence[PutJob]) -> None:
         """`jobs` are in LMDB now: reads find them there."""
-        for job in jobs:
-            if self._pending.get(job.key) is job:
-                del self._pending[job.key]
-            self._tiers.events.stored(job.tenant, "lmdb", len(job.payload))
+        with self._tiers.lock:
+            self.drain_failure = None
+            for job in jobs:
+                if self._pending.get(job.key) is job:
+                    del self._pending[job.key]
+                self._tiers.events.stored(job.tenant, "lmdb", len(job.payload))
+
+    def drain_failed(self, error: Exception) -> None:
+        """Moving journaled puts into LMDB failed: the health probe says so, and so does
+        the refusal of a put the journal has no room for."""
+        with self._tiers.lock:
+            self._tiers.note_commit_failure(error)
+            self.drain_failure = commit_error(error)
 
     def reclaim(self) -> None:
         """Reuse journal space of drained blocks, oldest first, down to half the ring
@@ -215,7 +222,7 @@ class JournaledPuts:
     def undrained_blocks(self) -> int:
         return len(self._pending)
 
-    # -- the Tier protocol (cacheserver.tiers), under the store's lock ---------------
+    # -- reads and deletes as a tier's, under the store's lock ------------------------
 
     def read_many(self, keys: Sequence[StorageKey]) -> list[Payload | None]:
         held = self.held(keys)

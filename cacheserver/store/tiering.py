@@ -10,83 +10,44 @@ Invariants:
 - First writer wins: a key already in the index is never written again.
 - The index, the memory tier and the journaled-put state change only under `lock`;
   lower tiers are called outside it (blocking I/O).
-- Tiers behind LMDB (`behind`, none by default) get every block LMDB commits, after
-  the commit (written behind: their failures never fail a put), and every delete.
+- Tiers behind LMDB (none by default) get every block LMDB commits, after the commit
+  (written behind: their failures never fail a put), and every delete (`Lineup`).
+
+The facade and the local copies (`local`) use the verbs here, never the index or the
+lock: each verb takes the lock itself where it needs it, and says when it blocks. The
+journal's puts (`journaled`), the writer and the recovery at start-up are parts of the
+same machinery under the same lock: they work on the index and the tiers directly.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 from cacheserver.events import EvictReason, StoreEvents
-from cacheserver.store.index import BlockIndex, Entry, NoRoom
-from cacheserver.store.jobs import PutJob
-from cacheserver.tiers import (
-    JournalCheckpoint,
-    LowerTier,
-    Payload,
-    PendingWrite,
-    SharedTier,
-    Tier,
-)
-from cacheserver.tiers.lmdb import LmdbTier
-from cacheserver.tiers.memory import MemoryTier
-from kvcommon.errors import KvshareError, ResourceExhausted, Unavailable
-from policy.types import StorageKey, TenantId
+from cacheserver.store.jobs import Admission, Evicted, PutJob, commit_error
+from cacheserver.store.lineup import Lineup
+from cacheserver.tiers import JournalCheckpoint, Payload
+from cacheserver.tiers.index import BlockIndex, NoRoom
+from kvcommon.errors import KvshareError, ResourceExhausted
+from policy.types import ModelTag, StorageKey, TenantId
 
 if TYPE_CHECKING:
     from cacheserver.store.journaled import JournaledPuts
 
 log = logging.getLogger(__name__)
-Evicted = list[tuple[StorageKey, Entry, EvictReason]]
-
-
-class Admission(NamedTuple):
-    """What `Tiers.plan` decided for a batch of puts."""
-
-    admitted: list[PutJob]  # in the index now, to be committed
-    evicted: Evicted  # entries their room took, stored before the batch
-    # Jobs of the batch that a later job of it evicted again, with why: stored for the
-    # caller (their put succeeded, then lost its room like any stored block), but never
-    # written. Their futures complete with the commit of the batch.
-    superseded: list[tuple[PutJob, EvictReason]]
-
-
-def commit_error(error: Exception) -> KvshareError:
-    """What a failed LMDB commit means for a caller, with what to change: the tier's
-    own error where it has one (a full map: ResourceExhausted naming lmdb_map_bytes),
-    else the disk (full, or not writable)."""
-    if isinstance(error, KvshareError):
-        return error
-    return Unavailable(
-        "the disk tier could not commit: free space on the data dir's disk and check its "
-        "permissions, or lower [storage] disk_budget_bytes to what that disk holds"
-    )
 
 
 class Tiers:
-    def __init__(
-        self,
-        index: BlockIndex,
-        memory: MemoryTier,
-        disk: LmdbTier,
-        behind: Sequence[LowerTier],
-        events: StoreEvents,
-    ) -> None:
+    def __init__(self, index: BlockIndex, lineup: Lineup, events: StoreEvents) -> None:
         self.lock = threading.Lock()
         self.index = index
-        self.memory = memory
-        self.disk = disk
-        self.behind = tuple(behind)
-        self.lower: tuple[LowerTier, ...] = (disk, *self.behind)
-        # Issue 17: the tier behind LMDB that other servers share (the Redis Cluster),
-        # if any: the facade asks it on index misses and sends deletes through it.
-        self.shared: SharedTier | None = next(
-            (tier for tier in self.behind if isinstance(tier, SharedTier)), None
-        )
+        self.lineup = lineup
+        self.memory = lineup.memory
+        self.disk = lineup.disk
         self.events = events
         # Set once at start-up when puts are journaled (cacheserver.store.journaled).
         self.journaled: JournaledPuts | None = None
@@ -98,9 +59,6 @@ class Tiers:
         # Journal records dropped at replay because their bytes failed their checksum
         # (LMDB counts its own corrupt blocks: LmdbTier.integrity_failures).
         self.journal_integrity_failures = 0
-        # Why the writer cannot move journaled puts into LMDB (its last drain failed),
-        # or None: a put the full journal refuses then says so (JournaledPuts).
-        self.drain_failure: KvshareError | None = None
 
     # -- admission (under `lock`) ----------------------------------------------------
 
@@ -155,7 +113,7 @@ class Tiers:
         journaled block of them not yet in LMDB is passed over by the writer."""
         for key in keys:
             self.index.remove(key)
-            self.memory.drop(key)
+        self.memory.delete(keys)
         if self.journaled is not None:
             self.journaled.delete(keys)
 
@@ -169,8 +127,7 @@ class Tiers:
         Returns why the commit failed (each job's future carries it too), or None."""
         with self.lock:
             admitted, evicted, superseded = self.plan(batch)
-            for key, _, _ in evicted:
-                self.memory.drop(key)
+            self.memory.delete([key for key, _, _ in evicted])
             # Entries are in the index for planning only; hide them until committed.
             for job in admitted:
                 self.index.remove(job.key)
@@ -200,8 +157,7 @@ class Tiers:
             job.future.set_result(True)
         for job, fresh in zip(admitted, stored, strict=True):
             job.future.set_result(fresh)
-        if self.behind:
-            self.write_behind([w for w, fresh in zip(writes, stored, strict=True) if fresh])
+        self.lineup.write_behind([w for w, fresh in zip(writes, stored, strict=True) if fresh])
         return None
 
     def _commit_failed(
@@ -210,7 +166,7 @@ class Tiers:
         with self.lock:
             for key, entry, _ in evicted:
                 self.index.add(key, entry.tenant, entry.size, clock=entry.clock, tag=entry.tag)
-            self.commit_failure = f"an LMDB commit failed ({type(error).__name__})"
+            self.note_commit_failure(error)
             for job in admitted:
                 self.events.put_outcome(job.tenant, "failed", len(job.payload))
         if not isinstance(error, KvshareError):
@@ -220,57 +176,208 @@ class Tiers:
             job.future.set_exception(failure)
         return failure
 
-    def write_behind(self, writes: Sequence[PendingWrite]) -> None:
-        """Hand blocks LMDB has just committed to every tier behind it. A failure there
-        fails no put (each is acknowledged already); it is logged, and the tier's own
-        probe says why it cannot take writes."""
-        for tier in self.behind:
-            try:
-                tier.write(writes, ())
-            except Exception as error:
-                log.error(
-                    "writing behind to %s failed (%s)", type(tier).__name__, type(error).__name__
-                )
+    def note_commit_failure(self, error: Exception) -> None:
+        """An LMDB commit failed: the next health probe says so (under `lock`)."""
+        self.commit_failure = f"an LMDB commit failed ({type(error).__name__})"
 
-    # -- across the lower tiers (blocking: outside `lock`) ---------------------------
+    # -- reads (the facade's) ---------------------------------------------------------
 
-    def read_below(self, keys: Sequence[StorageKey]) -> dict[StorageKey, Payload | None]:
-        """The payloads of `keys` from the lower tiers: each from the first tier that
-        holds it (LMDB, then the tiers behind it), None where none does."""
-        found: dict[StorageKey, Payload | None] = dict(
-            zip(keys, self.disk.read_many(keys), strict=True)
-        )
-        for tier in self.behind:
-            missing = [key for key, payload in found.items() if payload is None]
-            if not missing:
-                break
-            found.update(zip(missing, tier.read_many(missing), strict=True))
-        return found
+    def touch_leading(self, keys: Sequence[StorageKey]) -> int:
+        """How many of `keys`, leading, the index lists; each is touched as used."""
+        with self.lock:
+            self.last_activity = time.monotonic()
+            present = 0
+            for key in keys:
+                if not self.index.touch(key):
+                    break
+                present += 1
+        return present
 
-    def delete_below(self, keys: Sequence[StorageKey]) -> int:
-        """Delete `keys` from every lower tier, durably; how many LMDB held. The shared
-        tier is left to the caller: its deletes are announced to the other servers
-        (`SharedTier.delete_held`, `delete_namespace`)."""
-        deleted = self.disk.delete(keys)
-        for tier in self.behind:
-            if tier is not self.shared:
-                tier.delete(keys)
-        return deleted
+    def _more(self, keys: Sequence[StorageKey], served: int) -> bool:
+        """Whether the key after the `served` leading ones may be held (under `lock`)."""
+        return served < len(keys) and (keys[served] in self.index or self.lineup.asks_on_miss)
+
+    def read_from_memory(
+        self, keys: Sequence[StorageKey], max_bytes: int
+    ) -> tuple[list[Payload], bool]:
+        """Leading payloads held in memory (about `max_bytes` of them, at least one),
+        and whether the key after them may be held. Never blocks."""
+        out: list[Payload] = []
+        total = 0
+        memory, index = self.memory, self.index
+        with self.lock:
+            self.last_activity = time.monotonic()
+            for key in keys:
+                if out and total >= max_bytes:
+                    break
+                payload = memory.get(key)
+                if payload is None or not index.touch(key):
+                    break
+                out.append(payload)
+                total += len(payload)
+            return out, self._more(keys, len(out))
+
+    def read_through(
+        self, tenant: TenantId, keys: Sequence[StorageKey], max_bytes: int
+    ) -> tuple[list[Payload], bool]:
+        """Leading payloads (about `max_bytes`, at least one) read through the journal
+        and the lower tiers and promoted to memory, and whether the key after them may
+        be held; a first key the index does not list is asked of the shared tiers.
+        Blocking."""
+        journaled = self.journaled
+        with self.lock:
+            wanted: list[StorageKey] = []
+            total = 0
+            for key in keys:
+                entry = self.index.get(key)
+                if entry is None or (wanted and total + entry.size > max_bytes):
+                    break
+                wanted.append(key)
+                total += entry.size
+            held = journaled.held(wanted) if journaled is not None else {}
+        if not wanted:
+            return self.lineup.read_shared(tenant, keys, max_bytes)
+        below = [key for key in wanted if key not in held]
+        read = self.lineup.read_below(below) if below else {}
+        out: list[Payload] = []
+        with self.lock:
+            for key in wanted:
+                payload = held[key] if key in held else read[key]
+                if payload is None:
+                    if journaled is None or not journaled.holds(key):  # not put again
+                        self.remove_everywhere([key])  # corrupt or gone: a miss from now on
+                    return out, False
+                # A view of a journal record is not promoted: the record may have been
+                # drained and its space reclaimed since it was taken above, and the
+                # memory tier must never keep such a view past the reclaim.
+                touched = self.index.touch(key)
+                if touched and key not in held and self.memory.admit(key, tenant, payload):
+                    self.events.stored(tenant, "memory", len(payload))
+                out.append(payload)
+            return out, self._more(keys, len(out))
+
+    # -- puts (the facade's and the journal's) -----------------------------------------
+
+    def _present(self, tenant: TenantId, key: StorageKey, size: int) -> bool:
+        """Whether `key` is stored already (under `lock`): touched and counted if so."""
+        if key not in self.index:
+            return False
+        self.index.touch(key)
+        self.events.put_outcome(tenant, "already_present", size)
+        return True
+
+    def _room_for(self, tenant: TenantId, size: int) -> None:
+        """Raise ResourceExhausted if a block of `size` bytes cannot be admitted."""
+        try:
+            self.index.victims_with_reasons(tenant, size)
+        except NoRoom as error:
+            raise self.no_room(tenant, size, error) from None
+
+    def already_present(self, tenant: TenantId, key: StorageKey, size: int) -> bool:
+        """Whether `key` is stored already (first writer wins): touched and counted."""
+        with self.lock:
+            return self._present(tenant, key, size)
+
+    def admissible(self, tenant: TenantId, key: StorageKey, size: int) -> bool:
+        """False when `key` is stored already (touched, counted); raises
+        ResourceExhausted when a block of `size` bytes has no room; else True."""
+        with self.lock:
+            if self._present(tenant, key, size):
+                return False
+            self._room_for(tenant, size)
+            return True
+
+    def check_room(self, tenant: TenantId, key: StorageKey, size: int) -> None:
+        """Raise ResourceExhausted now if a block of `size` bytes could not be admitted;
+        a key stored already is not refused (nor touched: nothing was put yet)."""
+        with self.lock:
+            if key not in self.index:
+                self._room_for(tenant, size)
+
+    # -- deletes -----------------------------------------------------------------------
+
+    def forget(self, keys: Sequence[StorageKey]) -> list[StorageKey]:
+        """Take `keys` out of the index and the in-process tiers; those it listed."""
+        with self.lock:
+            present = [k for k in keys if k in self.index]
+            self.remove_everywhere(keys)
+        return present
+
+    def forget_namespace(self, tenant: TenantId, model_tag: ModelTag | None) -> list[StorageKey]:
+        """As `forget`, for every block the index lists of a tenant (or of one model)."""
+        with self.lock:
+            keys = self.index.keys_of(tenant, model_tag)
+            self.remove_everywhere(keys)
+        return keys
+
+    def swept(self, tenant: TenantId, model_tag: ModelTag | None) -> list[StorageKey]:
+        """The keys LMDB holds of a tenant (or of one model), listed or not. Blocking."""
+        return [
+            meta.key
+            for meta in self.disk.scan()
+            if meta.tenant == tenant and (model_tag is None or meta.model_tag == model_tag)
+        ]
+
+    # -- this server's own copies (`local.StoreCopies`, for a shared tier) -------------
+
+    def local_keys(self, tenant: TenantId) -> list[tuple[StorageKey, ModelTag]]:
+        """The keys the index lists of `tenant`, each with its model tag."""
+        index = self.index
+        with self.lock:
+            return [(k, ModelTag(e.tag)) for k in index.keys_of(tenant) if (e := index.get(k))]
+
+    def read_local(self, key: StorageKey) -> Payload | None:
+        """The local payload of an indexed block (memory, journal or LMDB), or None.
+        A journal record's view is valid only while the caller is pinned. Blocking."""
+        with self.lock:
+            if key not in self.index:
+                return None
+            payload = self.memory.get(key)
+            if payload is None and self.journaled is not None:
+                payload = self.journaled.held([key]).get(key)
+        return payload if payload is not None else self.disk.read_many([key])[0]
+
+    # -- figures -----------------------------------------------------------------------
+
+    def tenant_usage(self, tenant: TenantId) -> tuple[int, int]:
+        with self.lock:
+            return self.index.tenant_blocks(tenant), self.index.tenant_bytes(tenant)
+
+    def usage(self) -> dict[str, tuple[int, int, int]]:
+        """tier name -> (blocks, bytes, budget_bytes): the memory tier's own figures,
+        and the index's for the tiers it lists (the journal and LMDB, as "lmdb")."""
+        index = self.index
+        with self.lock:
+            memory = self.memory.counts()
+            return {
+                "memory": (memory["blocks"], memory["bytes"], memory["budget_bytes"]),
+                "lmdb": (len(index), index.used_bytes, index.budget_bytes),
+            }
+
+    @property
+    def undrained_blocks(self) -> int:
+        with self.lock:
+            return self.journaled.undrained_blocks if self.journaled is not None else 0
+
+    @property
+    def integrity_failures(self) -> int:
+        """Corrupt blocks dropped: read from LMDB, or found in the journal at replay."""
+        return self.disk.integrity_failures + self.journal_integrity_failures
+
+    # -- lifecycle -------------------------------------------------------------------
 
     def probe(self) -> str | None:
-        """Why a lower tier cannot take writes now, or None."""
-        for tier in self.lower:
-            reason = tier.probe()
-            if reason is not None:
-                return reason
-        return None
+        """Why the store cannot take writes, or None. Blocking. A commit that failed
+        since the last probe counts once even if the tiers' own probes pass."""
+        with self.lock:
+            failure, self.commit_failure = self.commit_failure, None
+        return self.lineup.probe() or failure
 
     def close(self) -> None:
         """Close every tier, fastest first: the memory tier lets go of its views of
         journal records before the journal is unmapped."""
-        tiers: list[Tier] = [self.memory]
+        self.memory.close()
         if self.journaled is not None:
-            tiers.append(self.journaled)
-        tiers.extend(self.lower)
-        for tier in tiers:
+            self.journaled.close()
+        for tier in self.lineup.lower:
             tier.close()

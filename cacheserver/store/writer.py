@@ -24,13 +24,17 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from cacheserver.events import StoreEvents
 from cacheserver.store.backlog import WriteBacklog
 from cacheserver.store.jobs import Barrier, Message, PutJob, Reclaim
-from cacheserver.store.tiering import Tiers, commit_error
+from cacheserver.store.tiering import Tiers
 from cacheserver.store.upkeep import lower_this_threads_priority
 from kvcommon.errors import Unavailable
+
+if TYPE_CHECKING:
+    from cacheserver.store.journaled import JournaledPuts
 
 log = logging.getLogger(__name__)
 MAX_BATCH_BYTES = 256 << 20  # bound one commit's size so a burst cannot stall reads long
@@ -60,12 +64,20 @@ class Writer:
         self._drain_now = threading.Event()  # wakes a writer waiting for a quiet moment
         # Journaled puts move into LMDB once puts pause this long ([storage] drain_idle_ms)
         self._drain_idle_s = drain_idle_s
-        self._barriers = 0  # deletes waiting for the writer (under tiers.lock)
+        self._barriers = 0  # deletes waiting for the writer (under _barriers_lock)
+        self._barriers_lock = threading.Lock()
+        # The journaled puts it drains, once the store has opened the journal
+        # (`use_journal`, before `start`); None: puts are written through.
+        self._journaled: JournaledPuts | None = None
         self._closing = closing
         self.backlog = WriteBacklog(
             max_pending_bytes, events, self._drain_now.set, max_pending_tenant_bytes
         )
         self._thread = threading.Thread(target=self._loop, name="kvshare-writer", daemon=True)
+
+    def use_journal(self, journaled: JournaledPuts) -> None:
+        """Drain these journaled puts (called once, before `start`)."""
+        self._journaled = journaled
 
     def start(self) -> None:
         self._thread.start()
@@ -101,11 +113,11 @@ class Writer:
     def barrier(self) -> None:
         """Wait until every journal record reserved so far is drained or given up.
         Raises Unavailable after BARRIER_TIMEOUT_S."""
-        journaled = self._tiers.journaled
+        journaled = self._journaled
         if journaled is None:
             return
         barrier = Barrier(journaled.journal.last_seq)
-        with self._tiers.lock:
+        with self._barriers_lock:
             self._barriers += 1
         self._queue.put(barrier)
         self._drain_now.set()
@@ -116,13 +128,13 @@ class Writer:
                 "the disk writer is behind or failing; retry the delete later"
             ) from None
         finally:
-            with self._tiers.lock:
+            with self._barriers_lock:
                 self._barriers -= 1
 
     # -- the thread ------------------------------------------------------------------
 
     def _loop(self) -> None:
-        if self._tiers.journaled is not None:
+        if self._journaled is not None:
             lower_this_threads_priority()
         waiting: list[Barrier] = []
         while True:
@@ -145,7 +157,7 @@ class Writer:
         """`first` and whatever else is queued, up to one commit's worth."""
         batch = [first]
         size = len(first.payload) if isinstance(first, PutJob) else 0
-        limit = MAX_DRAIN_BYTES if self._tiers.journaled is not None else MAX_BATCH_BYTES
+        limit = MAX_DRAIN_BYTES if self._journaled is not None else MAX_BATCH_BYTES
         while size < limit and len(batch) < MAX_BATCH_BLOCKS:
             try:
                 nxt = self._queue.get_nowait()
@@ -161,7 +173,7 @@ class Writer:
 
     def _settle(self, waiting: list[Barrier]) -> None:
         """Complete the barriers the journal's drained position has passed."""
-        journaled = self._tiers.journaled
+        journaled = self._journaled
         drained = journaled.journal.drained_seq if journaled is not None else 0
         for barrier in [b for b in waiting if b.through_seq <= drained]:
             waiting.remove(barrier)
@@ -171,12 +183,11 @@ class Writer:
         """Commit journaled (already acknowledged) blocks to LMDB, with how far the
         journal's chain is now covered, then free what that covers. Retried until it
         works: these blocks exist nowhere else but the journal."""
-        tiers, journaled = self._tiers, self._tiers.journaled
+        tiers, journaled = self._tiers, self._journaled
         assert journaled is not None
         journal = journaled.journal
         seqs = {job.record.seq for job in jobs if job.record is not None}
-        with tiers.lock:
-            live = journaled.live(jobs)
+        live = journaled.live(jobs)
         deletes = [key for job in jobs for key in job.evicted]
         writes = [job.as_write() for job in live]
         point = journal.drain_point(seqs)
@@ -188,22 +199,17 @@ class Writer:
             except Exception as error:
                 reason = type(error).__name__
                 log.error("moving journaled puts into LMDB failed (%s); retrying", reason)
-                with tiers.lock:
-                    tiers.commit_failure = f"an LMDB commit failed ({reason})"
-                    tiers.drain_failure = commit_error(error)  # why the journal fills up
+                journaled.drain_failed(error)  # health, and why the journal fills up
                 if self._closing.wait(RETRY_DRAIN_S):
                     return  # stopping: the journal keeps them for the next start
-        with tiers.lock:
-            tiers.drain_failure = None
-            journaled.drained(live)
+        journaled.drained(live)
         journal.finish(seqs, point)
         for job in jobs:
             self.backlog.release(job.tenant, len(job.payload), landed=job.landed)
-        if tiers.behind and writes:
-            tiers.write_behind(writes)
+        tiers.lineup.write_behind(writes)
 
     def _reclaim(self) -> None:
-        journaled = self._tiers.journaled
+        journaled = self._journaled
         if journaled is None:
             return
         self._reclaim_asked.clear()
@@ -214,7 +220,7 @@ class Writer:
         now. Draining copies every byte again and faults in page-cache pages; on a small
         host (two vCPUs here, likely one core's hyperthreads) it slowed concurrent gets
         by a quarter or more even at nice 19, so it waits for the store to be idle."""
-        journaled = self._tiers.journaled
+        journaled = self._journaled
         while journaled is not None and not self._closing.is_set() and not self._barriers:
             quiet_for = time.monotonic() - self._tiers.last_activity
             if (

@@ -1,4 +1,4 @@
-"""The persistent tier: blocks in LMDB, verified on every read (a `LowerTier`).
+"""The persistent tier: blocks in LMDB, verified on every read (a `Tier`).
 
 Invariant: a block is visible only once all of its bytes and its checksum are
 committed, and no read returns bytes whose checksum does not match: `blocks` (storage
@@ -27,7 +27,15 @@ from pathlib import Path
 import lmdb
 import xxhash
 
-from cacheserver.tiers import NO_MODEL_TAG, JournalCheckpoint, Payload, PendingWrite, Position
+from cacheserver.tiers import (
+    NO_MODEL_TAG,
+    Capability,
+    JournalCheckpoint,
+    LocalCopies,
+    Payload,
+    PendingWrite,
+    Position,
+)
 from kvcommon.errors import ConfigError, ResourceExhausted
 from policy.types import ModelTag, StorageKey, TenantId
 
@@ -77,6 +85,9 @@ def _unpack_meta(key: bytes | memoryview, raw: bytes | memoryview) -> tuple[byte
 
 
 class LmdbTier:
+    name = "lmdb"
+    capabilities = Capability.NONE
+
     def __init__(
         self,
         path: Path,
@@ -169,6 +180,16 @@ class LmdbTier:
         if free < MIN_FREE_BYTES:
             return f"disk full: {free} bytes free under the LMDB tier"
         return None
+
+    def start(self, local: LocalCopies) -> None:
+        """Nothing runs on threads of its own."""
+
+    def stop(self) -> None:
+        """Nothing runs on threads of its own."""
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return {"integrity_failures": self.integrity_failures}
 
     def sync(self) -> None:
         """fsync what earlier commits wrote (they are already in the OS page cache)."""

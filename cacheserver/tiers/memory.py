@@ -1,4 +1,5 @@
-"""The hot tier: a byte-bounded LRU of payloads in process memory (a `Tier`).
+"""The hot tier: a byte-bounded LRU of payloads in process memory (a `Tier`,
+`Capability.IN_PROCESS`).
 
 Invariant: inclusive of the tiers below. Every block here is also in LMDB or in the put
 journal, so dropping one loses nothing, and the tier never holds more than its budget.
@@ -13,14 +14,17 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TypeAlias
 
 from cacheserver.events import EvictReason
-from cacheserver.store.index import BlockIndex, NoRoom
-from cacheserver.tiers import Payload
+from cacheserver.tiers import Capability, LocalCopies, Payload, PendingWrite
+from cacheserver.tiers.index import BlockIndex, NoRoom
 from policy.types import StorageKey, TenantId
 
 OnEvict: TypeAlias = Callable[[EvictReason, int], None]  # (reason, bytes) per block evicted
 
 
 class MemoryTier:
+    name = "memory"
+    capabilities = Capability.IN_PROCESS
+
     def __init__(
         self,
         budget_bytes: int,
@@ -74,9 +78,18 @@ class MemoryTier:
 
     # -- the Tier protocol (cacheserver.tiers) ---------------------------------------
 
+    # `get`, `admit` and `drop` above are the same verbs for one block, without the
+    # lists: the store's hot paths (a read of blocks in memory) use them.
+
     def read_many(self, keys: Sequence[StorageKey]) -> list[Payload | None]:
         """The payloads held of `keys` (None where not), each touched as used."""
         return [self.get(key) for key in keys]
+
+    def write(self, writes: Sequence[PendingWrite], deletes: Sequence[StorageKey]) -> list[bool]:
+        """Drop `deletes`, then keep each write hot (`admit`): True where it was newly
+        admitted, False where it was held already or cannot fit."""
+        self.delete(deletes)
+        return [self.admit(w.key, w.tenant, w.payload) for w in writes]
 
     def delete(self, keys: Sequence[StorageKey]) -> int:
         held = 0
@@ -85,10 +98,23 @@ class MemoryTier:
             self.drop(key)
         return held
 
+    def probe(self) -> str | None:
+        """None: a full memory tier evicts, it never refuses."""
+        return None
+
+    def start(self, local: LocalCopies) -> None:
+        """Nothing runs on threads of its own."""
+
+    def stop(self) -> None:
+        """Nothing runs on threads of its own."""
+
     def close(self) -> None:
         """Let go of every payload (views of journal records among them)."""
         for key in list(self._payloads):
             self.drop(key)
+
+    def counts(self) -> dict[str, int]:
+        return {"blocks": len(self), "bytes": self.used_bytes, "budget_bytes": self.budget_bytes}
 
 
 def memory_quotas(

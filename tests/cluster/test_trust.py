@@ -98,7 +98,7 @@ def test_altered_blocks_are_misses_and_the_agent_aead_refuses_a_forged_one(
     alpha = reader.client("a", transport="grpc")
     assert alpha.get("alpha", MODEL, digests[:1]) == []
     assert reader.client("b", transport="grpc").get("beta", MODEL, digests[1:2]) == []
-    assert tier_of(reader).counts.integrity_failures == 2
+    assert tier_of(reader).counts()["integrity_failures"] == 2
     got = alpha.get("alpha", MODEL, digests[2:4])
     assert got[0] == bytes(forged)
     with pytest.raises(SealError):  # ...and the agent's AEAD refuses it

@@ -17,10 +17,10 @@ import threading
 from collections.abc import Iterator, Sequence
 
 import pytest
-import redis
 
 from cacheserver.tiers.cluster.config import RedisClusterConfig
-from cacheserver.tiers.cluster.nodes import ClusterNodes, Failed, _Replies
+from cacheserver.tiers.cluster.nodes import ClusterNodes, Failed
+from cacheserver.tiers.cluster.replies import Replies
 from kvcommon.hostport import HostPort
 from kvshare.bench.redis_cluster import LocalRedisCluster
 from tests.cluster.conftest import direct
@@ -95,7 +95,7 @@ def test_a_stopped_cluster_gives_failed_results_not_exceptions(
 # -- the reader alone, over a socket pair ------------------------------------------------
 
 
-def replies_from(pieces: Sequence[bytes], close: bool = True) -> _Replies:
+def replies_from(pieces: Sequence[bytes], close: bool = True) -> Replies:
     """A reader whose peer sends `pieces` one by one (then closes, if `close`)."""
     ours, theirs = socket.socketpair()
     ours.settimeout(5)
@@ -108,7 +108,7 @@ def replies_from(pieces: Sequence[bytes], close: bool = True) -> _Replies:
                 threading.Event().wait(6)
 
     threading.Thread(target=send, daemon=True).start()
-    return _Replies(ours)
+    return Replies(ours)
 
 
 def test_replies_split_anywhere_are_read_whole() -> None:
@@ -127,7 +127,7 @@ def test_replies_split_anywhere_are_read_whole() -> None:
 @pytest.mark.parametrize(
     ("stream", "error"),
     [
-        (b"$10\r\n0123", redis.ConnectionError),  # closed inside a value
+        (b"$10\r\n0123", ConnectionError),  # closed inside a value
         (b"$4\r\nabcdXY", ValueError),  # no CRLF after the value
         (b"+OK\r\n", ValueError),  # not a reply GET can get
         (b"$" + b"9" * (80 << 10), ValueError),  # a header line that never ends

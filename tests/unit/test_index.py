@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cacheserver.store.index import BlockIndex, NoRoom
+from cacheserver.tiers.index import BlockIndex, NoRoom
 from policy.types import StorageKey, TenantId
 
 A, B = TenantId("a"), TenantId("b")

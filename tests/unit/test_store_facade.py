@@ -1,6 +1,6 @@
 """The block store through its public methods, with and without the put journal, and
-with a tier behind LMDB (a second real LMDB, in the place the Redis Cluster tier of
-docs/scale-out.md takes): no server, real LMDB and journal files in a temporary directory."""
+with a tier behind LMDB (a second real LMDB, in the place the Redis Cluster tier
+takes): no server, real LMDB and journal files in a temporary directory."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 from cacheserver.blocks import BytesSource
 from cacheserver.config import StorageConfig
 from cacheserver.store import BlockStore
-from cacheserver.tiers import LowerTier
+from cacheserver.tiers import Capability, LocalCopies, Tier
 from cacheserver.tiers.lmdb import LmdbTier
 from kvcommon.errors import ResourceExhausted, Unavailable
 from policy.types import ModelTag, StorageKey, TenantId
@@ -70,7 +70,7 @@ def open_store(
     journaled: bool,
     quotas: dict[TenantId, int] | None = None,
     epochs: dict[TenantId, int] | None = None,
-    lower_tiers: Sequence[LowerTier] = (),
+    lower_tiers: Sequence[Tier] = (),
     **overrides: int,
 ) -> BlockStore:
     return BlockStore(
@@ -270,6 +270,69 @@ def test_a_failing_tier_behind_fails_no_put(
         s.close()
 
 
+class Unhealthy(LmdbTier):
+    def probe(self) -> str | None:
+        return "the tier behind is down"
+
+
+class UnhealthyWithOwnHealth(Unhealthy):
+    capabilities = Capability.OWN_HEALTH  # the server serves without it
+
+
+def test_a_tier_behind_fails_the_store_probe_unless_it_has_a_health_of_its_own(
+    tmp_path: Path,
+) -> None:
+    behind = Unhealthy(tmp_path / "behind", map_bytes=64 * MiB, sync_writes=False)
+    s = open_store(tmp_path, journaled=False, lower_tiers=[behind])
+    try:
+        assert s.probe() == "the tier behind is down"
+    finally:
+        s.close()
+    own = UnhealthyWithOwnHealth(tmp_path / "behind", map_bytes=64 * MiB, sync_writes=False)
+    s = open_store(tmp_path, journaled=False, lower_tiers=[own])
+    try:
+        assert s.probe() is None
+        assert s.put(A, keys(1)[0], TAG, BytesSource(b"z" * KiB)).result(30)
+    finally:
+        s.close()
+
+
+class HandedCopies(LmdbTier):
+    """A tier behind that keeps what the store hands every tier at start."""
+
+    local: LocalCopies | None = None
+
+    def start(self, local: LocalCopies) -> None:
+        self.local = local
+
+
+def test_every_tier_gets_the_stores_local_copies_at_start_and_no_store(
+    tmp_path: Path, journaled: bool
+) -> None:
+    behind = HandedCopies(tmp_path / "behind", map_bytes=64 * MiB, sync_writes=False)
+    s = open_store(tmp_path, journaled, lower_tiers=[behind])
+    try:
+        local = behind.local
+        assert local is not None and not isinstance(local, BlockStore)
+        ks, payload = keys(3), os.urandom(64 * KiB)
+        assert local.keep_copy(A, ks[0], TAG, BytesSource(payload)).result(30)  # as a put
+        assert s.put(A, ks[1], OTHER_TAG, BytesSource(payload)).result(30)
+        assert sorted(local.local_keys(A)) == sorted([(ks[0], TAG), (ks[1], OTHER_TAG)])
+        copy = local.local_copy(ks[1])
+        assert isinstance(copy, bytes | bytearray) and copy == payload  # stays valid
+        assert local.local_copy(ks[2]) is None
+        assert local.forget_local([ks[0], ks[2]]) == 1  # a delete through another server
+        assert local.forget_local(namespace=(A, OTHER_TAG)) == 1
+        assert s.lookup(A, ks[:2]) == 0 and get(s, A, ks[:2]) == []
+    finally:
+        s.close()
+    s = open_store(tmp_path, journaled)  # forgotten durably: not back after a restart
+    try:
+        assert s.lookup(A, ks[:2]) == 0
+    finally:
+        s.close()
+
+
 def _drained(store: BlockStore) -> None:
     deadline = time.monotonic() + 10
     while store.undrained_blocks:
@@ -293,9 +356,10 @@ def _stall_the_writer(store: BlockStore, monkeypatch: pytest.MonkeyPatch) -> thr
 def test_a_delete_that_failed_on_the_writer_is_finished_by_its_retry(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Keys used to leave the index before the writer's barrier; when it timed out
-    the LMDB delete was skipped, the retry found nothing ("deleted 0") and a restart
-    served the blocks again. A reported success must be durable."""
+    """A delete once lost its keys: they left the index before the writer's barrier;
+    when the barrier timed out the LMDB delete was skipped, the retry found nothing
+    ("deleted 0") and a restart served the blocks again. A reported success must be
+    durable."""
     import cacheserver.store.writer as writer_module
 
     monkeypatch.setattr(writer_module, "BARRIER_TIMEOUT_S", 0.3)

@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 
 from cacheserver.events import NoEvents
-from cacheserver.store.index import BlockIndex
 from cacheserver.store.jobs import PutJob
+from cacheserver.store.lineup import Lineup
 from cacheserver.store.tiering import Tiers
+from cacheserver.tiers import Capability
+from cacheserver.tiers.index import BlockIndex
 from cacheserver.tiers.lmdb import LmdbTier
 from cacheserver.tiers.memory import MemoryTier
 from kvcommon.errors import ResourceExhausted
@@ -29,7 +31,9 @@ BLOCK = 64 * KiB
 def tiers(tmp_path: Path) -> Iterator[Tiers]:
     quotas = {A: 3 * BLOCK}  # alpha: three blocks; beta: no quota
     disk = LmdbTier(tmp_path / "lmdb", map_bytes=64 * MiB, sync_writes=False)
-    t = Tiers(BlockIndex(64 * MiB, quotas), MemoryTier(4 * MiB, quotas), disk, (), NoEvents())
+    t = Tiers(
+        BlockIndex(64 * MiB, quotas), Lineup(MemoryTier(4 * MiB, quotas), disk, ()), NoEvents()
+    )
     yield t
     t.close()
 
@@ -73,7 +77,9 @@ def test_a_failed_commit_fails_the_whole_batch_superseded_blocks_included(
     """A job evicted by its own batch is reported stored only once the batch commits."""
     quotas = {A: 2 * MiB}  # one block of 2 MiB: the second of the batch evicts the first
     disk = LmdbTier(tmp_path / "lmdb", map_bytes=1 * MiB, sync_writes=False)  # too small
-    t = Tiers(BlockIndex(64 * MiB, quotas), MemoryTier(4 * MiB, quotas), disk, (), NoEvents())
+    t = Tiers(
+        BlockIndex(64 * MiB, quotas), Lineup(MemoryTier(4 * MiB, quotas), disk, ()), NoEvents()
+    )
     try:
         batch = [
             PutJob(StorageKey(os.urandom(32)), A, 0, bytes([i]) * 2 * MiB, TAG) for i in (1, 2)
@@ -87,3 +93,22 @@ def test_a_failed_commit_fails_the_whole_batch_superseded_blocks_included(
         assert t.index.tenant_blocks(A) == 0
     finally:
         t.close()
+
+
+class ClaimsToBeShared(LmdbTier):
+    capabilities = Capability.SHARED  # without SharedTier's methods
+
+
+def test_the_lineup_refuses_tiers_that_declare_what_they_cannot_be(tmp_path: Path) -> None:
+    disk = LmdbTier(tmp_path / "lmdb", map_bytes=MiB, sync_writes=False)
+    claims = ClaimsToBeShared(tmp_path / "behind", map_bytes=MiB, sync_writes=False)
+    try:
+        with pytest.raises(TypeError, match="SHARED"):
+            Lineup(MemoryTier(MiB), disk, [claims])
+        with pytest.raises(TypeError, match="in process"):
+            Lineup(MemoryTier(MiB), disk, [MemoryTier(MiB)])
+        lineup = Lineup(MemoryTier(MiB), disk, [])
+        assert lineup.all == (lineup.memory, disk) and not lineup.asks_on_miss
+    finally:
+        claims.close()
+        disk.close()

@@ -1,4 +1,4 @@
-"""The shared tier on a Redis Cluster (issue 17): several servers, one store.
+"""The shared tier on a Redis Cluster: several servers, one store.
 
 With `[redis_cluster]` configured, every `kvshare serve` process that shares the same
 tenants, principals and `secret_file` names a block the same way and finds it in the
@@ -9,9 +9,11 @@ Modules, in the order to read them:
 - `config`: `[redis_cluster]`, parsed at start-up;
 - `layout`: key names, the block header, the accounting scripts (the data model);
 - `nodes`: the cluster client (the only module importing `redis`): per-node pipelines,
-  nodes that failed are down for a while, failures are misses;
+  nodes that failed are down for a while, failures are misses; `replies`: block values
+  read straight off a node's socket;
 - `accounting`: quotas and least-recently-used order across servers;
 - `tier`: `ClusterTier`, what the store calls (a `cacheserver.tiers.SharedTier`);
+  what it needs of this server's own copies comes in `start` (`LocalCopies`);
 - `sharing`: writes to the cluster behind the ack, touches, local copies of reads;
 - `deletes`, `follower`: deletes reaching every server, and the cluster's upkeep.
 

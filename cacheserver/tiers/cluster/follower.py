@@ -25,13 +25,13 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from cacheserver.tiers import LocalCopies
 from cacheserver.tiers.cluster import deletes
 from cacheserver.tiers.cluster.deletes import DeleteEntry
 from cacheserver.tiers.cluster.nodes import Failed
 from policy.types import ModelTag
 
 if TYPE_CHECKING:
-    from cacheserver.tiers.cluster.sharing import LocalStore
     from cacheserver.tiers.cluster.tier import ClusterTier
 
 log = logging.getLogger(__name__)
@@ -66,9 +66,9 @@ def _stream_id(raw: bytes) -> tuple[int, int]:
 
 
 class Follower:
-    def __init__(self, tier: ClusterTier, store: LocalStore) -> None:
+    def __init__(self, tier: ClusterTier, local: LocalCopies) -> None:
         self._tier = tier
-        self._store = store
+        self._local = local
         self._path = tier.data_dir / POSITION_FILE
         self.position: bytes | None = None  # None: unknown, reconcile before following
         self._saved: bytes | None = None
@@ -186,9 +186,9 @@ class Follower:
         self._save(force=True)
 
     def _share_local(self) -> None:
-        tier, store = self._tier, self._store
+        tier, local = self._tier, self._local
         for tenant in tier.tenants.values():
-            for key, model_tag in store.local_keys(tenant.id):
+            for key, model_tag in local.local_keys(tenant.id):
                 tier.sharing.enqueue(tenant, key, model_tag, None)
 
     def _covers(self, position: bytes) -> bool:
@@ -214,24 +214,24 @@ class Follower:
 
     def _reconcile(self) -> None:
         """Drop every local copy of a block the cluster does not hold (module docstring)."""
-        tier, store = self._tier, self._store
+        tier, local = self._tier, self._local
         pending = tier.sharing.pending()
         dropped = 0
         for tenant in tier.tenants.values():
-            local = [k for k, _ in store.local_keys(tenant.id) if k not in pending]
-            for start in range(0, len(local), RECONCILE_CHUNK):
-                chunk = local[start : start + RECONCILE_CHUNK]
+            held = [k for k, _ in local.local_keys(tenant.id) if k not in pending]
+            for start in range(0, len(held), RECONCILE_CHUNK):
+                chunk = held[start : start + RECONCILE_CHUNK]
                 names = [tier.keys.block(key) for key in chunk]
                 answers = tier.nodes.run([(n, ("EXISTS", n)) for n in names])
                 gone = [key for key, a in zip(chunk, answers, strict=True) if a == 0]
                 if gone:
-                    dropped += store.forget_local(gone)
+                    dropped += local.forget_local(gone)
         tier.count(reconciled=dropped)
         if dropped:
             log.info("dropped %d local block(s) the Redis Cluster no longer holds", dropped)
 
     def _apply(self, entries: list[Any]) -> None:
-        tier, store = self._tier, self._store
+        tier, local = self._tier, self._local
         for raw_id, fields in entries:  # redis-py parses each entry into (id, dict)
             self.position = bytes(raw_id)
             parsed = deletes.from_fields(fields or {})
@@ -243,9 +243,9 @@ class Follower:
                 tenant = tier.by_tag.get(entry.tenant_tag)
                 if tenant is not None:
                     model = ModelTag(entry.model_tag) if entry.model_tag else None
-                    store.forget_local(namespace=(tenant.id, model))
+                    local.forget_local(namespace=(tenant.id, model))
             else:
-                store.forget_local(sorted(entry.keys))
+                local.forget_local(sorted(entry.keys))
             tier.count(deletes_applied=1)
 
     # -- upkeep ----------------------------------------------------------------------------

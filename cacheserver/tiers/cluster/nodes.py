@@ -9,14 +9,10 @@ moved (a refused connection, MOVED, CLUSTERDOWN) asks for a refresh of the map, 
 twice a second. A cluster that cannot be reached at start-up is connected later
 (`connect`, called again by the tier's maintenance thread): the server starts anyway.
 
-Block values (`get`) are read off the node's socket by a reader of their own, not by
-redis-py's: a `$<n>` reply header says the value's size, and the value is received
-straight into one buffer of that size. redis-py's reader takes a value in 64 KiB-1 MiB
-reads, copies each into its parser and builds a bytes object at the end: two more copies
-of every block, and a server reading for four clients spent its time there (issue 17:
-35% more 2 MiB GETs from four threads). Everything else (scripts, errors on other
-commands, MOVED handling on them) stays with redis-py; the socket is that of one of
-redis-py's pooled connections, which did the connecting, TLS and AUTH.
+Block values (`get`) are read off the node's socket by a reader of their own
+(`replies`), not by redis-py's; everything else (scripts, errors on other commands,
+MOVED handling on them) stays with redis-py. The socket is that of one of redis-py's
+pooled connections, which did the connecting, TLS and AUTH.
 
 Credentials: the password file must be owner-only (like the server secret); TLS
 verifies the nodes' certificates against `tls_ca` (or the system store).
@@ -26,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import socket
 import stat
 import threading
 import time
@@ -48,24 +43,14 @@ from redis.exceptions import (
 from redis.retry import Retry
 
 from cacheserver.tiers.cluster.config import RedisClusterConfig
+from cacheserver.tiers.cluster.replies import Failed as Failed
+from cacheserver.tiers.cluster.replies import Replies
 from kvcommon.errors import ConfigError
 
 log = logging.getLogger(__name__)
 REFRESH_EVERY_S = 0.5
 _MAP_MOVED = (MovedError, AskError, ClusterDownError, TryAgainError)
 _MOVED_WORDS = frozenset({b"MOVED", b"ASK", b"CLUSTERDOWN", b"TRYAGAIN"})
-HEADER_READ_BYTES = 16 << 10  # what a read for a reply's header line takes
-MAX_LINE_BYTES = 64 << 10  # a reply line longer than this is not Redis talking
-
-
-class Failed:
-    """A command's result when its node is down or answered an error (a miss)."""
-
-    def __init__(self, reason: str) -> None:
-        self.reason = reason
-
-    def __repr__(self) -> str:
-        return f"Failed({self.reason})"
 
 
 Command: TypeAlias = tuple[Any, ...]  # the command's arguments, e.g. ("GET", name)
@@ -239,7 +224,7 @@ class ClusterNodes:
             sock = connection._get_socket()  # connected by the send above
             if sock is None:
                 raise redis.ConnectionError("the connection has no socket")
-            replies = _Replies(sock)
+            replies = Replies(sock)
             return [replies.value(max_bytes) for _ in names]
         except BaseException:
             connection.disconnect()  # a reply half read: the connection is unusable
@@ -359,70 +344,3 @@ class ClusterNodes:
         if failing:
             return f"Redis node(s) {', '.join(failing)} do not answer"
         return None
-
-
-class _Replies:
-    """The replies to pipelined GETs, read off a node's socket (module docstring):
-    a value, nil, or an error (as `Failed`, reason its first word, e.g. MOVED).
-    Anything else, or a line that does not end, is a broken connection (ValueError)."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self._sock = sock
-        self._pending = bytearray()  # received beyond the last reply taken
-
-    def value(self, max_bytes: int) -> bytearray | Failed | None:
-        line = self._line()
-        kind, rest = line[:1], line[1:]
-        if kind == b"$":
-            size = int(rest)
-            if size > max_bytes:
-                self._skip(size + 2)
-                return Failed("too large")
-            return None if size < 0 else self._take(size)
-        if kind == b"_":  # RESP3 nil
-            return None
-        if kind == b"-":
-            return Failed(rest.split(b" ", 1)[0].decode("ascii", "replace"))
-        raise ValueError("an unexpected reply to GET")
-
-    def _line(self) -> bytes:
-        while (end := self._pending.find(b"\r\n")) < 0:
-            if len(self._pending) > MAX_LINE_BYTES:
-                raise ValueError("a reply line without an end")
-            chunk = self._sock.recv(HEADER_READ_BYTES)
-            if not chunk:
-                raise redis.ConnectionError("the node closed the connection")
-            self._pending += chunk
-        line = bytes(self._pending[:end])
-        del self._pending[: end + 2]
-        return line
-
-    def _take(self, size: int) -> bytearray:
-        """`size` bytes and the CRLF after them: those already received, the rest
-        received in place."""
-        value = bytearray(size + 2)
-        with memoryview(value) as view:
-            filled = min(len(self._pending), size + 2)
-            view[:filled] = self._pending[:filled]
-            del self._pending[:filled]
-            while filled < size + 2:
-                received = self._sock.recv_into(view[filled:])
-                if not received:
-                    raise redis.ConnectionError("the node closed the connection")
-                filled += received
-        if value[size:] != b"\r\n":
-            raise ValueError("a value without its CRLF")
-        del value[size:]
-        return value
-
-    def _skip(self, nbytes: int) -> None:
-        """Read past `nbytes` without keeping them (at most 1 MiB held at a time)."""
-        taken = min(len(self._pending), nbytes)
-        del self._pending[:taken]
-        nbytes -= taken
-        with memoryview(bytearray(min(nbytes, 1 << 20))) as scratch:
-            while nbytes:
-                received = self._sock.recv_into(scratch[: min(nbytes, len(scratch))])
-                if not received:
-                    raise redis.ConnectionError("the node closed the connection")
-                nbytes -= received

@@ -5,11 +5,11 @@
   tenant's oldest blocks), then `SET` with its header. The queue is bounded in blocks
   and bytes; past it, or while the cluster is unreachable, writes are dropped and
   counted: the block stays local. Payloads not held as stable bytes are read back from
-  the local store when their turn comes (`LocalStore.local_copy`), so a put never
+  the local tiers when their turn comes (`LocalCopies.local_copy`), so a put never
   copies for the cluster on its own thread.
 - Touches: blocks used here (lookups, reads) move to the recent end of their tenant's
   order in the cluster, a batch per tenant every TOUCH_EVERY_S.
-- Keeping: blocks read from the cluster are put into the local store (`promote`), so
+- Keeping: blocks read from the cluster are put into the local tiers (`promote`), so
   the next read is local; a delete that ran meanwhile undoes the copy (`DeleteLog`).
 """
 
@@ -23,15 +23,15 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
-from cacheserver.blocks import BlockSource, BytesSource
-from cacheserver.tiers import Payload
+from cacheserver.blocks import BytesSource
+from cacheserver.tiers import LocalCopies, Payload
 from cacheserver.tiers.cluster.accounting import Admission, Tenant
 from cacheserver.tiers.cluster.layout import pack_header
 from cacheserver.tiers.cluster.nodes import Failed
 from kvcommon.errors import KvshareError
-from policy.types import ModelTag, StorageKey, TenantId
+from policy.types import ModelTag, StorageKey
 
 if TYPE_CHECKING:
     from cacheserver.tiers.cluster.tier import ClusterTier
@@ -43,24 +43,6 @@ MAX_QUEUED_BLOCKS = 65536
 TOUCH_EVERY_S = 0.2
 PROMOTE_QUEUE_BYTES = 64 << 20
 RECENT_KEYS = 1 << 17  # keys known to be in the cluster: not written again
-
-
-class LocalStore(Protocol):
-    """What the tier needs of this server's store (`cacheserver.store.BlockStore`)."""
-
-    def put(
-        self, tenant: TenantId, key: StorageKey, model_tag: ModelTag, source: BlockSource
-    ) -> concurrent.futures.Future[bool]: ...
-
-    def local_copy(self, key: StorageKey) -> bytes | bytearray | None: ...
-
-    def local_keys(self, tenant: TenantId) -> list[tuple[StorageKey, ModelTag]]: ...
-
-    def forget_local(
-        self,
-        keys: Sequence[StorageKey] = (),
-        namespace: tuple[TenantId, ModelTag | None] | None = None,
-    ) -> int: ...
 
 
 @dataclass(slots=True)
@@ -84,7 +66,7 @@ class Keep:
 class Sharing:
     def __init__(self, tier: ClusterTier) -> None:
         self._tier = tier
-        self._store: LocalStore | None = None
+        self._local: LocalCopies | None = None
         self._cond = threading.Condition()
         self._queue: deque[_Share] = deque()
         self._queued: set[StorageKey] = set()
@@ -99,8 +81,8 @@ class Sharing:
         self._stopping = False
         self._threads: list[threading.Thread] = []
 
-    def start(self, store: LocalStore) -> None:
-        self._store = store
+    def start(self, local: LocalCopies) -> None:
+        self._local = local
         for target, name in ((self._write_loop, "writer"), (self._promote_loop, "keeper")):
             thread = threading.Thread(target=target, name=f"kvshare-cluster-{name}", daemon=True)
             thread.start()
@@ -123,13 +105,15 @@ class Sharing:
         key: StorageKey,
         model_tag: ModelTag,
         payload: bytes | bytearray | None,
-    ) -> None:
+    ) -> bool:
+        """Queue a block to be written to the cluster; whether it was taken on (False:
+        in the cluster or queued already, or dropped because the queue is full)."""
         if self.is_shared(key):
-            return
+            return False
         size = len(payload) if payload is not None else 0
         with self._cond:
             if key in self._queued:  # acknowledged, and now drained to LMDB: once is enough
-                return
+                return False
             full = len(self._queue) >= MAX_QUEUED_BLOCKS or (
                 self._queued_bytes + size > self._tier.config.write_queue_bytes
             )
@@ -141,6 +125,7 @@ class Sharing:
                 self._cond.notify()
         if full:
             self._tier.count(dropped=1)
+        return not full
 
     def touch(self, tenant: Tenant, keys: Sequence[StorageKey]) -> None:
         if keys:
@@ -148,7 +133,7 @@ class Sharing:
                 self._touches.setdefault(tenant, {}).update(dict.fromkeys(keys))
 
     def promote(self, kept: Keep) -> None:
-        """Keep a block read from the cluster in the local store (dropped when the
+        """Keep a block read from the cluster in the local tiers (dropped when the
         queue is full: the block was served, only not kept)."""
         with self._promote_cond:
             if self._promote_bytes + len(kept.payload) > PROMOTE_QUEUE_BYTES:
@@ -233,13 +218,13 @@ class Sharing:
         return batch
 
     def _write(self, batch: list[_Share]) -> None:
-        tier, store = self._tier, self._store
-        if not tier.nodes.is_connected or store is None:
+        tier, local = self._tier, self._local
+        if not tier.nodes.is_connected or local is None:
             tier.count(dropped=len(batch))
             return
         ready: list[tuple[_Share, Payload]] = []
         for item in batch:
-            payload = item.payload if item.payload is not None else store.local_copy(item.key)
+            payload = item.payload if item.payload is not None else local.local_copy(item.key)
             if payload is not None:  # else: deleted or evicted here meanwhile
                 ready.append((item, payload))
         admissions = tier.accounting.admit([(i.tenant, i.key, len(p)) for i, p in ready])
@@ -319,15 +304,15 @@ class Sharing:
                 self._promote_cond.notify_all()
 
     def _keep(self, kept: Keep) -> None:
-        store, tier = self._store, self._tier
-        assert store is not None
+        local, tier = self._local, self._tier
+        assert local is not None
         tenant, key, model_tag = kept.tenant, kept.key, kept.model_tag
         try:
-            future = store.put(tenant.id, key, model_tag, BytesSource(kept.payload))
+            future = local.keep_copy(tenant.id, key, model_tag, BytesSource(kept.payload))
             with contextlib.suppress(concurrent.futures.TimeoutError):
                 future.result(timeout=30)
         except KvshareError:  # no room here (quota, backlog): served, not kept
             return
         tier.count(promoted=1)
         if tier.deletes.deleted_since(kept.generation, tenant.tag, key, model_tag):
-            store.forget_local([key])
+            local.forget_local([key])

@@ -1,4 +1,5 @@
-"""`ClusterTier`: the Redis Cluster as the store's shared tier (a `SharedTier`).
+"""`ClusterTier`: the Redis Cluster as the store's shared tier (a `SharedTier`; its
+capabilities: `SHARED`, `QUEUED_WRITES`, `OWN_HEALTH`).
 
 Several `kvshare serve` processes with the same tenants, principals and `secret_file`
 name a block the same, so they find each other's blocks here. Each keeps its memory
@@ -32,14 +33,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from cacheserver.tiers import Payload, PendingWrite
+from cacheserver.tiers import Capability, LocalCopies, Payload, PendingWrite
 from cacheserver.tiers.cluster.accounting import Accounting, Tenant
 from cacheserver.tiers.cluster.config import RedisClusterConfig
 from cacheserver.tiers.cluster.deletes import DeleteEntry, DeleteLog, Erasure
 from cacheserver.tiers.cluster.follower import Follower, announce
 from cacheserver.tiers.cluster.layout import HEADER_BYTES, Keys, open_value, unpack_header
 from cacheserver.tiers.cluster.nodes import ClusterNodes, Failed
-from cacheserver.tiers.cluster.sharing import Keep, LocalStore, Sharing
+from cacheserver.tiers.cluster.sharing import Keep, Sharing
 from kvcommon.errors import Unavailable
 from policy import AccessPolicy
 from policy.types import ModelTag, StorageKey, TenantId
@@ -71,6 +72,11 @@ class ClusterCounts:
 
 
 class ClusterTier:
+    name = "redis_cluster"
+    # Puts are acknowledged locally and written here behind them (QUEUED_WRITES); the
+    # server keeps serving its local tiers while the cluster is down (OWN_HEALTH).
+    capabilities = Capability.SHARED | Capability.QUEUED_WRITES | Capability.OWN_HEALTH
+
     def __init__(
         self,
         config: RedisClusterConfig,
@@ -88,31 +94,40 @@ class ClusterTier:
         self.accounting = Accounting(self.nodes, self.keys)
         self.deletes = DeleteLog()
         self.erasure = Erasure(self.nodes, self.keys, self.accounting)
-        self.counts = ClusterCounts()
+        self.tally = ClusterCounts()
         self.counts_lock = threading.Lock()
         self.data_dir = data_dir
         self.sharing = Sharing(self)
         self.origin = os.urandom(8)  # this server, in the delete stream's entries
-        self._store: LocalStore | None = None
+        self._local: LocalCopies | None = None
         self._follower: Follower | None = None
 
-    def start(self, store: LocalStore) -> None:
+    # -- lifecycle --------------------------------------------------------------------
+
+    def start(self, local: LocalCopies) -> None:
         """Connect (or keep trying in the background), catch up with deletes made while
         this server was away, and start the threads. Called once the store exists."""
-        self._store = store
-        follower = Follower(self, store)
+        self._local = local
+        follower = Follower(self, local)
         self._follower = follower
         follower.catch_up()
-        self.sharing.start(store)
+        self.sharing.start(local)
         follower.start()
 
     def count(self, **deltas: int) -> None:
         with self.counts_lock:
             for name, delta in deltas.items():
-                setattr(self.counts, name, getattr(self.counts, name) + delta)
+                setattr(self.tally, name, getattr(self.tally, name) + delta)
 
-    def problem(self) -> str | None:
-        """Why the cluster (or part of it) cannot be used now, or None (health). Blocking."""
+    def counts(self) -> dict[str, int]:
+        with self.counts_lock:
+            return self.tally.as_dict()
+
+    def probe(self) -> str | None:
+        """Why the cluster (or part of it) cannot be used now, or None. Blocking.
+
+        Its own health (`Capability.OWN_HEALTH`): the store never refuses a put for it,
+        since puts are local first; the server publishes it as a service of its own."""
         return self.nodes.problem()
 
     # -- reads ------------------------------------------------------------------------
@@ -222,18 +237,21 @@ class ClusterTier:
             self.sharing.enqueue(known, key, model_tag, None)
 
     def write(self, writes: Sequence[PendingWrite], deletes: Sequence[StorageKey]) -> list[bool]:
-        """Blocks LMDB just committed: queued for the cluster (written behind)."""
+        """Blocks LMDB just committed: queued for the cluster (`Capability.QUEUED_WRITES`).
+        Per write, whether it was taken on: False for a tenant the cluster does not
+        serve, a block in the cluster or queued already, or a full queue (counted as
+        dropped). What lands, or is dropped later (the cluster unreachable, a tenant's
+        quota), is in `counts`. `deletes` are deleted first, as `delete` does."""
+        if deletes:
+            self.delete(deletes)
+        taken = []
         for w in writes:
             known = self.tenants.get(w.tenant)
-            if known is not None:
-                stable = w.payload if isinstance(w.payload, bytes | bytearray) else None
-                self.sharing.enqueue(known, w.key, w.model_tag, stable)
-        return [True] * len(writes)
-
-    def probe(self) -> str | None:
-        """None: the cluster never makes the store refuse writes (puts are local first).
-        Its own state is `problem()`, a health service of its own (cacheserver.server)."""
-        return None
+            stable = w.payload if isinstance(w.payload, bytes | bytearray) else None
+            taken.append(
+                known is not None and self.sharing.enqueue(known, w.key, w.model_tag, stable)
+            )
+        return taken
 
     # -- deletes ----------------------------------------------------------------------
 
@@ -250,8 +268,8 @@ class ClusterTier:
         held, complete = self.erasure.delete_blocks(keys)
         if held or announce_always:
             complete = announce(self, [DeleteEntry(keys=frozenset(keys))]) and complete
-        if self._store is not None:
-            self._store.forget_local(keys)  # copies kept while the delete ran
+        if self._local is not None:
+            self._local.forget_local(keys)  # copies kept while the delete ran
         if not complete:
             raise Unavailable(
                 "the delete reached this server but not all of the Redis Cluster or the "
@@ -267,8 +285,8 @@ class ClusterTier:
         self.deletes.record(entry)
         held, complete = self.erasure.delete_tenant_blocks(known, model_tag)
         complete = announce(self, [entry]) and complete
-        if self._store is not None:
-            self._store.forget_local(namespace=(tenant, model_tag))
+        if self._local is not None:
+            self._local.forget_local(namespace=(tenant, model_tag))
         if not complete:
             raise Unavailable(
                 "the namespace delete did not reach all of the Redis Cluster or the other "

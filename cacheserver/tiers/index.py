@@ -10,6 +10,10 @@ of tenant T, in order:
 3. Still no room: refuse (the caller answers RESOURCE_EXHAUSTED).
 
 A tenant within its quota is never evicted for another tenant's block.
+
+It lives among the tiers, not in the store, because both use it: the memory tier keeps
+its LRU with it, and the store's authoritative index (`cacheserver.store.tiering`) is
+one too. Tiers import nothing of the store.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Block digests: the SHA-256 chain that names a prompt's full blocks (DESIGN §4).
+"""Block digests: the SHA-256 chain that names a prompt's full blocks (docs/design.md §4).
 
     d_0 = H(enc("kvshare/chain/v1", model, salt))
     d_i = H(enc(d_{i-1}, tokens of block i, enc(extra keys of block i)))

@@ -3,7 +3,7 @@
 Invariants: at most `max_bytes` of payloads are queued for, or inside, the writer. Of
 the bytes still arriving (a put reserved, its payload not yet all received) at most
 `max_tenant_bytes` are one tenant's, so one tenant's held or trickling puts can take at
-most its share, never the whole bound from everyone else (issue 15, F4). Bytes that
+most its share, never the whole bound from everyone else. Bytes that
 have landed (a journaled put acknowledged, waiting only for the drain into LMDB) may use
 the rest of the bound while no other tenant waits for room; once one does, a tenant
 over its share gets no more until the waiter has had room, and the writer drains at

@@ -1,7 +1,7 @@
 """Store settings an engine hands an adapter as a plain mapping, parsed once.
 
 vLLM passes `kv_connector_extra_config` and SGLang `--hicache-storage-backend-extra-config`
-as JSON objects; both adapters read the same keys (DESIGN §7 names `target`,
+as JSON objects; both adapters read the same keys (docs/design.md §7 names `target`,
 `token_file`, `tenant`; the rest are ours):
 
     target           "HOST:PORT", or a list of them (gRPC round robin across servers)

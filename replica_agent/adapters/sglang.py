@@ -1,4 +1,4 @@
-"""`KVShareHiCacheStorage`: kvshare as SGLang's HiCache storage tier (DESIGN §7).
+"""`KVShareHiCacheStorage`: kvshare as SGLang's HiCache storage tier (docs/design.md §7).
 
     python -m sglang.launch_server --model-path MODEL --enable-hierarchical-cache \\
       --page-size 64 --hicache-storage-backend dynamic \\

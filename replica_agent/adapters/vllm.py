@@ -1,4 +1,4 @@
-"""`KVShareConnector`: kvshare as a vLLM v1 KV-transfer connector (DESIGN §7).
+"""`KVShareConnector`: kvshare as a vLLM v1 KV-transfer connector (docs/design.md §7).
 
     vllm serve MODEL --kv-transfer-config '{"kv_connector": "KVShareConnector",
       "kv_connector_module_path": "replica_agent.adapters.vllm", "kv_role": "kv_both",

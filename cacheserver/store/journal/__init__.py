@@ -1,6 +1,6 @@
 """The put journal: acknowledged blocks in shared memory until LMDB holds them.
 
-Why it exists. An acknowledged block must survive `kill -9` of the server (DESIGN §6),
+Why it exists. An acknowledged block must survive `kill -9` of the server (docs/design.md §6),
 so it has to be in a file before the ack, not only in process memory. Writing it
 straight into LMDB does that, but every byte then becomes a dirty page of a disk-backed
 file, and once dirty pages pass the kernel's threshold (about 2 GB here) writers are

@@ -7,7 +7,7 @@ Invariants:
 - Its directory is private too. By default each start makes a fresh one in /dev/shm
   with an unpredictable name (mkdtemp: created 0700, atomically, or not at all): /dev/shm
   is world-writable, and a computable name there let anyone plant a file or a link that
-  stopped the server from starting (issue 15, F8). The journal's path is recorded in
+  stopped the server from starting. The journal's path is recorded in
   LMDB with every drain, so the next start finds it to replay it. A configured
   `journal_dir` must be a directory of this user that no one else can enter or write.
 - Every failure to make, check or open the journal is a ConfigError that says what to

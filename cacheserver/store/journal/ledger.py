@@ -17,7 +17,7 @@ done records reaches from `drained` — records done while an older one was stil
 receiving included, so the moment that older one finishes (or is given up), `drained`
 passes all of them at once. (Walking only the records not yet done missed them: the
 ring they filled was never reclaimed, puts were refused and deletes' barriers waited
-forever — issue 15, F2.)
+forever.)
 """
 
 from __future__ import annotations

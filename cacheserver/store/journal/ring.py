@@ -8,9 +8,11 @@ Invariants (all under `Journal._lock`):
 - Released space is not written while a reader that entered before the release may
   still be sending views of it (`enter_read`/`exit_read`, by generation).
 
-Known gaps (issue 15), each a local fix: F2 is the ledger's (see there). F3: a reader
-that stays entered (a stalled GET's `pin()`) keeps `_wait_for_room` from wrapping
-(`_stale_readers`): bound how long a generation may hold the ring, there.
+Records finished behind a slow one are the ledger's to pass (see there). A reader that
+stays entered (a stalled GET's `pin()`) keeps `_wait_for_room` from wrapping
+(`_stale_readers`); the transports bound how long that can be: the bulk channel closes
+a connection whose reply is not taken at `[bulk] min_transfer_bytes_per_s`, and gRPC
+copies a batch's views before it waits on its client (docs/isolation.md).
 """
 
 from __future__ import annotations

@@ -8,25 +8,26 @@ from typing import TYPE_CHECKING
 
 from kvcommon.errors import ConfigError
 from kvcommon.hostport import HostPort, parse_host_port
+from policy.config import Address, Refused
 
 if TYPE_CHECKING:
     from cacheserver.config import ServerConfig
 
 
+# A listener may bind port 0 (any free port); an announced address is dialed, so not.
+BULK_ADDRESSES = {
+    "listen": Address("listen", 0, empty="the gRPC listen host at its port + 1"),
+    "advertise": Address("advertise", 1, empty="the bound address"),
+}
+
+
 def check_bulk_address(value: str, key: str, where: str) -> None:
     """`[bulk] listen` / `advertise` (or their flags): HOST:PORT; an advertised
     address names a real port. Checked the same way for the file and the flags."""
-    if not value:
-        return
     try:
-        address = parse_host_port(value, what=key)
-    except ValueError as error:
-        raise ConfigError(f"{where}: {error}") from None
-    if key == "advertise" and address.port == 0:
-        raise ConfigError(
-            f"{where}: advertise {value!r}: port 0 is not a port clients can reach; "
-            "give the port replicas connect to"
-        )
+        BULK_ADDRESSES[key].check(value)
+    except Refused as refused:
+        raise ConfigError(f"{where}: {refused}") from None
 
 
 def bulk_listen_address(config: ServerConfig) -> HostPort:

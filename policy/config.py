@@ -106,7 +106,8 @@ def key_line(text: str, path: KeyPath) -> int:
     arrays: dict[KeyPath, int] = {}  # array-table path -> index of its latest element
     current: KeyPath = ()
     in_string = ""
-    for number, line in enumerate(text.splitlines(), start=1):
+    # TOML breaks lines at \n only (splitlines would also break at \x0c, \u2028, ...).
+    for number, line in enumerate(text.split("\n"), start=1):
         if in_string:
             if line.count(in_string) % 2:
                 in_string = ""
@@ -483,8 +484,11 @@ def _parse_principal(
     table = f"principals[{index}]"
     _check_keys(raw, PRINCIPAL_KEYS, table, err)
     name = raw.get("name")
-    if not isinstance(name, str) or not name:
-        raise err.error(f"{table}.name", "must be a non-empty string")
+    # The name is written to logs and the audit log: one printable line.
+    if not isinstance(name, str) or not name or len(name) > 256 or not name.isprintable():
+        raise err.error(
+            f"{table}.name", "must be a non-empty string of 1 to 256 printable characters"
+        )
     token_sha256, identity = _parse_credential(raw, table, err)
     tenants, actions = _parse_grants(raw, table, tenant_ids, err)
     rate = (

@@ -56,6 +56,7 @@ LOG_FORMATS = ("text", "json")
 JOURNAL_MIN_BYTES = 16 * MiB  # the put journal's smallest ring (store/journal/ring.py)
 GRPC_SLACK_BYTES = 1 * MiB  # what the server adds to max_message_bytes (server.py)
 GRPC_MAX_MESSAGE = (1 << 31) - 1  # gRPC's message sizes are signed 32-bit integers
+MAX_CONFIG_BYTES = 16 * MiB
 LMDB_MAX_VALUE = (1 << 32) - 1  # LMDB's largest value: a block is one value
 MAX_MAP_BYTES = 96 * TiB  # an LMDB map that leaves room in 128 TiB of address space
 
@@ -383,9 +384,15 @@ def _parse_tls(raw: Mapping[str, Any], cfg: ConfigText) -> TlsFiles | None:
 def read_config_text(path: Path) -> str:
     """The file as text: one ConfigError naming the file (and where) if it is not UTF-8."""
     try:
-        data = path.read_bytes()
+        with path.open("rb") as file:
+            data = file.read(MAX_CONFIG_BYTES + 1)  # not all of /dev/zero
     except OSError as error:
         raise ConfigError(f"cannot read config {path}: {error.strerror}") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            f"{path}: over {MAX_CONFIG_BYTES} bytes; is this the config? (thousands of "
+            "tenants and principals take well under 1 MiB)"
+        )
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as error:

@@ -111,6 +111,13 @@ CASES = [
     in_table("limits", "max_message_bytes", str(2**62), "to 2146435071 (2047 MiB - 1)"),
     in_table("limits", "max_message_bytes", "0", "from 1048576 (1 MiB) to 2146435071"),
     in_table("limits", "max_block_bytes", "0", "from 1 to 4294967295 (4 GiB - 1)"),
+    Case(  # TOML breaks lines at \n only: U+2028 in a value does not shift the count
+        "line-after-u2028",
+        'audit_log = "/tmp/a\u2028b"\n[limits]\nmax_block_bytes = 0\n',
+        "limits.max_block_bytes",
+        "from 1 to 4294967295",
+        3,
+    ),
     in_table("limits", "max_block_bytes", "-1", "from 1 to 4294967295 (4 GiB - 1)"),
     in_table("limits", "max_block_bytes", "1.5", "must be int, not 1.5; use an integer"),
     in_table("limits", "max_block_bytes", '"128MiB"', "must be int, not '128MiB'"),
@@ -165,6 +172,13 @@ CASES = [
         "principals[0].requests_per_s",
         "from 1 to 1000000, or 0 (unlimited)",
         4,
+    ),
+    Case(
+        "principal-name-newline",
+        f'[[principals]]\nname = "p\\nq"\ntoken_sha256 = "{TOKEN_B}"\n',
+        "principals[0].name",
+        "1 to 256 printable characters",
+        2,
     ),
     # -- [redis_cluster] -----------------------------------------------------------------
     in_cluster("timeout_ms", "0", "from 1 to 3600000 (1 hour)"),

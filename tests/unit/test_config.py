@@ -203,3 +203,8 @@ def test_key_line_finds_keys_headers_and_array_entries() -> None:
     assert key_line(text, ("storage", "a")) == 10
     assert key_line(text, ("telemetri",)) == 11
     assert key_line(text, ("nowhere",)) == 0
+
+
+def test_a_config_that_never_ends_is_refused_after_16_mib() -> None:
+    with pytest.raises(ConfigError, match=r"/dev/zero: over 16777216 bytes; is this the config"):
+        load_config(Path("/dev/zero"))

@@ -14,6 +14,10 @@ may list only tenants that are defined. Unknown keys are errors, so a misspelt
 A `shared = true` tenant is a read-only namespace for public prefixes: principals
 write to it only with the `publish` action, and principals of every tenant that
 lists it in `read_shared` may read it (see `policy.access`).
+
+Every config table uses this module's spec types (`int_in`, `Flag`, `Text`, `PathText`,
+`Address`, `Choice`: a key's type and range, stated once) and `ConfigText`, whose
+errors name the file, the key's real line (`key_line`), the key and what is allowed.
 """
 
 from __future__ import annotations

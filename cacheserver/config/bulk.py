@@ -1,6 +1,6 @@
 """Where the bulk channel listens and what OpenBulk tells clients: `[bulk] listen` and
-`advertise` (or `--bulk-listen` / `--bulk-advertise`), checked the same way for the file
-and the flags (docs/deploy.md)."""
+`advertise` (or `--bulk-listen` / `--bulk-advertise`), checked by the same specs
+(`BULK_ADDRESSES`) for the file and the flags (docs/deploy.md)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from kvcommon.errors import ConfigError
 from kvcommon.hostport import HostPort, parse_host_port
-from policy.config import Address, Refused
+from policy.config import Address
 
 if TYPE_CHECKING:
     from cacheserver.config import ServerConfig
@@ -19,15 +19,6 @@ BULK_ADDRESSES = {
     "listen": Address("listen", 0, empty="the gRPC listen host at its port + 1"),
     "advertise": Address("advertise", 1, empty="the bound address"),
 }
-
-
-def check_bulk_address(value: str, key: str, where: str) -> None:
-    """`[bulk] listen` / `advertise` (or their flags): HOST:PORT; an advertised
-    address names a real port. Checked the same way for the file and the flags."""
-    try:
-        BULK_ADDRESSES[key].check(value)
-    except Refused as refused:
-        raise ConfigError(f"{where}: {refused}") from None
 
 
 def bulk_listen_address(config: ServerConfig) -> HostPort:

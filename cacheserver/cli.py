@@ -9,8 +9,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from cacheserver.config import ServerConfig, check_telemetry, load_config
-from cacheserver.config.bulk import check_bulk_address
+from cacheserver.config import FLAG_SPECS, ServerConfig, check_flag, load_config
 from kvcommon.errors import ConfigError
 from kvcommon.memtune import tune_allocator
 
@@ -18,6 +17,15 @@ from kvcommon.memtune import tune_allocator
 # this interval passes (5 ms by default): with several connections busy, that wait was
 # the tail of put and get latency. The server's Python work per call is short.
 SWITCH_INTERVAL_S = 0.0005
+
+
+def _int_or_text(text: str) -> int | str:
+    """An integer flag's value; anything else is kept for its spec to refuse in one
+    line that says what is allowed (argparse's own refusal prints the usage too)."""
+    try:
+        return int(text)
+    except ValueError:
+        return text
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,19 +57,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--data-dir",
-        type=Path,
+        type=str,  # a Path would read "" as "."; checked, then made a Path
         metavar="DIR",
         help="where blocks, the server secret and the dev token live (default ./kvshare-data)",
     )
     parser.add_argument(
         "--memory-budget-bytes",
-        type=int,
+        type=_int_or_text,
         metavar="N",
         help="byte budget of the in-memory tier (default 1 GiB)",
     )
     parser.add_argument(
         "--disk-budget-bytes",
-        type=int,
+        type=_int_or_text,
         metavar="N",
         help="byte budget of the LMDB tier (default 8 GiB)",
     )
@@ -79,14 +87,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--tls-cert",
-        type=Path,
+        type=str,  # a Path would read "" as "."; checked, then made a Path
         metavar="PEM",
         help="server certificate chain; with --tls-key enables TLS (overrides [tls])",
     )
-    parser.add_argument("--tls-key", type=Path, metavar="PEM", help="server private key")
+    parser.add_argument("--tls-key", type=str, metavar="PEM", help="server private key")
     parser.add_argument(
         "--tls-client-ca",
-        type=Path,
+        type=str,  # a Path would read "" as "."; checked, then made a Path
         metavar="PEM",
         help="CA bundle for client certificates; set: mTLS is required",
     )
@@ -123,6 +131,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _config_from(args: argparse.Namespace) -> ServerConfig:
+    # Each flag is checked by the spec of the key it overrides, before the file is read:
+    # a bad flag is named as the flag, whatever the file says.
+    for flag in FLAG_SPECS:
+        check_flag(flag, getattr(args, flag[2:].replace("-", "_")))
     config = load_config(args.config) if args.config else ServerConfig()
     storage = config.storage
     if args.memory_budget_bytes is not None:
@@ -139,9 +151,6 @@ def _config_from(args: argparse.Namespace) -> ServerConfig:
         otlp_endpoint=args.otlp_endpoint or config.telemetry.otlp_endpoint,
         log_format=args.log_format or config.telemetry.log_format,
     )
-    check_telemetry(telemetry, "telemetry")
-    check_bulk_address(args.bulk_listen or "", "listen", "--bulk-listen")
-    check_bulk_address(args.bulk_advertise or "", "advertise", "--bulk-advertise")
     bulk = replace(
         config.bulk,
         listen=args.bulk_listen or config.bulk.listen,
@@ -150,7 +159,7 @@ def _config_from(args: argparse.Namespace) -> ServerConfig:
     return replace(
         config,
         listen=args.listen or config.listen,
-        data_dir=args.data_dir or config.data_dir,
+        data_dir=Path(args.data_dir) if args.data_dir else config.data_dir,
         allow_insecure_listen=args.allow_insecure_listen or config.allow_insecure_listen,
         storage=storage,
         telemetry=telemetry,
@@ -176,7 +185,15 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError("give both --tls-cert and --tls-key, or neither")
         if args.tls_client_ca and not args.tls_cert:
             raise ConfigError("--tls-client-ca (mTLS) needs --tls-cert and --tls-key")
-        tls = TlsFiles(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
+        tls = (
+            TlsFiles(
+                Path(args.tls_cert),
+                Path(args.tls_key),
+                Path(args.tls_client_ca) if args.tls_client_ca else None,
+            )
+            if args.tls_cert
+            else None
+        )
         asyncio.run(serve(config, tls))
     except ConfigError as error:
         print(f"kvshare serve: error: {error}", file=sys.stderr)

@@ -4,8 +4,11 @@ The TOML keys `listen`, `data_dir`, `[[tenants]]` and `[[principals]]` are a con
 (DESIGN §8); `[storage]`, `[limits]`, `[tls]`, `[telemetry]`, `[bulk]` and `audit_log` are optional
 with the defaults below; `[redis_cluster]` (DESIGN §6) is parsed by
 `cacheserver.tiers.cluster.config`.
-Command-line flags override the file. Unknown keys anywhere are errors naming the key
-and its line.
+Command-line flags override the file. Every key has one spec (its type and range,
+`STORAGE_SPECS` and its neighbours below; `policy.config` for the access part and the
+spec types), and the flags are checked by the specs of the keys they override: a bad
+value, an unknown key or a misplaced table is one ConfigError naming the file, the line,
+the key and what is allowed, so `kvshare serve` prints one line and exits 2.
 """
 
 from __future__ import annotations
@@ -17,37 +20,45 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from cacheserver.config.bulk import check_bulk_address
+from cacheserver.config.bulk import BULK_ADDRESSES
 from cacheserver.tiers.cluster.config import RedisClusterConfig, parse_redis_cluster
 from kvcommon.errors import ConfigError, InvalidArgument
 from policy.audit import AUDIT_FILE
-from policy.config import AccessConfig, line_of, parse_access
+from policy.config import (
+    DAY_MS,
+    MAX_BUDGET_BYTES,
+    REQUESTS_PER_S,
+    AccessConfig,
+    Address,
+    Choice,
+    ConfigText,
+    Flag,
+    GiB,
+    KiB,
+    MiB,
+    PathText,
+    Refused,
+    Spec,
+    Text,
+    TiB,
+    int_in,
+    parse_access,
+    shown,
+)
 from policy.naming import SECRET_FILE
 from policy.ratelimit import DEFAULT_BURST_S, DEFAULT_REQUESTS_PER_S
 
-MiB = 1 << 20
-GiB = 1 << 30
 DEFAULT_LISTEN = "127.0.0.1:50051"
 DEFAULT_DATA_DIR = "./kvshare-data"
-TOP_KEYS = frozenset(
-    {
-        "listen",
-        "data_dir",
-        "allow_insecure_listen",
-        "tenants",
-        "principals",
-        "storage",
-        "limits",
-        "tls",
-        "telemetry",
-        "bulk",
-        "audit_log",
-        "secret_file",
-        "redis_cluster",
-    }
-)
-TLS_KEYS = frozenset({"cert", "key", "client_ca"})
 LOG_FORMATS = ("text", "json")
+# Bounds that come from elsewhere in the server (config cannot import those modules:
+# they import this one). tests/unit/test_config.py checks that they still agree.
+JOURNAL_MIN_BYTES = 16 * MiB  # the put journal's smallest ring (store/journal/ring.py)
+GRPC_SLACK_BYTES = 1 * MiB  # what the server adds to max_message_bytes (server.py)
+GRPC_MAX_MESSAGE = (1 << 31) - 1  # gRPC's message sizes are signed 32-bit integers
+MAX_CONFIG_BYTES = 16 * MiB
+LMDB_MAX_VALUE = (1 << 32) - 1  # LMDB's largest value: a block is one value
+MAX_MAP_BYTES = 96 * TiB  # an LMDB map that leaves room in 128 TiB of address space
 
 
 @dataclass(frozen=True)
@@ -212,166 +223,253 @@ class ServerConfig:
         return self.access is None
 
 
-def _positive_ints(
-    raw: Mapping[str, Any], cls: type[Any], table: str, source: str, text: str
-) -> Any:
-    defaults = cls()
-    values: dict[str, Any] = {}
-    for key, value in raw.items():
-        line = line_of(text, key)
-        where = f"{source}:{line}" if line else source
-        if not hasattr(defaults, key):
-            allowed = ", ".join(sorted(defaults.__dataclass_fields__))
-            raise ConfigError(f"{where}: {table}.{key}: unknown key; allowed: {allowed}")
-        expected = type(getattr(defaults, key))
-        if type(value) is not expected or (expected is int and value < 0):
-            raise ConfigError(
-                f"{where}: {table}.{key}: must be {expected.__name__}"
-                + (" >= 0" if expected is int else "")
+# -- what each key may hold -------------------------------------------------------------
+# One spec per key the parser reads (tests/unit/test_config.py checks that every field
+# of each table has one). Upper bounds keep a value from overflowing what it feeds: a
+# 32-bit gRPC size, a thread's wait (Python refuses waits past about 292 years, and an
+# fsync thread given one dies), LMDB's largest value, the LMDB map (mapped whole into
+# a 64-bit process's 128 TiB of address space: budgets stop at MAX_BUDGET_BYTES, whose
+# derived map still fits; a file system may allow less, e.g. ext4's 16 TiB files, which
+# the server reports at start). Intervals stop at a day, past anything a deployment
+# means. Where 0 means something else (off, derived, unlimited) the spec says so, and
+# the error message repeats it.
+
+STORAGE_SPECS: dict[str, Spec] = {
+    "memory_budget_bytes": int_in(0, MAX_BUDGET_BYTES, "bytes"),
+    "disk_budget_bytes": int_in(1, MAX_BUDGET_BYTES, "bytes"),
+    "lmdb_map_bytes": int_in(MiB, MAX_MAP_BYTES, "bytes", zero="derived from disk_budget_bytes"),
+    "journal_bytes": int_in(
+        JOURNAL_MIN_BYTES, TiB, "bytes", zero="no journal: a put is acknowledged after LMDB"
+    ),
+    "journal_dir": PathText(empty="the shared-memory tmpfs when it is writable, else none"),
+    "drain_idle_ms": int_in(0, DAY_MS, "ms"),
+    "sync_writes": Flag(),
+    "sync_interval_ms": int_in(1, DAY_MS, "ms", zero="no periodic fsync"),
+    "max_pending_write_bytes": int_in(1, TiB, "bytes"),
+    "max_pending_write_bytes_per_tenant": int_in(
+        1, TiB, "bytes", zero="half of max_pending_write_bytes"
+    ),
+}
+LIMITS_SPECS: dict[str, Spec] = {
+    "max_digests_per_call": int_in(1, 1_000_000),
+    "max_block_bytes": int_in(1, LMDB_MAX_VALUE, "bytes"),
+    # At least 1 MiB: a frame carries its protobuf framing besides payload bytes.
+    "max_message_bytes": int_in(MiB, GRPC_MAX_MESSAGE - GRPC_SLACK_BYTES, "bytes"),
+    "get_frame_bytes": int_in(1, GRPC_MAX_MESSAGE - GRPC_SLACK_BYTES, "bytes"),
+    "requests_per_s": REQUESTS_PER_S,
+    "request_burst_s": int_in(1, 3600),
+}
+BULK_SPECS: dict[str, Spec] = {
+    **BULK_ADDRESSES,
+    "same_host": Flag(),
+    "arena_bytes": int_in(MiB, 4 * GiB, "bytes"),
+    "max_arenas": int_in(1, 4096, zero="no same-host arenas: TCP only"),
+    "max_arenas_per_principal": int_in(1, 4096),
+    # Transfer deadlines divide by it: 0 would fail every bulk transfer.
+    "min_transfer_bytes_per_s": int_in(KiB, TiB, "bytes"),
+}
+TLS_SPECS: dict[str, Spec] = {
+    "cert": PathText(),
+    "key": PathText(),
+    "client_ca": PathText(),
+}
+
+
+@dataclass(frozen=True)
+class MetricsAddress:
+    """`metrics_listen`: [HOST:]PORT (a bare port is loopback), or "" (off)."""
+
+    def allowed(self) -> str:
+        return '[HOST:]PORT with a port from 0 to 65535, or "" (off)'
+
+    def check(self, value: Any) -> str:
+        if not isinstance(value, str):
+            raise Refused(f"must be str, not {shown(value)}; give {self.allowed()}")
+        port = value.rpartition(":")[2]
+        if value and not (port.isdigit() and int(port) <= 65535):
+            raise Refused(
+                f"metrics_listen {shown(value)} is not [HOST:]PORT; give {self.allowed()}"
             )
-        values[key] = value
-    return replace(defaults, **values)
+        if value and not value.isdigit():
+            Address("metrics_listen").check(value)
+        return value
 
 
-def _table(raw: Mapping[str, Any], key: str, source: str, text: str) -> Mapping[str, Any]:
+@dataclass(frozen=True)
+class OtlpUrl:
+    def allowed(self) -> str:
+        return 'the collector\'s OTLP/HTTP base URL, e.g. http://127.0.0.1:4318, or "" (off)'
+
+    def check(self, value: Any) -> str:
+        Text(0, 2048).check(value)
+        if value and not value.startswith(("http://", "https://")):
+            raise Refused(f"otlp_endpoint {shown(value)}; give {self.allowed()}")
+        return str(value)
+
+
+TELEMETRY_SPECS: dict[str, Spec] = {
+    "metrics_listen": MetricsAddress(),
+    "otlp_endpoint": OtlpUrl(),
+    "per_tenant_labels": Flag(),
+    "log_format": Choice("log_format", LOG_FORMATS),
+    "health_interval_ms": int_in(1, DAY_MS, "ms"),
+}
+# The top level's own values; its tables are parsed by the functions below.
+TOP_SPECS: dict[str, Spec] = {
+    "listen": Address("listen", 0),
+    "data_dir": PathText(),
+    "allow_insecure_listen": Flag(),
+    "audit_log": PathText(empty="<data_dir>/audit.log"),
+    "secret_file": PathText(empty="<data_dir>/server.secret"),
+}
+TOP_KEYS = frozenset(TOP_SPECS) | {
+    "tenants",
+    "principals",
+    "storage",
+    "limits",
+    "tls",
+    "telemetry",
+    "bulk",
+    "redis_cluster",
+}
+# Command-line flags that set the same values, checked by the same specs.
+FLAG_SPECS: dict[str, Spec] = {
+    "--listen": TOP_SPECS["listen"],
+    "--data-dir": TOP_SPECS["data_dir"],
+    "--bulk-listen": BULK_SPECS["listen"],
+    "--bulk-advertise": BULK_SPECS["advertise"],
+    "--memory-budget-bytes": STORAGE_SPECS["memory_budget_bytes"],
+    "--disk-budget-bytes": STORAGE_SPECS["disk_budget_bytes"],
+    "--tls-cert": TLS_SPECS["cert"],
+    "--tls-key": TLS_SPECS["key"],
+    "--tls-client-ca": TLS_SPECS["client_ca"],
+    "--metrics-listen": TELEMETRY_SPECS["metrics_listen"],
+    "--otlp-endpoint": TELEMETRY_SPECS["otlp_endpoint"],
+    "--log-format": TELEMETRY_SPECS["log_format"],
+}
+
+
+def check_flag(flag: str, value: object) -> None:
+    """A command-line value, checked by the spec of the key it overrides."""
+    if value is None:
+        return
+    try:
+        FLAG_SPECS[flag].check(str(value) if isinstance(value, Path) else value)
+    except Refused as refused:
+        raise ConfigError(f"{flag}: {refused}") from None
+
+
+def _section(
+    raw: Mapping[str, Any], cls: type[Any], specs: Mapping[str, Spec], table: str, cfg: ConfigText
+) -> Any:
+    return replace(cls(), **cfg.check_table(raw, specs, (table,)))
+
+
+def _table(raw: Mapping[str, Any], key: str, cfg: ConfigText) -> Mapping[str, Any]:
     value = raw.get(key, {})
     if not isinstance(value, dict):
-        raise ConfigError(f"{source}:{line_of(text, key)}: {key}: must be a table [{key}]")
+        raise cfg.error((key,), f"must be a table: write [{key}] and its keys below it")
     return value
 
 
-def _parse_tls(raw: Mapping[str, Any], source: str, text: str) -> TlsFiles | None:
+def _parse_tls(raw: Mapping[str, Any], cfg: ConfigText) -> TlsFiles | None:
     """`[tls]` with `cert` and `key` (PEM files), and `client_ca` for mTLS."""
     if not raw:
         return None
-    for key, value in raw.items():
-        where = f"{source}:{line_of(text, key)}"
-        if key not in TLS_KEYS:
-            raise ConfigError(
-                f"{where}: tls.{key}: unknown key; allowed: {', '.join(sorted(TLS_KEYS))}"
-            )
-        if not isinstance(value, str) or not value:
-            raise ConfigError(f"{where}: tls.{key}: must be a path to a PEM file")
-    if "cert" not in raw or "key" not in raw:
-        raise ConfigError(f"{source}:{line_of(text, 'tls')}: tls: give both cert and key")
-    client_ca = raw.get("client_ca")
-    return TlsFiles(Path(raw["cert"]), Path(raw["key"]), Path(client_ca) if client_ca else None)
-
-
-def _parse_telemetry(raw: Mapping[str, Any], source: str, text: str) -> TelemetryConfig:
-    """`[telemetry]`: the keys of TelemetryConfig, each of its type."""
-    defaults = TelemetryConfig()
-    for key, value in raw.items():
-        where = f"{source}:{line_of(text, key)}"
-        if not hasattr(defaults, key):
-            allowed = ", ".join(sorted(defaults.__dataclass_fields__))
-            raise ConfigError(f"{where}: telemetry.{key}: unknown key; allowed: {allowed}")
-        expected = type(getattr(defaults, key))
-        if type(value) is not expected or (expected is int and value <= 0):
-            raise ConfigError(
-                f"{where}: telemetry.{key}: must be {expected.__name__}"
-                + (" > 0" if expected is int else "")
-            )
-    config = replace(defaults, **raw)
-    check_telemetry(config, f"{source}: telemetry")
-    return config
-
-
-def check_telemetry(config: TelemetryConfig, where: str) -> None:
-    """Values a flag can also set: checked the same way for the file and the flags."""
-    if config.log_format not in LOG_FORMATS:
-        raise ConfigError(f"{where}: log_format {config.log_format!r}; use text or json")
-    if config.metrics_listen and not config.metrics_listen.rpartition(":")[2].isdigit():
-        raise ConfigError(f"{where}: metrics_listen {config.metrics_listen!r} is not [HOST:]PORT")
-    if config.otlp_endpoint and not config.otlp_endpoint.startswith(("http://", "https://")):
-        raise ConfigError(
-            f"{where}: otlp_endpoint {config.otlp_endpoint!r}; give the collector's "
-            "OTLP/HTTP base URL, e.g. http://127.0.0.1:4318"
-        )
-
-
-def load_config(path: Path) -> ServerConfig:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as error:
-        raise ConfigError(f"cannot read config {path}: {error.strerror}") from None
-    try:
-        raw = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as error:
-        raise ConfigError(f"{path}: not valid TOML: {error}") from None
-    source = str(path)
-    for key in raw:
-        if key not in TOP_KEYS:
-            raise ConfigError(
-                f"{source}:{line_of(text, key)}: {key}: unknown key; "
-                f"allowed: {', '.join(sorted(TOP_KEYS))}"
-            )
-    tenants = raw.get("tenants", [])
-    principals = raw.get("principals", [])
-    if not isinstance(tenants, list) or not isinstance(principals, list):
-        raise ConfigError(
-            f"{source}: tenants and principals must be arrays of tables "
-            "([[tenants]], [[principals]])"
-        )
-    access = parse_access(tenants, principals, source=source, text=text)
-    listen = raw.get("listen", DEFAULT_LISTEN)
-    data_dir = raw.get("data_dir", DEFAULT_DATA_DIR)
-    insecure = raw.get("allow_insecure_listen", False)
-    audit_log = raw.get("audit_log")
-    secret_file = raw.get("secret_file")
-    if (
-        not isinstance(listen, str)
-        or not isinstance(data_dir, str)
-        or not isinstance(insecure, bool)
-        or not isinstance(audit_log, str | None)
-        or not isinstance(secret_file, str | None)
-    ):
-        raise ConfigError(
-            f"{source}: listen, data_dir, audit_log and secret_file must be strings, "
-            "allow_insecure_listen a boolean"
-        )
-    return ServerConfig(
-        listen=listen,
-        data_dir=Path(data_dir),  # relative to the working directory, like --data-dir
-        allow_insecure_listen=insecure,
-        storage=_positive_ints(
-            _table(raw, "storage", source, text), StorageConfig, "storage", source, text
-        ),
-        limits=_positive_ints(
-            _table(raw, "limits", source, text), LimitsConfig, "limits", source, text
-        ),
-        access=access,
-        tls=_parse_tls(_table(raw, "tls", source, text), source, text),
-        audit_log=Path(audit_log) if audit_log else None,
-        secret_file=Path(secret_file) if secret_file else None,
-        telemetry=_parse_telemetry(_table(raw, "telemetry", source, text), source, text),
-        bulk=_parse_bulk(_table(raw, "bulk", source, text), source, text),
-        redis_cluster=parse_redis_cluster(
-            _table(raw, "redis_cluster", source, text),
-            source,
-            lambda key: _line_in_table(text, "redis_cluster", key),
-        ),
+    values = cfg.check_table(raw, TLS_SPECS, ("tls",))
+    if "cert" not in values or "key" not in values:
+        raise cfg.error(("tls",), "give both cert and key")
+    client_ca = values.get("client_ca")
+    return TlsFiles(
+        Path(values["cert"]), Path(values["key"]), Path(client_ca) if client_ca else None
     )
 
 
-def _parse_bulk(raw: Mapping[str, Any], source: str, text: str) -> BulkConfig:
-    bulk: BulkConfig = _positive_ints(raw, BulkConfig, "bulk", source, text)
-    if bulk.arena_bytes < 1 * MiB:
+def read_config_text(path: Path) -> str:
+    """The file as text: one ConfigError naming the file (and where) if it is not UTF-8."""
+    try:
+        with path.open("rb") as file:
+            data = file.read(MAX_CONFIG_BYTES + 1)  # not all of /dev/zero
+    except OSError as error:
+        raise ConfigError(f"cannot read config {path}: {error.strerror}") from None
+    if len(data) > MAX_CONFIG_BYTES:
         raise ConfigError(
-            f"{source}:{line_of(text, 'arena_bytes')}: bulk.arena_bytes: "
-            "must be at least 1048576 (1 MiB)"
+            f"{path}: over {MAX_CONFIG_BYTES} bytes; is this the config? (thousands of "
+            "tenants and principals take well under 1 MiB)"
         )
-    for key in ("listen", "advertise"):
-        if key in raw:
-            line = _line_in_table(text, "bulk", key)
-            check_bulk_address(raw[key], key, f"{source}:{line}: bulk.{key}")
-    return bulk
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        column = error.start - (data.rfind(b"\n", 0, error.start) + 1) + 1
+        raise ConfigError(
+            f"{path}:{line}:{column}: not UTF-8 text (byte 0x{data[error.start]:02x}); "
+            "save the config as UTF-8"
+        ) from None
 
 
-def _line_in_table(text: str, table: str, key: str) -> int:
-    """1-based line of `key = ...` after the `[table]` header (`listen` is also a
-    top-level key, so the first match in the file may be the wrong one)."""
-    header = re.search(rf"^[ \t]*\[\s*{re.escape(table)}\s*\]", text, re.MULTILINE)
-    start = header.end() if header else 0
-    found = re.compile(rf"^[ \t]*{re.escape(key)}\s*=", re.MULTILINE).search(text, start)
-    return text.count("\n", 0, found.start()) + 1 if found else 0
+_TOML_POSITION = re.compile(r"\s*\(at (?:line (\d+), column (\d+)|end of document)\)$")
+
+
+def parse_toml(path: Path, text: str) -> dict[str, Any]:
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as error:
+        message = " ".join(str(error).split())
+        position = _TOML_POSITION.search(message)
+        where = str(path)
+        if position and position[1]:
+            where = f"{path}:{position[1]}:{position[2]}"
+        elif position:  # the file ends inside a value: its last line
+            where = f"{path}:{len(text.splitlines()) or 1}"
+        reason = message[: position.start()] if position else message
+        raise ConfigError(f"{where}: not valid TOML: {reason}; fix the syntax there") from None
+    except RecursionError:  # tomllib recurses into nested arrays and inline tables
+        raise ConfigError(
+            f"{path}: not valid TOML: arrays or tables nested too deeply; no kvshare key "
+            "nests more than two levels"
+        ) from None
+
+
+def load_config(path: Path) -> ServerConfig:
+    text = read_config_text(path)
+    raw = parse_toml(path, text)
+    cfg = ConfigText(str(path), text)
+    for key in raw:
+        if key not in TOP_KEYS:
+            raise cfg.error((key,), f"unknown key; allowed: {', '.join(sorted(TOP_KEYS))}")
+    for key in ("tenants", "principals"):
+        if not isinstance(raw.get(key, []), list):
+            raise cfg.error((key,), f"must be an array of tables: write [[{key}]], not [{key}]")
+    access = parse_access(
+        raw.get("tenants", []), raw.get("principals", []), source=str(path), text=text
+    )
+    top = cfg.check_table({k: v for k, v in raw.items() if k in TOP_SPECS}, TOP_SPECS, ())
+    audit_log = top.get("audit_log")
+    secret_file = top.get("secret_file")
+    return ServerConfig(
+        listen=top.get("listen", DEFAULT_LISTEN),
+        # relative to the working directory, like --data-dir
+        data_dir=Path(top.get("data_dir", DEFAULT_DATA_DIR)),
+        allow_insecure_listen=top.get("allow_insecure_listen", False),
+        storage=_section(_table(raw, "storage", cfg), StorageConfig, STORAGE_SPECS, "storage", cfg),
+        limits=_section(_table(raw, "limits", cfg), LimitsConfig, LIMITS_SPECS, "limits", cfg),
+        access=access,
+        tls=_parse_tls(_table(raw, "tls", cfg), cfg),
+        audit_log=Path(audit_log) if audit_log else None,
+        secret_file=Path(secret_file) if secret_file else None,
+        telemetry=_section(
+            _table(raw, "telemetry", cfg), TelemetryConfig, TELEMETRY_SPECS, "telemetry", cfg
+        ),
+        bulk=_section(_table(raw, "bulk", cfg), BulkConfig, BULK_SPECS, "bulk", cfg),
+        redis_cluster=parse_redis_cluster(_table(raw, "redis_cluster", cfg), cfg),
+    )
+
+
+# Every field of each table has its spec (and nothing else does).
+SECTION_SPECS: dict[type[Any], dict[str, Spec]] = {
+    StorageConfig: STORAGE_SPECS,
+    LimitsConfig: LIMITS_SPECS,
+    BulkConfig: BULK_SPECS,
+    TelemetryConfig: TELEMETRY_SPECS,
+}

@@ -1,6 +1,6 @@
 """Where the bulk channel listens and what OpenBulk tells clients: `[bulk] listen` and
-`advertise` (or `--bulk-listen` / `--bulk-advertise`), checked the same way for the file
-and the flags (docs/deploy.md)."""
+`advertise` (or `--bulk-listen` / `--bulk-advertise`), checked by the same specs
+(`BULK_ADDRESSES`) for the file and the flags (docs/deploy.md)."""
 
 from __future__ import annotations
 
@@ -8,25 +8,17 @@ from typing import TYPE_CHECKING
 
 from kvcommon.errors import ConfigError
 from kvcommon.hostport import HostPort, parse_host_port
+from policy.config import Address
 
 if TYPE_CHECKING:
     from cacheserver.config import ServerConfig
 
 
-def check_bulk_address(value: str, key: str, where: str) -> None:
-    """`[bulk] listen` / `advertise` (or their flags): HOST:PORT; an advertised
-    address names a real port. Checked the same way for the file and the flags."""
-    if not value:
-        return
-    try:
-        address = parse_host_port(value, what=key)
-    except ValueError as error:
-        raise ConfigError(f"{where}: {error}") from None
-    if key == "advertise" and address.port == 0:
-        raise ConfigError(
-            f"{where}: advertise {value!r}: port 0 is not a port clients can reach; "
-            "give the port replicas connect to"
-        )
+# A listener may bind port 0 (any free port); an announced address is dialed, so not.
+BULK_ADDRESSES = {
+    "listen": Address("listen", 0, empty="the gRPC listen host at its port + 1"),
+    "advertise": Address("advertise", 1, empty="the bound address"),
+}
 
 
 def bulk_listen_address(config: ServerConfig) -> HostPort:

@@ -67,7 +67,10 @@ def test_tls_and_credentials(tmp_path: Path) -> None:
         (('key_prefix = "kvshare:"', 'key_prefix = "{kv}:"'), "no braces"),
         (("tls = false", 'tls = false\ntls_ca = "/ca.pem"'), "set tls = true as well"),
         (("tls = false", 'tls = "yes"'), "redis_cluster.tls: must be bool"),
-        (('key_prefix = "kvshare:"', "timeout_ms = 0"), "redis_cluster.timeout_ms: must be > 0"),
+        (
+            ('key_prefix = "kvshare:"', "timeout_ms = 0"),
+            "redis_cluster.timeout_ms: 0 is out of range; use an integer from 1 to",
+        ),
     ],
 )
 def test_errors_name_the_key_and_line(tmp_path: Path, edit: tuple[str, str], message: str) -> None:

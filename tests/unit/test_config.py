@@ -3,12 +3,33 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
-from cacheserver.config import load_config
+from cacheserver.config import (
+    BULK_SPECS,
+    LIMITS_SPECS,
+    SECTION_SPECS,
+    STORAGE_SPECS,
+    TELEMETRY_SPECS,
+    TLS_SPECS,
+    TlsFiles,
+    load_config,
+)
+from cacheserver.tiers.cluster.config import REDIS_CLUSTER_SPECS, RedisClusterConfig
 from kvcommon.errors import ConfigError
+from policy.config import (
+    PRINCIPAL_KEYS,
+    REQUESTS_PER_S,
+    TENANT_KEYS,
+    TENANT_NUMBERS,
+    IntIn,
+    Refused,
+    key_line,
+)
 from policy.identity import Action
 
 MINIMAL = f"""listen = "127.0.0.1:50051"
@@ -82,7 +103,8 @@ def test_the_bulk_table(tmp_path: Path) -> None:
     config = load(tmp_path, MINIMAL + "[bulk]\nsame_host = false\narena_bytes = 2097152\n")
     assert config.bulk.same_host is False  # type: ignore[attr-defined]
     assert config.bulk.arena_bytes == 2 << 20  # type: ignore[attr-defined]
-    with pytest.raises(ConfigError, match=r"c\.toml:\d+: bulk\.arena_bytes: must be at least"):
+    out_of_range = r"c\.toml:\d+: bulk\.arena_bytes: 4096 is out of range; use an integer from"
+    with pytest.raises(ConfigError, match=out_of_range):
         load(tmp_path, MINIMAL + "[bulk]\narena_bytes = 4096\n")
     unknown = r"bulk\.arenas: unknown key; allowed: advertise, arena_bytes"
     with pytest.raises(ConfigError, match=unknown):
@@ -96,3 +118,94 @@ def test_two_principals_with_one_token_are_refused(tmp_path: Path) -> None:
         load(tmp_path, MINIMAL + "\n[[principals]]" + second)
     other_token = second.replace(hashlib.sha256(b"t").hexdigest(), hashlib.sha256(b"u").hexdigest())
     load(tmp_path, MINIMAL + "\n[[principals]]" + other_token)  # positive control
+
+
+# -- every key has a spec, and every spec's bounds hold -------------------------------
+
+
+def int_specs() -> list[tuple[str, IntIn]]:
+    tables: dict[str, Mapping[str, object]] = {
+        "storage": STORAGE_SPECS,
+        "limits": LIMITS_SPECS,
+        "bulk": BULK_SPECS,
+        "telemetry": TELEMETRY_SPECS,
+        "redis_cluster": REDIS_CLUSTER_SPECS,
+        "tenants": TENANT_NUMBERS,
+        "principals": {"requests_per_s": REQUESTS_PER_S},
+    }
+    return [
+        (f"{table}.{key}", spec)
+        for table, specs in tables.items()
+        for key, spec in specs.items()
+        if isinstance(spec, IntIn)
+    ]
+
+
+def test_every_field_of_every_table_has_a_spec() -> None:
+    for cls, specs in SECTION_SPECS.items():
+        assert {f.name for f in fields(cls)} == set(specs), cls.__name__
+    assert {f.name for f in fields(RedisClusterConfig)} == set(REDIS_CLUSTER_SPECS)
+    assert {f.name for f in fields(TlsFiles)} == {"cert_chain", "private_key", "client_ca"}
+    assert set(TLS_SPECS) == {"cert", "key", "client_ca"}
+    assert set(TENANT_NUMBERS) | {"id", "shared", "read_shared", "require_sealed"} == TENANT_KEYS
+    assert "requests_per_s" in PRINCIPAL_KEYS
+    # Each default is within its own spec.
+    for cls, specs in SECTION_SPECS.items():
+        for key, spec in specs.items():
+            assert spec.check(getattr(cls(), key)) == getattr(cls(), key), key
+
+
+@pytest.mark.parametrize(("name", "spec"), int_specs(), ids=[n for n, _ in int_specs()])
+def test_each_bound_is_allowed_and_one_past_it_is_not(name: str, spec: IntIn) -> None:
+    assert spec.check(spec.lo) == spec.lo and spec.check(spec.hi) == spec.hi
+    for outside in (spec.lo - 1, spec.hi + 1):
+        if outside == 0 and spec.zero:
+            assert spec.check(0) == 0  # 0 means something else, and is allowed
+            continue
+        with pytest.raises(Refused, match=f"{outside} is out of range; use an integer from"):
+            spec.check(outside)
+    with pytest.raises(Refused, match="must be int"):
+        spec.check(True)
+
+
+def test_the_bounds_taken_from_elsewhere_still_agree() -> None:
+    """config cannot import these modules (they import it): the copies are checked here."""
+    from cacheserver import server
+    from cacheserver.config import GRPC_MAX_MESSAGE, GRPC_SLACK_BYTES, JOURNAL_MIN_BYTES
+    from cacheserver.store.journal.ring import MIN_CAPACITY
+    from cacheserver.transport.grpc.service import FRAME_SLACK_BYTES
+
+    assert JOURNAL_MIN_BYTES == MIN_CAPACITY
+    assert GRPC_SLACK_BYTES == server.GRPC_SLACK_BYTES
+    largest = LIMITS_SPECS["max_message_bytes"]
+    assert isinstance(largest, IntIn)
+    assert largest.hi + server.GRPC_SLACK_BYTES <= GRPC_MAX_MESSAGE
+    assert largest.lo > FRAME_SLACK_BYTES  # a frame has room for payload
+
+
+def test_key_line_finds_keys_headers_and_array_entries() -> None:
+    text = (
+        'listen = "x"\n'  # 1
+        "[[tenants]]\n"  # 2
+        'id = "a"\n'  # 3
+        "[[tenants]]\n"  # 4
+        "quota_bytes = 4\n"  # 5
+        's = """\n'  # 6
+        "[storage]\n"  # 7: inside a multi-line string, not a header
+        '"""\n'  # 8
+        "[storage]\n"  # 9
+        "a.b = 1\n"  # 10
+        "[telemetri]\n"  # 11
+    )
+    assert key_line(text, ("listen",)) == 1
+    assert key_line(text, ("tenants", 1, "quota_bytes")) == 5
+    assert key_line(text, ("tenants", 0, "quota_bytes")) == 2  # not written: its table
+    assert key_line(text, ("storage",)) == 9
+    assert key_line(text, ("storage", "a")) == 10
+    assert key_line(text, ("telemetri",)) == 11
+    assert key_line(text, ("nowhere",)) == 0
+
+
+def test_a_config_that_never_ends_is_refused_after_16_mib() -> None:
+    with pytest.raises(ConfigError, match=r"/dev/zero: over 16777216 bytes; is this the config"):
+        load_config(Path("/dev/zero"))

@@ -34,7 +34,7 @@ def test_defaults_export_nothing_and_keys_parse(tmp_path: Path) -> None:
         ("per_tenant_labels = 1", "telemetry.per_tenant_labels: must be bool"),
         ('otlp_endpoint = "collector:4318"', "OTLP/HTTP base URL"),
         ('metrics_listen = "metrics.internal"', r"is not \[HOST:\]PORT"),
-        ("health_interval_ms = 0", "must be int > 0"),
+        ("health_interval_ms = 0", "0 is out of range; use an integer from 1 to 86400000"),
     ],
 )
 def test_bad_telemetry_keys_are_errors(tmp_path: Path, table: str, message: str) -> None:

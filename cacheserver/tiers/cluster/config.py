@@ -9,15 +9,27 @@ server connects, so a config can be checked on a host that does not hold it.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvcommon.errors import ConfigError
 from kvcommon.hostport import HostPort, parse_host_port
+from policy.config import (
+    DAY_MS,
+    SECOND_MS,
+    ConfigText,
+    Flag,
+    MiB,
+    PathText,
+    Refused,
+    Spec,
+    Text,
+    TiB,
+    int_in,
+    shown,
+)
 
-MiB = 1 << 20
 DEFAULT_KEY_PREFIX = "kvshare:"
 # A prefix is part of every key: braces in it would become a hash tag and put every
 # block in one slot; spaces and control characters make keys awkward to inspect.
@@ -47,66 +59,76 @@ class RedisClusterConfig:
     delete_stream_entries: int = 10_000
 
 
-_CONTRACT_DEFAULTS = RedisClusterConfig(nodes=())
-_KNOWN = {f.name for f in fields(RedisClusterConfig)}
+@dataclass(frozen=True)
+class _Nodes:
+    def allowed(self) -> str:
+        return 'a non-empty list of "HOST:PORT" strings, each a node\'s real address'
+
+    def check(self, value: Any) -> tuple[HostPort, ...]:
+        return _parse_nodes(value)
 
 
-def parse_redis_cluster(
-    raw: Mapping[str, Any], source: str, line_of: Callable[[str], int]
-) -> RedisClusterConfig | None:
-    """`raw` (the table) as a RedisClusterConfig, or None when the table is absent.
-    `line_of(key)`: the key's line in `source`, for error messages (0: unknown)."""
+@dataclass(frozen=True)
+class _KeyPrefix:
+    def allowed(self) -> str:
+        return "1-64 of A-Z a-z 0-9 : . _ / -"
+
+    def check(self, value: Any) -> str:
+        if not isinstance(value, str) or not _PREFIX.fullmatch(value):
+            raise Refused(
+                f"{shown(value)}: use {self.allowed()} (no braces: they would put every "
+                "block in one hash slot)"
+            )
+        return value
+
+
+# One spec per key (see cacheserver/config for the reasons of the bounds): a call
+# timeout past an hour would make a dead node look alive for that long.
+REDIS_CLUSTER_SPECS: dict[str, Spec] = {
+    "nodes": _Nodes(),
+    "username": Text(0, 256),
+    "password_file": PathText(empty="no password"),
+    "tls": Flag(),
+    "tls_ca": PathText(empty="the system trust store"),
+    "key_prefix": _KeyPrefix(),
+    "timeout_ms": int_in(1, 3600 * SECOND_MS, "ms"),
+    "retry_after_ms": int_in(0, DAY_MS, "ms"),
+    "write_queue_bytes": int_in(1, TiB, "bytes"),
+    "local_copies": Flag(),
+    "delete_stream_entries": int_in(1, 100_000_000),
+}
+
+
+def parse_redis_cluster(raw: Mapping[str, Any], cfg: ConfigText) -> RedisClusterConfig | None:
+    """`raw` (the table) as a RedisClusterConfig, or None when the table is absent;
+    errors name `cfg`'s file, the line and the key."""
     if not raw:
         return None
-
-    def fail(key: str, message: str) -> ConfigError:
-        line = line_of(key)
-        where = f"{source}:{line}" if line else source
-        return ConfigError(f"{where}: redis_cluster.{key}: {message}")
-
-    for key in raw:
-        if key not in _KNOWN:
-            raise fail(key, f"unknown key; allowed: {', '.join(sorted(_KNOWN))}")
-    values: dict[str, Any] = {}
-    for key, value in raw.items():
-        default = getattr(_CONTRACT_DEFAULTS, key)
-        if key == "nodes":
-            values[key] = _parse_nodes(value, fail)
-        elif key in ("password_file", "tls_ca"):
-            if not isinstance(value, str):
-                raise fail(key, "must be a path (a string)")
-            values[key] = Path(value) if value else None
-        elif type(value) is not type(default) or (isinstance(value, int) and value < 0):
-            kind = type(default).__name__
-            raise fail(key, f"must be {kind}" + (" >= 0" if kind == "int" else ""))
-        else:
-            values[key] = value
+    values = cfg.check_table(raw, REDIS_CLUSTER_SPECS, ("redis_cluster",))
     if "nodes" not in values:
-        raise fail("nodes", 'name at least one seed node, e.g. nodes = ["10.0.0.7:7000"]')
-    config = RedisClusterConfig(**values)
-    if not _PREFIX.fullmatch(config.key_prefix):
-        raise fail(
-            "key_prefix",
-            f"{config.key_prefix!r}: use 1-64 of A-Z a-z 0-9 : . _ / - (no braces: they "
-            "would put every block in one hash slot)",
+        raise cfg.error(
+            ("redis_cluster", "nodes"),
+            'name at least one seed node, e.g. nodes = ["10.0.0.7:7000"]',
         )
+    for key in ("password_file", "tls_ca"):
+        if key in values:
+            values[key] = Path(values[key]) if values[key] else None
+    config = RedisClusterConfig(**values)
     if config.tls_ca is not None and not config.tls:
-        raise fail("tls_ca", "set tls = true as well, or remove tls_ca")
-    if config.timeout_ms == 0 or config.write_queue_bytes == 0:
-        raise fail("timeout_ms" if config.timeout_ms == 0 else "write_queue_bytes", "must be > 0")
+        raise cfg.error(("redis_cluster", "tls_ca"), "set tls = true as well, or remove tls_ca")
     return config
 
 
-def _parse_nodes(value: Any, fail: Callable[[str, str], ConfigError]) -> tuple[HostPort, ...]:
+def _parse_nodes(value: Any) -> tuple[HostPort, ...]:
     if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
-        raise fail("nodes", 'must be a non-empty list of "HOST:PORT" strings')
+        raise Refused('must be a non-empty list of "HOST:PORT" strings')
     nodes = []
     for text in value:
         try:
             node = parse_host_port(text, what="node")
         except ValueError as error:
-            raise fail("nodes", str(error)) from None
+            raise Refused(str(error)) from None
         if node.port == 0 or node.is_wildcard:
-            raise fail("nodes", f"{text!r}: name a node's real address and port")
+            raise Refused(f"{text!r}: name a node's real address and port")
         nodes.append(node)
     return tuple(nodes)

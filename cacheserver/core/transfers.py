@@ -124,9 +124,11 @@ class PutStream:
     def close(self) -> None:
         """The put ended (well or not): blocks announced and never stored give their
         receive budget back."""
-        for block in self._pending.values():
+        # Swapped, not cleared: a `store` still running on a worker thread (its caller
+        # gone) then finds its block taken, and the budget is given back once.
+        pending, self._pending = self._pending, {}
+        for block in pending.values():
             self._admission.handed_over(self._put, block)
-        self._pending.clear()
 
     def announce(self, digest: bytes, size: int, *, hold: bool = False) -> Announced:
         """The next block, admitted before any of its bytes are taken. `hold`: the
@@ -147,5 +149,5 @@ class PutStream:
         try:
             return self._store.put(tenant, block.key, self._put.tag, CheckedSource(source, check))
         finally:
-            del self._pending[index]
-            self._admission.handed_over(self._put, block)
+            if self._pending.pop(index, None) is not None:
+                self._admission.handed_over(self._put, block)

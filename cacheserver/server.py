@@ -31,7 +31,8 @@ from cacheserver.config.bulk import (
     bulk_listen_address,
     check_bulk_plaintext,
 )
-from cacheserver.core.requests import BulkEndpoint, RequestCore
+from cacheserver.core.requests import RequestCore
+from cacheserver.core.values import BulkEndpoint
 from cacheserver.events import FanOut, TenantCounters
 from cacheserver.health import HealthMonitor
 from cacheserver.store import BlockStore
@@ -243,7 +244,13 @@ class Server:
         host = self.config.listen.rsplit(":", 1)[0]
         check_can_bind(self.config.listen)  # first: a second server's error names --listen
         bulk_listen = bulk_listen_address(self.config)
-        core = RequestCore(self.store, self.policy, self.config.limits, self.counters)
+        core = RequestCore(
+            self.store,
+            self.policy,
+            self.config.limits,
+            self.counters,
+            receive_bytes=self.config.storage.max_pending_write_bytes,
+        )
         self.bulk = bulk = BulkServer(
             bulk_listen.bracketed_host,
             core,
@@ -271,7 +278,7 @@ class Server:
             bulk.local_namespace,
             bulk.local_uid,
         )
-        self._service = BlockStoreService(core, self.config.storage.max_pending_write_bytes)
+        self._service = BlockStoreService(core, self.config.limits)
         kvshare_pb2_grpc.add_BlockStoreServicer_to_server(self._service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(

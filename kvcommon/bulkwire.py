@@ -14,7 +14,10 @@ After `OpenBulk` (gRPC) issues a ticket, the client opens a TCP (or TLS) connect
     server: GET  -> status u8, then per block size u64 | payload, then END (size 0)
             PUT  -> status u8, then count x outcome u8 (1 stored, 2 already present)
     error frame: status u8 (a gRPC status code) | message_len u16 | message (UTF-8);
-            the status is the error class's `code` (kvcommon.errors), as over gRPC
+            the status is the error class's `code` (kvcommon.errors), as over gRPC.
+            The server then closes the connection, except after INTERNAL (13) for a
+            request it had read whole and not begun to answer: that connection
+            takes the next request (a client may still close it)
 
 Integers are big-endian. Payloads are raw bytes with no per-message framing, so both
 sides move them with one `sendmsg`/`recv_into` each, without copies.
@@ -31,7 +34,8 @@ its direction's key and the next counter of that direction.
     client: FRAME(REQUEST | [trace]) then FRAME(model | count x digest | PUT: count x
             size u64); PUT then sends each payload followed by its 16-byte GMAC tag
     server: every reply header is a FRAME whose plaintext starts with a status u8; not
-            0: the rest of an error frame, and the connection closes.
+            0: the rest of an error frame, and the connection closes (but for
+            INTERNAL, as above).
             GET  -> per block FRAME(0 | BLOCK(index, size)) then the payload in clear
                     (a sealed block), then FRAME(0 | BLOCK(blocks served, 0))
             PUT  -> FRAME(0 | count x outcome u8)

@@ -6,11 +6,17 @@ same error: the gRPC interceptor aborts with it (cacheserver/transport/grpc/wire
 the bulk channel writes it in its error frame (kvcommon/bulkwire.py), and the client
 maps it back to the same class through one static table (`error_class`). Messages say
 what to change and never echo tokens, digests, payloads or another tenant's data.
-Anything else raised in a handler is a bug: logged with a request id, returned as
-INTERNAL with a fixed message.
+Anything else raised in a handler is a bug: `wire_error` logs it with a request id and
+turns it into INTERNAL with a fixed message, for every transport.
 """
 
 from __future__ import annotations
+
+import logging
+
+from kvcommon.logs import current_request_id, new_request_id
+
+log = logging.getLogger(__name__)
 
 
 class KvshareError(Exception):
@@ -77,3 +83,20 @@ def error_class(status: str | int) -> type[KvshareError]:
 def status_name(code: int) -> str:
     """The status name of a code this tree knows; INTERNAL for any other."""
     return error_class(code).status
+
+
+def wire_error(error: BaseException, where: str) -> KvshareError:
+    """`error` as a transport answers it: a `KvshareError` as itself; anything else is a
+    bug, logged with its traceback under the call's request id and answered INTERNAL
+    with a fixed message naming that id (never the exception's own text, which may
+    carry data). `where`: the method, for the log."""
+    if isinstance(error, KvshareError):
+        return error
+    request_id = current_request_id() or new_request_id()
+    log.error(
+        "internal error in %s (request id %s)",
+        where,
+        request_id,
+        exc_info=(type(error), error, error.__traceback__),
+    )
+    return KvshareError(f"internal error (request id {request_id})")

@@ -141,7 +141,8 @@ class AccessPolicy:
     def authenticate(
         self, authorization: str | None, auth_context: AuthContext | None = None
     ) -> Principal:
-        """The calling principal, or Unauthenticated / ResourceExhausted (rate).
+        """The calling principal, or Unauthenticated. (Its request rate is counted by
+        `check_rate`, once per request, where the request core admits the request.)
 
         `auth_context` is the call's gRPC auth context (peer certificate properties);
         it is read only when the server verifies client certificates.
@@ -164,14 +165,13 @@ class AccessPolicy:
                     suppressed=suppressed or None,
                 )
             raise
-        self.check_rate(principal)
         return principal
 
     def check_rate(self, principal: Principal) -> None:
         """Count one request against the principal's rate; ResourceExhausted past it.
 
-        `authenticate` calls it for every RPC; the bulk listener for every request on a
-        connection (which authenticated once, with a ticket)."""
+        The request core calls it first for every request on every transport (a bulk
+        connection authenticates once, with a ticket, and makes many requests)."""
         try:
             self._limiter.admit(principal)
         except RateLimited as limited:

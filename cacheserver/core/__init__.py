@@ -1,1 +1,5 @@
-"""The request core: every verb admitted, named and carried out once, for every transport."""
+"""The request core: every verb admitted and carried out once, for every transport.
+
+`requests` holds `RequestCore` (the verbs), `admission` the one order of checks,
+`transfers` a GET's reply and a put's blocks as transports see them, `values` what
+crosses between a transport and the core."""

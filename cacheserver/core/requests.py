@@ -1,109 +1,57 @@
-"""The request core: every operation admitted, named and carried out once, for every transport.
+"""The request core: every verb admitted and carried out once, for every transport.
 
-The gRPC service (`cacheserver.transport.grpc.service`) and the bulk listener
-(`cacheserver.transport.bulk`) only frame: they parse their wire format into the
-arguments below, call one method, and write back its result, or its `KvshareError`
-(whose class names the status both wire formats carry). So the same bad call gets the
-same status over gRPC, bulk TCP and the same-host arena (tests/e2e/test_transport_parity.py).
+The gRPC service (`cacheserver.transport.grpc.service`), the bulk channel over TCP, TLS
+and the sealed-payload channel, and the same-host arena
+(`cacheserver.transport.bulk`) only frame: each decodes a request into a verb's
+arguments, calls the verb, and encodes its result, or its `KvshareError` (whose class
+names the status every wire format carries: kvcommon.errors). So the same call gets
+the same answer on every transport (tests/e2e/test_transport_parity.py).
 
-Admission, in this order, for every operation that names blocks:
+A verb that names a tenant's blocks starts with `begin` (admission's first stage, from
+what a request's header says; cacheserver.core.admission has the whole order) and
+takes its `Begun` value:
 
-    1. the caller's request rate   RESOURCE_EXHAUSTED  (policy.check_rate: gRPC counts
-                                   it when the call is authenticated, the bulk listener
-                                   per request on its authenticated connection)
-    2. the tenant and the action   PERMISSION_DENIED (INVALID_ARGUMENT: malformed id)
-    3. the number of digests       INVALID_ARGUMENT  (before the bulk listener reads them)
-    4. the model name              INVALID_ARGUMENT
-    5. each digest (32 bytes)      INVALID_ARGUMENT
-    6. puts: each block's size     INVALID_ARGUMENT
-    then the operation; a put's bytes are checked (require_sealed) once complete.
-
-Client digests become keyed storage names here (`AccessPolicy.storage_key`) before
-anything else sees them; from here on only `StorageKey`s travel.
+    begin(principal, verb, tenant, count) -> Begun
+    lookup(begun, model, digests)         -> leading present blocks
+    get(begun, model, digests, ...)       -> GetReply: Served batches to encode
+    put(begun, model)                     -> PutStream: announce, then store, each block
+    put_blocks(begun, model, digests, sizes, sources) -> outcomes (a whole put at once)
+    delete(begun, model, digests)         -> blocks deleted
+    delete_namespace(begun, model)        -> blocks deleted
+    stats(principal)                      -> StatsView
+    open_bulk(principal, tenant, ...)     -> BulkOffer
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 
-from cacheserver.blocks import BlockSource, CheckedSource
+from cacheserver.blocks import BlockSource
 from cacheserver.config import LimitsConfig
-from cacheserver.events import TenantCounters, TenantCounts
-from cacheserver.store import BlockStore
-from cacheserver.store.reading import Reading
-from kvcommon.errors import InvalidArgument, Unavailable
-from policy import AccessPolicy, Action, Principal
-from policy.bulkchannel import new_channel_secret
-from policy.tickets import TicketBook, local_binding
-from policy.types import (
-    ModelName,
-    ModelTag,
-    StorageKey,
-    TenantId,
-    parse_digest,
-    parse_model,
+from cacheserver.core.admission import Admission
+from cacheserver.core.transfers import GetReply, PutStream
+from cacheserver.core.values import (
+    DISK_BATCH_BYTES,
+    Accept,
+    Begun,
+    BulkEndpoint,
+    BulkOffer,
+    StatsView,
+    TenantView,
+    Verb,
 )
+from cacheserver.events import TenantCounters
+from cacheserver.store import BlockStore
+from kvcommon.errors import Unavailable
+from policy import AccessPolicy, Principal
+from policy.bulkchannel import new_channel_secret
+from policy.tickets import local_binding
+from policy.types import parse_model
 
-# A GET reads at most this much from the disk tier per batch: large enough that one
-# read transaction serves a long prefix, small enough to start sending early.
-DISK_BATCH_BYTES = 64 << 20
-
-
-@dataclass(frozen=True, slots=True)
-class Admitted:
-    """A request that passed admission: its checked tenant, model and storage keys."""
-
-    principal: Principal
-    tenant: TenantId
-    model: ModelName
-    keys: Sequence[StorageKey]
-
-
-@dataclass(frozen=True, slots=True)
-class AdmittedPut:
-    """A put's namespace, admitted once; blocks are named one by one as they come."""
-
-    principal: Principal
-    tenant: TenantId
-    model: ModelName
-    tag: ModelTag
-
-
-@dataclass(frozen=True, slots=True)
-class BulkEndpoint:
-    """Where OpenBulk sends callers, and the ticket book that admits them there."""
-
-    tickets: TicketBook
-    address: str
-    local_address: str = ""  # the same-host listener's abstract socket name; "": none
-    local_namespace: str = ""  # where that name is the server's (bulkwire.host_namespace)
-    local_uid: int = -1  # the uid the server runs as, for the client's peer check
-
-
-@dataclass(frozen=True, slots=True)
-class BulkOffer:
-    ticket: bytes
-    endpoint: BulkEndpoint
-    local_binding: str  # policy.tickets.local_binding: where the same-host listener counts
-    channel_secret: bytes = b""  # the sealed-payload channel's secret; b"": not granted
-
-
-@dataclass(frozen=True, slots=True)
-class TenantView:
-    tenant: TenantId
-    blocks: int
-    bytes: int
-    quota_bytes: int
-    counts: TenantCounts
-
-
-@dataclass(frozen=True, slots=True)
-class StatsView:
-    tenants: Sequence[TenantView]
-    tiers: dict[str, tuple[int, int, int]]  # admins only: name -> (blocks, bytes, budget)
-    integrity_failures: int
+# A put's sources, made once all its blocks are admitted (a transport reads no payload
+# before then): one per block size, in request order.
+Sources = Callable[[Sequence[int]], Sequence[BlockSource]]
 
 
 class RequestCore:
@@ -113,108 +61,104 @@ class RequestCore:
         policy: AccessPolicy,
         limits: LimitsConfig,
         counters: TenantCounters,
+        *,
+        receive_bytes: int,
         bulk: BulkEndpoint | None = None,
     ) -> None:
-        self.store = store
-        self.policy = policy
-        self.limits = limits
+        """`receive_bytes`: the receive budget (cacheserver.core.admission.Admission)."""
+        self._store = store
+        self._policy = policy
         self._counters = counters
+        self._admission = Admission(policy, limits, store.check_room, receive_bytes)
         self.bulk = bulk
 
-    # -- admission -----------------------------------------------------------------
+    @property
+    def lookup_blocks(self) -> bool:
+        """Whether `lookup` may block (it asks a shared tier on an index miss): then a
+        transport on an event loop calls it from a thread."""
+        return self._store.lookup_blocks
 
-    def check_rate(self, principal: Principal) -> None:
-        """Step 1 for a request on an already authenticated bulk connection."""
-        self.policy.check_rate(principal)
+    def begin(self, principal: Principal, verb: Verb, tenant: str, count: int) -> Begun:
+        """Admission's first stage: rate, tenant and action, digest count (`count`: the
+        digests the request carries; 0 for a put whose blocks arrive one by one)."""
+        return self._admission.begin(principal, verb, tenant, count)
 
-    def admit(
+    def lookup(self, begun: Begun, model: str, digests: Sequence[bytes]) -> int:
+        """How many leading blocks are present."""
+        assert begun.verb is Verb.LOOKUP
+        admitted = self._admission.name(begun, model, digests)
+        return self._store.lookup(admitted.tenant, admitted.keys)
+
+    def get(
         self,
-        principal: Principal,
-        action: Action,
-        tenant: str,
+        begun: Begun,
         model: str,
         digests: Sequence[bytes],
-    ) -> Admitted:
-        """Steps 2-5 of the module docstring, then the storage keys."""
-        tenant_id = self.admit_tenant(principal, tenant, action)
-        self.limits.check_digest_count(len(digests))
-        return self.name(principal, tenant_id, model, digests)
+        *,
+        batch_bytes: int = DISK_BATCH_BYTES,
+        accept: Accept | None = None,
+    ) -> GetReply:
+        """The leading present blocks, as batches of about `batch_bytes` (a batch from
+        memory may hold more). `accept`: what the transport can carry (GetReply)."""
+        assert begun.verb is Verb.GET
+        admitted = self._admission.name(begun, model, digests)
+        return GetReply(self._store, admitted, batch_bytes, accept)
 
-    def name(
-        self, principal: Principal, tenant: TenantId, model: str, digests: Sequence[bytes]
-    ) -> Admitted:
-        """Steps 4-5 for a tenant admitted, and a digest count checked, already (the
-        bulk listener does those from a request's header, before reading its body)."""
-        model_name = parse_model(model)
-        keys = [
-            self.policy.storage_key(tenant, model_name, parse_digest(digest, index))
-            for index, digest in enumerate(digests)
-        ]
-        return Admitted(principal, tenant, model_name, keys)
+    def put(self, begun: Begun, model: str) -> PutStream:
+        """A put's blocks, announced and stored one by one (PutStream)."""
+        assert begun.verb is Verb.PUT
+        namespace = self._admission.namespace(begun, model)
+        return PutStream(self._store, self._policy, self._admission, namespace)
 
-    def admit_tenant(self, principal: Principal, tenant: str, action: Action) -> TenantId:
-        """Step 2 alone."""
-        return self.policy.admit(principal, tenant, action)
+    def put_blocks(
+        self,
+        begun: Begun,
+        model: str,
+        digests: Sequence[bytes],
+        sizes: Sequence[int],
+        sources: Sources,
+    ) -> list[bool]:
+        """A put whose digests and sizes are all known before its payloads: every block
+        is admitted before any payload is taken. Per block: stored (True) or already
+        present (False); the first refusal raises. Blocking."""
+        with self.put(begun, model) as stream:
+            blocks = [
+                stream.announce(digest, size) for digest, size in zip(digests, sizes, strict=True)
+            ]
+            futures: list[concurrent.futures.Future[bool]] = [
+                stream.store(block, source)
+                for block, source in zip(blocks, sources(sizes), strict=True)
+            ]
+        return [future.result() for future in futures]
 
-    def admit_put(self, principal: Principal, tenant: str, model: str) -> AdmittedPut:
-        tenant_id = self.policy.admit(principal, tenant, Action.WRITE)
-        model_name = parse_model(model)
-        return AdmittedPut(
-            principal, tenant_id, model_name, self.policy.model_tag(tenant_id, model_name)
-        )
+    def delete(self, begun: Begun, model: str, digests: Sequence[bytes]) -> int:
+        """Delete blocks by digest. Blocking."""
+        assert begun.verb is Verb.DELETE
+        admitted = self._admission.name(begun, model, digests)
+        return self._store.delete(admitted.keys)
 
-    def name_block(self, put: AdmittedPut, index: int, digest: bytes, size: int) -> StorageKey:
-        """Steps 3, 5 and 6 for block `index` of a put (blocks may arrive one by one)."""
-        self.limits.check_digest_count(index + 1)
-        key = self.policy.storage_key(put.tenant, put.model, parse_digest(digest, index))
-        self.limits.check_block_bytes(index, size)
-        self.store.check_room(put.tenant, key, size)  # before any of its bytes are taken
-        return key
-
-    # -- operations ----------------------------------------------------------------
-
-    def lookup(self, request: Admitted) -> int:
-        return self.store.lookup(request.tenant, request.keys)
-
-    def read(self, request: Admitted) -> Reading:
-        """The leading present blocks, batch by batch: `with core.read(r) as reading`."""
-        return self.store.read(request.tenant, request.keys)
-
-    def put(
-        self, put: AdmittedPut, index: int, key: StorageKey, source: BlockSource
-    ) -> concurrent.futures.Future[bool]:
-        """Store block `index` of `put` (named by `name_block`). Refusals raise; the
-        future says stored (True) or already present (False) once the block is
-        acknowledged (see BlockStore.put)."""
-
-        def check(payload: bytes | bytearray | memoryview) -> None:
-            self.policy.check_payload(put.tenant, payload, index)
-
-        return self.store.put(put.tenant, key, put.tag, CheckedSource(source, check))
-
-    def delete(self, request: Admitted) -> int:
-        """Delete blocks by digest (needs `write`, like a put). Blocking."""
-        return self.store.delete(request.keys)
-
-    def delete_namespace(self, principal: Principal, tenant: str, model: str) -> int:
-        """Every block of `tenant`, or (`model` not empty) of that model (needs `admin`),
-        recorded in the audit log. Blocking."""
-        tenant_id = self.policy.admit(principal, tenant, Action.ADMIN)
-        tag = self.policy.model_tag(tenant_id, parse_model(model)) if model else None
-        deleted = self.store.delete_tenant(tenant_id, tag)
+    def delete_namespace(self, begun: Begun, model: str) -> int:
+        """Every block of the tenant, or (`model` not empty) of that model, recorded in
+        the audit log. Blocking."""
+        assert begun.verb is Verb.DELETE_NAMESPACE
+        tenant = begun.tenant
+        tag = self._policy.model_tag(tenant, parse_model(model)) if model else None
+        deleted = self._store.delete_tenant(tenant, tag)
         action = "delete_model_namespace" if model else "delete_tenant"
-        self.policy.record_admin(principal, action, tenant=tenant_id, blocks=deleted)
+        self._policy.record_admin(begun.principal, action, tenant=tenant, blocks=deleted)
         return deleted
 
     def stats(self, principal: Principal) -> StatsView:
+        """Usage of the tenants `principal` sees; tiers and integrity for admins."""
+        self._admission.count_request(principal)
         tenants = []
-        for tenant in sorted(self.policy.visible_tenants(principal)):
-            blocks, nbytes = self.store.tenant_usage(tenant)
-            quota = self.policy.quotas_bytes.get(tenant, 0)
+        for tenant in sorted(self._policy.visible_tenants(principal)):
+            blocks, nbytes = self._store.tenant_usage(tenant)
+            quota = self._policy.quotas_bytes.get(tenant, 0)
             tenants.append(TenantView(tenant, blocks, nbytes, quota, self._counters.of(tenant)))
-        if not self.policy.is_admin(principal):
+        if not self._policy.is_admin(principal):
             return StatsView(tenants, {}, 0)
-        return StatsView(tenants, self.store.tier_usage(), self.store.integrity_failures)
+        return StatsView(tenants, self._store.tier_usage(), self._store.integrity_failures)
 
     def open_bulk(
         self,
@@ -225,17 +169,16 @@ class RequestCore:
         peer_certificate: bytes = b"",
     ) -> BulkOffer:
         """A one-time ticket for the bulk listener, bound to `principal` and `tenant`.
-        Either action opens the connection; each request on it is admitted again.
         `sealed_channel`: the caller asked for the sealed-payload channel over TLS
         (the transport checked both); granted only for a tenant with `require_sealed`.
         `peer_certificate`: the caller's verified client certificate (its SHA-256,
         under mutual TLS): only a TLS connection with that certificate redeems the ticket."""
+        self._admission.count_request(principal)
         if self.bulk is None:
             raise Unavailable("this server has no bulk listener; use Get and Put")
-        action = Action.READ if Action.READ in principal.actions else Action.WRITE
-        tenant_id = self.policy.admit(principal, tenant, action)
+        tenant_id = self._admission.open_bulk(principal, tenant)
         secret = b""
-        if sealed_channel and self.policy.requires_sealed(tenant_id):
+        if sealed_channel and self._policy.requires_sealed(tenant_id):
             secret = new_channel_secret()
         ticket = self.bulk.tickets.issue(
             principal, tenant_id, channel_secret=secret, peer_certificate=peer_certificate
@@ -244,12 +187,3 @@ class RequestCore:
         if self.bulk.local_address and self.bulk.local_namespace:
             binding = local_binding(ticket, self.bulk.local_namespace, self.bulk.local_uid)
         return BulkOffer(ticket, self.bulk, binding, secret)
-
-
-def parse_model_bytes(raw: bytes | memoryview) -> str:
-    """A model name as the bulk channel carries it: strict UTF-8, so two different byte
-    strings can never name one model."""
-    try:
-        return bytes(raw).decode("utf-8")
-    except UnicodeDecodeError:
-        raise InvalidArgument("model is not valid UTF-8; send the model name in UTF-8") from None

@@ -16,6 +16,7 @@ import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NoReturn
 
 import grpc
 import pytest
@@ -29,6 +30,7 @@ from policy.sealing import BlockSealer
 from replica_agent import codec
 from replica_agent.agent import ReplicaAgent
 from replica_agent.client import BlockClient
+from replica_agent.errors import BlockStoreError
 from replica_agent.grpc_calls import GrpcCalls
 from tests.certs import Certs
 from tests.conftest import Running, Tenancy, launch
@@ -147,6 +149,28 @@ def test_the_untouched_stream_carries_puts_and_restores_over_the_sealed_channel(
     # ... sealed payloads cross as they are (not encrypted twice), the KV never in clear.
     assert all(b.sealed in get.sent[S2C] and b.sealed in put.sent[C2S] for b in blocks)
     assert not any(codec.encode_block(SPEC, b.tensor)[64:1024] in wire for b in blocks)
+
+
+def test_an_unexpected_error_is_internal_with_a_request_id_over_the_sealed_channel(
+    store: Running, blocks: list[Sealed], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug in the server (the store raising what no code expects) is a sealed INTERNAL
+    error frame with a request id, as over gRPC: no fallback, and the next call works."""
+    digests = [b.digest for b in stored(store, blocks)]
+    with sealed_client(store) as client:
+        monkeypatch.setattr(store.store, "read", _broken)
+        with pytest.raises(BlockStoreError) as info:
+            client.get("alpha", MODEL, digests)
+        assert info.value.code() == grpc.StatusCode.INTERNAL
+        assert "request id" in info.value.details()
+        assert client.transport_stats.bulk_fallbacks == 0
+        monkeypatch.undo()
+        assert client.get("alpha", MODEL, digests) == [b.sealed for b in blocks]
+        assert client.transport_stats.bulk_fallbacks == 0
+
+
+def _broken(*args: object, **kwargs: object) -> NoReturn:
+    raise RuntimeError("a store bug")
 
 
 # -- the hello ---------------------------------------------------------------------------

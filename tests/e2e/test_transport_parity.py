@@ -3,7 +3,8 @@
 Each case is sent as raw wire bytes — gRPC through the generated stub, the bulk channel
 through its framing over TCP and over the same-host arena — so no client-side check can
 stand in for the server's answer. Every row has a positive control: the same call,
-corrected, succeeds over that transport.
+corrected, succeeds over that transport. An unexpected error (the in-process store made
+to raise) is INTERNAL with a request id on each transport.
 """
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import re
 import select
 import socket
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import grpc
 import pytest
@@ -30,6 +33,7 @@ from kvcommon.errors import (
 )
 from kvcommon.v1 import kvshare_pb2 as pb
 from kvcommon.v1 import kvshare_pb2_grpc as pb_grpc
+from replica_agent.errors import BlockStoreError
 from tests.conftest import Running, launch, write_config
 
 MODEL = "parity/model;fp32"
@@ -316,3 +320,57 @@ def test_put_path_parity_for_stored_then_present(parity_server: Running, tmp_pat
         assert same_host.put("alpha", MODEL, [digest], [data]) == [False]
         for client in (over_grpc, over_tcp, same_host):
             assert client.get("alpha", MODEL, [digest]) == [data]
+
+
+# -- an unexpected error ------------------------------------------------------------
+
+
+def broken(*args: object, **kwargs: object) -> NoReturn:
+    raise RuntimeError("a store bug: secret-ish details that must not reach the client")
+
+
+@pytest.mark.parametrize("op", ["get", "put"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_an_unexpected_error_is_internal_with_a_request_id_everywhere(
+    parity_server: Running, transport: str, op: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug in the server (here: the store raising what no code expects) answers
+    INTERNAL with a request id on every transport, never the exception's text, and is
+    no reason for the client to fall back to gRPC; the client's next call works."""
+    digest, data = os.urandom(32), os.urandom(1000)
+    with parity_server.client("a", transport=transport) as client:
+        assert client.put("alpha", MODEL, [digest], [data]) == [True]  # control first
+        monkeypatch.setattr(parity_server.store, "read" if op == "get" else "put", broken)
+        with pytest.raises(BlockStoreError) as info:
+            if op == "get":
+                client.get("alpha", MODEL, [digest])
+            else:
+                client.put("alpha", MODEL, [os.urandom(32)], [data])
+        assert info.value.code() == grpc.StatusCode.INTERNAL
+        assert re.fullmatch(r"internal error \(request id [0-9a-f]{16}\)", info.value.details())
+        assert client.transport_stats.bulk_fallbacks == 0
+        monkeypatch.undo()
+        assert client.get("alpha", MODEL, [digest]) == [data]
+        assert client.put("alpha", MODEL, [os.urandom(32)], [data]) == [True]
+
+
+@pytest.mark.parametrize("same_host", [False, True], ids=["bulk-tcp", "bulk-same-host"])
+def test_a_bulk_connection_serves_on_after_an_internal_error(
+    parity_server: Running, same_host: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GET fails inside the server after its request was read whole and before any
+    reply went out: the error frame leaves the connection at a request boundary, so
+    the same connection takes the next request."""
+    call = Call("a", "alpha", "get")
+    sock, _arena = connect(open_bulk(parity_server, call), same_host)
+    model = call.model
+    request = w.REQUEST.pack(w.OP_GET, len(model), 1) + model + os.urandom(32)
+    with sock:
+        monkeypatch.setattr(parity_server.store, "read", broken)
+        sock.sendall(request)
+        code, message = w.recv_error(sock, bytes(w.recv_bytes(sock, 1)))
+        assert code == KvshareError.wire_code and "request id" in message
+        assert "secret" not in message
+        monkeypatch.undo()
+        sock.sendall(request)
+        assert w.recv_bytes(sock, 1)[0] == OK  # the same connection, served

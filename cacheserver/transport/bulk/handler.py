@@ -1,10 +1,11 @@
 """One bulk-channel request: read its frame, hand it to the request core, frame the reply.
 
-Framing only (kvcommon.bulkwire). Admission, naming and the tiers are the request
-core's (cacheserver.core.requests), exactly as for gRPC: the connection's principal and
-tenant come from its ticket, and each request is admitted again. The header is
-admitted before the body is read (rate, tenant and action, digest count), so a caller
-cannot make the server receive a body it would refuse.
+Framing only (kvcommon.bulkwire). Admission, naming, the read loop and the tiers are
+the request core's (cacheserver.core.requests), exactly as for gRPC: the connection's
+principal and tenant come from its ticket, and each request is admitted again. The
+header is admitted before the body is read (the core's `begin`: rate, tenant and
+action, digest count), so a caller cannot make the server receive a body it would
+refuse.
 
 Payloads cross a TCP (or TLS) socket, or the connection's same-host arena: a GET from
 memory is one `sendmsg` of sizes and payloads together; a PUT is received straight into
@@ -16,18 +17,20 @@ from __future__ import annotations
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
-from cacheserver.blocks import BlockSource
-from cacheserver.core.requests import DISK_BATCH_BYTES, RequestCore, parse_model_bytes
+from cacheserver.blocks import BlockSource, Payload
+from cacheserver.core.requests import RequestCore
+from cacheserver.core.values import Accept, Begun, Verb, parse_model_bytes
 from cacheserver.transport.arena import Arena
 from kvcommon import bulkwire as w
 from kvcommon.errors import InvalidArgument, KvshareError
-from policy import Action
 from policy.tickets import Grant
-from policy.types import StorageKey
 
+Buffer = bytes | bytearray | memoryview
 DISCARD_CHUNK_BYTES = 1 << 20
-OPS = {w.OP_GET: "Get", w.OP_PUT: "Put"}
+OPS = {w.OP_GET: "Get", w.OP_PUT: "Put"}  # the method names of the requests' spans
+VERBS = {w.OP_GET: Verb.GET, w.OP_PUT: Verb.PUT}
 TRANSFER_SLACK_S = 2.0
 
 
@@ -36,7 +39,7 @@ class Pace:
     """How long a transfer may take: `slack_s` plus its bytes at the minimum rate. A
     block receiving into the journal holds ring space, and a reply being sent keeps the
     ring from reusing space (its views are pinned): a peer that trickles or stops
-    reading must not hold either for longer (issue 15, F2 and F3)."""
+    reading must not hold either for longer."""
 
     min_bytes_per_s: int
     idle_s: float  # the connection's timeout between requests, restored after
@@ -49,9 +52,11 @@ class Pace:
 class BulkHandler:
     """Serves the requests of one connection (its grant, and its arena if same-host).
 
-    The framing of headers (`recv_request`, `_recv`, `_reply`, `send_error`), of GET
-    replies (`_get`) and of put payloads (`_source`) is what the sealed-payload channel
-    (cacheserver.transport.bulk.sealed) replaces; admission and the store calls are shared."""
+    The framing of headers (`recv_request`, `_recv`, `_reply`, `send_error`), of a GET
+    reply's blocks (`_reply_start`, `_block_header`, `_reply_end`, `_accept`) and of put
+    payloads (`_source`) is what the sealed-payload channel
+    (cacheserver.transport.bulk.sealed) replaces; admission, the read loop and the
+    store calls are the request core's."""
 
     def __init__(
         self,
@@ -66,6 +71,11 @@ class BulkHandler:
         self._grant = grant
         self._arena = arena
         self._pace = pace
+        self._accept: Accept | None = None  # None: every block the store returns is sent
+        # Where the current request stands on the wire, for `in_step`.
+        self._body_read = False
+        self._payloads: list[_Incoming] = []
+        self._replied = False
 
     def recv_request(self) -> tuple[int, int, int, bytes | None]:
         """The next request's op (TRACED cleared), model length, digest count and trace
@@ -77,104 +87,139 @@ class BulkHandler:
         return op & ~w.TRACED, model_len, count, trace
 
     def send_error(self, error: KvshareError) -> None:
-        self._conn.sendall(w.error_frame(error))
+        """The error frame of a failed request (this framing's one place for it)."""
+        send_error_frame(self._conn, error)
+
+    @property
+    def in_step(self) -> bool:
+        """Whether the failed request left the connection at a request boundary: every
+        byte of it was read and no byte of a reply went out. Then the connection can
+        take the next request after the error frame; otherwise it must close."""
+        consumed = self._body_read and all(p.consumed for p in self._payloads)
+        return consumed and not self._replied
 
     def _recv(self, size: int) -> memoryview:
         return memoryview(w.recv_bytes(self._conn, size))
 
     def _reply(self, reply: bytes) -> None:
         """A reply header (status OK and what follows it)."""
+        self._replied = True
         self._conn.sendall(reply)
+
+    def _send(self, parts: list[Buffer], nbytes: int) -> None:
+        """Reply parts with `nbytes` of payloads among them, within the transfer's pace."""
+        self._replied = True
+        w.send_parts(self._conn, parts, self._pace.deadline(nbytes))
 
     def handle(self, op: int, model_len: int, count: int) -> None:
         """One request whose header was read; raises KvshareError to refuse it."""
-        if op not in OPS:
+        self._body_read, self._payloads, self._replied = False, [], False
+        verb = VERBS.get(op)
+        if verb is None:
             raise InvalidArgument(f"unknown bulk operation {op}")
-        principal = self._grant.principal
-        action = Action.READ if op == w.OP_GET else Action.WRITE
-        self._core.check_rate(principal)
-        tenant = self._core.admit_tenant(principal, self._grant.tenant, action)
-        self._core.limits.check_digest_count(count)
-        sizes_len = w.SIZE.size * count if op == w.OP_PUT else 0
+        # The header is admitted before the body is read.
+        begun = self._core.begin(self._grant.principal, verb, self._grant.tenant, count)
+        sizes_len = w.SIZE.size * count if verb is Verb.PUT else 0
         body = self._recv(model_len + 32 * count + sizes_len)
+        self._body_read = True
         model = parse_model_bytes(body[:model_len])
         raw = body[model_len : model_len + 32 * count]
         digests = [bytes(raw[i : i + 32]) for i in range(0, len(raw), 32)]
-        if op == w.OP_GET:
-            admitted = self._core.name(principal, tenant, model, digests)
+        if verb is Verb.GET:
             if self._arena is None:
-                self._get(admitted.keys)
+                self._get(begun, model, digests)
             else:
-                self._get_local(admitted.keys, self._arena)
+                self._get_local(begun, model, digests, self._arena)
             return
         sizes = [size for (size,) in w.SIZE.iter_unpack(body[model_len + 32 * count :])]
-        self._put(model, digests, sizes)
+        outcomes = self._core.put_blocks(begun, model, digests, sizes, self._sources)
+        stored = (w.OUTCOME_STORED if new else w.OUTCOME_ALREADY_PRESENT for new in outcomes)
+        self._reply(bytes([w.OK]) + bytes(stored))
 
     # -- GET ---------------------------------------------------------------------------
 
-    def _get(self, keys: Sequence[StorageKey]) -> None:
+    def _get(self, begun: Begun, model: str, digests: Sequence[bytes]) -> None:
         """The reply in as few `sendmsg` calls as its tiers allow: one for blocks all in
-        memory (status, sizes, payloads and END together)."""
-        parts: list[bytes | bytearray | memoryview] = [bytes([w.OK])]
-        nbytes = 0
-        with self._core.store.read(self._grant.tenant, keys) as reading:
-            while (batch := reading.next_batch(DISK_BATCH_BYTES)) is not None:
-                for payload in batch.payloads:
-                    parts += [w.SIZE.pack(len(payload)), payload]
+        memory (status, block headers, payloads and the end together)."""
+        parts, nbytes, served = self._reply_start(), 0, 0
+        with self._core.get(begun, model, digests, accept=self._accept) as reply:
+            for batch in reply:
+                for index, payload in enumerate(batch.payloads, batch.first_index):
+                    parts += [self._block_header(index, len(payload)), payload]
                     nbytes += len(payload)
-                if batch.final:
-                    break
-                # the next batch reads the disk: send these first
-                w.send_parts(self._conn, parts, self._pace.deadline(nbytes))
-                parts, nbytes = [], 0
-            w.send_parts(self._conn, [*parts, w.END], self._pace.deadline(nbytes))
+                served = batch.first_index + len(batch.payloads)
+                if not batch.final:  # the next batch reads the disk: send these first
+                    self._send(parts, nbytes)
+                    parts, nbytes = [], 0
+            self._send([*parts, self._reply_end(served)], nbytes)
 
-    def _get_local(self, keys: Sequence[StorageKey], arena: Arena) -> None:
+    def _reply_start(self) -> list[Buffer]:
+        return [bytes([w.OK])]
+
+    def _block_header(self, index: int, size: int) -> bytes:
+        return w.SIZE.pack(size)
+
+    def _reply_end(self, served: int) -> bytes:
+        return w.END
+
+    def _get_local(self, begun: Begun, model: str, digests: Sequence[bytes], arena: Arena) -> None:
         """Copy the leading present blocks into the arena, as many as fit, then say
-        their sizes (and whether the arena filled up before the next present block)."""
+        their sizes (and whether the arena filled up before the next present block:
+        the client asks again for the rest)."""
+        placement = _Placement(arena.size)
         sizes: list[int] = []
-        offset, truncated = 0, False
-        with self._core.store.read(self._grant.tenant, keys) as reading:
-            while not truncated and (batch := reading.next_batch(DISK_BATCH_BYTES)) is not None:
-                for placed, payload in enumerate(batch.payloads):
-                    size = len(payload)
-                    if offset + size > arena.size:
-                        # The rest is asked for again: not served now, nor missed.
-                        reading.unsent(len(batch.payloads) - placed)
-                        truncated = True
-                        break
-                    w.copy_into(arena.view[offset:], payload)
-                    sizes.append(size)
-                    offset += size + (-size % w.ARENA_ALIGN)
-        reply = [bytes([w.OK]), w.LOCAL_GET.pack(len(sizes), truncated)]
-        self._reply(b"".join(reply + [w.SIZE.pack(size) for size in sizes]))
+        with self._core.get(begun, model, digests, accept=placement.fits) as reply:
+            for batch in reply:
+                for payload in batch.payloads:
+                    w.copy_into(arena.view[placement.offsets[len(sizes)] :], payload)
+                    sizes.append(len(payload))
+        reply_header = [bytes([w.OK]), w.LOCAL_GET.pack(len(sizes), placement.full)]
+        self._reply(b"".join(reply_header + [w.SIZE.pack(size) for size in sizes]))
 
     # -- PUT ---------------------------------------------------------------------------
 
-    def _put(self, model: str, digests: Sequence[bytes], sizes: Sequence[int]) -> None:
-        """Every block is named and its size admitted before any payload is taken."""
-        put = self._core.admit_put(self._grant.principal, self._grant.tenant, model)
-        keys = [
-            self._core.name_block(put, index, digest, size)
-            for index, (digest, size) in enumerate(zip(digests, sizes, strict=True))
-        ]
-        offsets = self._arena.placed(sizes) if self._arena is not None else None
-        futures = []
-        for index, (key, size) in enumerate(zip(keys, sizes, strict=True)):
-            source: BlockSource = (
-                self._source(index, size)
-                if offsets is None or self._arena is None
-                else _ArenaSource(self._arena, offsets[index], size)
-            )
-            futures.append(self._core.put(put, index, key, source))
-        outcomes = bytes(
-            w.OUTCOME_STORED if future.result() else w.OUTCOME_ALREADY_PRESENT for future in futures
-        )
-        self._reply(bytes([w.OK]) + outcomes)
+    def _sources(self, sizes: Sequence[int]) -> list[BlockSource]:
+        """A put's blocks, once all are admitted: in the arena, or still on the wire."""
+        if self._arena is not None:
+            offsets = self._arena.placed(sizes)
+            return [_ArenaSource(self._arena, o, n) for o, n in zip(offsets, sizes, strict=True)]
+        self._payloads = [self._source(index, size) for index, size in enumerate(sizes)]
+        return list(self._payloads)
 
-    def _source(self, index: int, size: int) -> BlockSource:
+    def _source(self, index: int, size: int) -> _Incoming:
         """Block `index` of a put, as it arrives on the connection."""
         return _SocketSource(self._conn, size, self._pace)
+
+
+def send_error_frame(conn: socket.socket, error: KvshareError) -> None:
+    """An error frame in clear: a refused request, hello or arena (kvcommon.bulkwire)."""
+    conn.sendall(w.error_frame(error))
+
+
+class _Placement:
+    """Where a same-host GET's blocks go in the arena: back to back, page-aligned, as
+    many as fit (`fits` is the reply's acceptance predicate)."""
+
+    def __init__(self, capacity: int) -> None:
+        self._capacity = capacity
+        self._next = 0
+        self.offsets: list[int] = []
+        self.full = False  # a block did not fit: the reply ends before it
+
+    def fits(self, payload: Payload) -> bool:
+        size = len(payload)
+        if self._next + size > self._capacity:
+            self.full = True
+            return False
+        self.offsets.append(self._next)
+        self._next += size + (-size % w.ARENA_ALIGN)
+        return True
+
+
+class _Incoming(BlockSource, Protocol):
+    """A put's block still on the connection; `consumed` once its bytes were read."""
+
+    consumed: bool
 
 
 class _SocketSource:
@@ -184,12 +229,14 @@ class _SocketSource:
         self._conn = conn
         self.size = size
         self._pace = pace
+        self.consumed = False
 
     def payload(self) -> None:
         return None
 
     def fill(self, target: memoryview) -> None:
         w.recv_exact(self._conn, target, self._pace.deadline(self.size))
+        self.consumed = True
 
     def skip(self) -> None:
         """Receive and drop the block (the store holds it already)."""
@@ -199,6 +246,7 @@ class _SocketSource:
             step = min(left, len(scratch))
             w.recv_exact(self._conn, scratch[:step])
             left -= step
+        self.consumed = True
 
 
 class _ArenaSource:

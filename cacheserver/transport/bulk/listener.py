@@ -7,8 +7,8 @@ the GIL is released for the whole transfer. Framing: `kvcommon.bulkwire`.
 
 Security: a connection is opened only with a ticket from `OpenBulk`, which gRPC issued
 after authenticating the caller (policy.TicketBook); the connection is then bound to
-that principal and tenant, and every request is admitted and named by the request core
-(cacheserver.core.requests), the same code the gRPC handlers call. With TLS on the gRPC
+that principal and tenant, and every request is admitted and carried out by the request
+core (cacheserver.core.requests), the same verbs the gRPC handlers call. With TLS on the gRPC
 port, this listener uses the same certificate (and client-certificate CA), and on the
 same port takes the sealed-payload channel (cacheserver.transport.bulk.sealed): a client whose
 first byte does not start TLS must say "KVB2" and prove the secret OpenBulk gave it
@@ -23,6 +23,12 @@ each way instead of two, and no TCP stack. The server copies a put's bytes out o
 arena before it checks or hashes them, so a client rewriting the arena meanwhile can
 only change its own block, as if it had sent other bytes. Policy is the same code as
 on TCP (cacheserver.transport.bulk.handler).
+
+Errors: a request the core refuses gets its error frame and the connection closes (the
+rest of the request may be in flight). Any other exception is a bug: the request gets
+INTERNAL with a request id (kvcommon.errors.wire_error, as over gRPC), and the
+connection serves on when the request was read whole and no reply had started
+(`BulkHandler.in_step`). A failing socket or sealed frame closes the connection.
 
 Each request is observed like an RPC (ServerTelemetry.rpc, methods `kvshare.bulk/Get`,
 `kvshare.bulk/Put`, `kvshare.bulk/Hello`); a request flagged TRACED carries its
@@ -44,11 +50,11 @@ from cacheserver.core.requests import RequestCore
 from cacheserver.telemetry import ServerTelemetry
 from cacheserver.transport.arena import Arena, ArenaCount, listen_locally
 from cacheserver.transport.bulk.accepting import AcceptLoop, bind_listener
-from cacheserver.transport.bulk.handler import OPS, BulkHandler, Pace
+from cacheserver.transport.bulk.handler import OPS, BulkHandler, Pace, send_error_frame
 from cacheserver.transport.bulk.sealed import SealedHello
 from cacheserver.transport.bulk.slots import ConnectionSlots
 from kvcommon import bulkwire as w
-from kvcommon.errors import InvalidArgument, KvshareError, ResourceExhausted
+from kvcommon.errors import InvalidArgument, KvshareError, ResourceExhausted, wire_error
 from kvcommon.tracing import context_from_binary
 from policy.identity import certificate_fingerprint
 from policy.tickets import Grant, Route, TicketBook
@@ -261,7 +267,7 @@ class BulkServer:
         try:
             self._arenas.take(principal)
         except ResourceExhausted as error:
-            conn.sendall(w.error_frame(error))
+            send_error_frame(conn, error)
             return None
         try:
             return Arena(self._bulk.arena_bytes)
@@ -269,7 +275,7 @@ class BulkServer:
             self._arenas.give_back(principal)
             log.error("cannot create a same-host arena: %s", error.strerror)
             refusal = ResourceExhausted("the server could not create a shared-memory arena")
-            conn.sendall(w.error_frame(refusal))
+            send_error_frame(conn, refusal)
             return None
 
     def _rebind(self, raw: socket.socket, conn: socket.socket) -> None:
@@ -297,9 +303,12 @@ class BulkServer:
                 grant = redeem()
                 self._slots.authenticated(raw, grant.principal.name)
                 return grant
-            except KvshareError as error:
-                call.status = error.status
-                conn.sendall(w.error_frame(error))
+            except OSError:
+                raise
+            except Exception as error:
+                answer = wire_error(error, method)
+                call.status = answer.status
+                send_error_frame(conn, answer)
                 return None
 
     def _redeem(
@@ -329,14 +338,22 @@ class BulkServer:
             return False
         parent = None if trace is None else context_from_binary(trace)
         name = OPS.get(op, "Invalid")
-        with self._telemetry.rpc(f"kvshare.bulk/{name}", parent, system=BULK_SYSTEM) as call:
+        method = f"kvshare.bulk/{name}"
+        with self._telemetry.rpc(method, parent, system=BULK_SYSTEM) as call:
             try:
                 handler.handle(op, model_len, count)
                 return True
-            except KvshareError as error:
-                call.status = error.status
-                handler.send_error(error)
-                return False  # the rest of the request may be in flight: resync by closing
+            except OSError:
+                raise  # the connection failed, or a sealed frame did: it closes
+            except Exception as error:
+                answer = wire_error(error, method)
+                call.status = answer.status
+                # A refusal closes the connection, as clients expect (the rest of its
+                # request may still be in flight); after an internal error, one left at
+                # a request boundary serves on.
+                serves_on = not isinstance(error, KvshareError) and handler.in_step
+                handler.send_error(answer)
+                return serves_on
 
 
 def _opens_tls(raw: socket.socket) -> bool:

@@ -18,27 +18,24 @@ secret and the ticket each direction gets its own key (policy.bulkchannel), and:
   tenant key, whose associated data names tenant, model, digest and key version.
 
 Any frame that fails its check raises `ChannelBroken` and the connection closes.
-Admission and the store calls are BulkHandler's, as on every transport.
+Admission, the read loop and the store calls are the request core's, as on every
+transport; this module only frames.
 """
 
 from __future__ import annotations
 
 import logging
 import socket
-from collections.abc import Sequence
 
-from cacheserver.blocks import BlockSource
-from cacheserver.core.requests import DISK_BATCH_BYTES, RequestCore
-from cacheserver.transport.bulk.handler import DISCARD_CHUNK_BYTES, BulkHandler, Pace
+from cacheserver.core.requests import RequestCore
+from cacheserver.transport.bulk.handler import DISCARD_CHUNK_BYTES, Buffer, BulkHandler, Pace
 from kvcommon import bulkwire as w
 from kvcommon.errors import KvshareError, Unauthenticated
 from policy.bulkchannel import TAG_BYTES, ChannelError, PayloadMac, Receiver, Sender, server_side
 from policy.sealing import looks_sealed
 from policy.tickets import Grant, Route, TicketBook
-from policy.types import StorageKey
 
 log = logging.getLogger(__name__)
-Buffer = bytes | bytearray | memoryview
 
 
 class SealedHello:
@@ -93,6 +90,7 @@ class SealedHandler(BulkHandler):
         super().__init__(core, conn, grant, None, pace)
         self._out = sender
         self._in = receiver
+        self._accept = looks_sealed
 
     def _open(self, min_size: int, max_size: int) -> bytes:
         """The next header from the client, opened, of `min_size` to `max_size` bytes."""
@@ -115,7 +113,8 @@ class SealedHandler(BulkHandler):
         return op & ~w.TRACED, model_len, count, trace
 
     def send_error(self, error: KvshareError) -> None:
-        self._reply(w.error_frame(error))
+        """The error frame of a failed request, sealed (this framing's one place for it)."""
+        self._conn.sendall(self._frame(w.error_frame(error)))
 
     def _recv(self, size: int) -> memoryview:
         return memoryview(self._open(size, size))
@@ -127,35 +126,26 @@ class SealedHandler(BulkHandler):
             raise w.ChannelBroken("the sealed bulk connection is used up") from None
 
     def _reply(self, reply: bytes) -> None:
+        self._replied = True
         self._conn.sendall(self._frame(reply))
 
-    def _source(self, index: int, size: int) -> BlockSource:
+    def _source(self, index: int, size: int) -> _SealedSource:
         mac = self._in.payload_mac(index)
         deadline = self._pace.deadline(size)
         return _SealedSource(self._conn, mac, size, self._grant.principal.name, deadline)
 
-    def _get(self, keys: Sequence[StorageKey]) -> None:
-        """Per block a sealed header then the payload as stored (a sealed block); the
-        first block not in the sealed format ends the reply (a miss from there)."""
-        parts: list[Buffer] = []
-        served = nbytes = 0
-        with self._core.store.read(self._grant.tenant, keys) as reading:
-            while (batch := reading.next_batch(DISK_BATCH_BYTES)) is not None:
-                sealed = _leading_sealed(batch.payloads)
-                for payload in batch.payloads[:sealed]:
-                    parts += [self._frame(_block(served, len(payload))), payload]
-                    served += 1
-                    nbytes += len(payload)
-                if sealed < len(batch.payloads):
-                    reading.unsent(len(batch.payloads) - sealed)  # never sent in clear
-                    break
-                if batch.final:
-                    break
-                # the next batch reads the disk: send these first
-                w.send_parts(self._conn, parts, self._pace.deadline(nbytes))
-                parts, nbytes = [], 0
-            end = self._frame(_block(served, 0))
-            w.send_parts(self._conn, [*parts, end], self._pace.deadline(nbytes))
+    # A GET reply: per block a sealed header then the payload as stored (a sealed
+    # block); only blocks in the sealed format are taken (`looks_sealed`), so the first
+    # one that is not ends the reply there (a miss from there, never sent in clear).
+
+    def _reply_start(self) -> list[Buffer]:
+        return []
+
+    def _block_header(self, index: int, size: int) -> bytes:
+        return self._frame(_block(index, size))
+
+    def _reply_end(self, served: int) -> bytes:
+        return self._frame(_block(served, 0))
 
 
 def _authentication_failed(principal: str) -> w.ChannelBroken:
@@ -168,13 +158,6 @@ def _authentication_failed(principal: str) -> w.ChannelBroken:
 
 def _block(index: int, size: int) -> bytes:
     return bytes([w.OK]) + w.BLOCK.pack(index, size)
-
-
-def _leading_sealed(payloads: Sequence[Buffer]) -> int:
-    for index, payload in enumerate(payloads):
-        if not looks_sealed(payload):
-            return index
-    return len(payloads)
 
 
 class _SealedSource:
@@ -193,6 +176,7 @@ class _SealedSource:
         self.size = size
         self._principal = principal
         self._deadline = deadline  # for the block and its tag (handler.Pace)
+        self.consumed = False
 
     def payload(self) -> None:
         return None
@@ -216,6 +200,7 @@ class _SealedSource:
 
     def _check_tag(self) -> None:
         tag = w.recv_bytes(self._conn, TAG_BYTES)
+        self.consumed = True
         try:
             self._mac.verify(tag)
         except ChannelError:

@@ -1,11 +1,12 @@
 """The gRPC face of the store: protobuf framing around the request core.
 
-Each handler reads its request, calls one `RequestCore` method with the caller's
-principal (set by the interceptor, `cacheserver.transport.grpc.wire`), and frames the result. No
-policy, naming or tier decision lives here: those are the core's, shared with the bulk
-listener. Errors are `KvshareError`s, turned into statuses by the interceptor.
+Each handler decodes its request, calls the core's `begin` and one verb with the
+caller's principal (set by the interceptor, `cacheserver.transport.grpc.wire`), and
+frames the result. No policy, naming or tier decision lives here: those are the core's,
+shared with the bulk channel. Errors are `KvshareError`s, turned into statuses by the
+interceptor (anything else: INTERNAL with a request id).
 
-Blocking work (LMDB reads, waiting for the disk writer) runs on the default executor,
+Blocking work (LMDB reads, waiting for the disk writer) runs on `Workers` threads,
 never on the event loop.
 """
 
@@ -13,36 +14,32 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 
-from cacheserver.blocks import BytesSource
-from cacheserver.core.requests import AdmittedPut, RequestCore
-from cacheserver.events import NoEvents
-from cacheserver.store.backlog import WriteBacklog
-from cacheserver.tiers import Payload
+from cacheserver.blocks import BytesSource, Payload
+from cacheserver.config import LimitsConfig
+from cacheserver.core.requests import RequestCore
+from cacheserver.core.transfers import PutStream
+from cacheserver.core.values import Announced, Begun, Verb
 from cacheserver.transport.grpc.wire import current_principal
 from cacheserver.transport.grpc.workers import Workers
 from kvcommon.errors import InvalidArgument, ResourceExhausted
 from kvcommon.v1 import kvshare_pb2 as pb
 from kvcommon.v1 import kvshare_pb2_grpc as pb_grpc
-from policy import Action
 from policy.identity import pem_certificate_fingerprint
-from policy.types import StorageKey
 
-_T = TypeVar("_T")
 Context = grpc.aio.ServicerContext[Any, Any]
 FRAME_SLACK_BYTES = 64 << 10  # protobuf framing around a frame's payload bytes
 
 
 class BlockStoreService(pb_grpc.BlockStoreServicer):
-    def __init__(self, core: RequestCore, receive_bytes: int) -> None:
-        """`receive_bytes`: the most bytes of blocks a Put stream may hold while they
-        arrive, over all tenants (one tenant: half); see `_BlockAssembler`."""
+    def __init__(self, core: RequestCore, limits: LimitsConfig) -> None:
+        """`limits`: how big Get frames may be (get_frame_bytes, max_message_bytes)."""
         self._core = core
+        self._limits = limits
         self._workers = Workers()
-        self._receiving = WriteBacklog(receive_bytes, NoEvents(), hurry=lambda: None)
 
     def close(self) -> None:
         self._workers.close()
@@ -68,40 +65,36 @@ class BlockStoreService(pb_grpc.BlockStoreServicer):
         )
 
     async def Lookup(self, request: pb.LookupRequest, context: Context) -> pb.LookupResponse:
-        admitted = self._core.admit(
-            current_principal.get(), Action.READ, request.tenant, request.model, request.digests
-        )
-        if self._core.store.lookup_blocks:  # issue 17: it may ask the Redis Cluster
-            return pb.LookupResponse(present=await self._workers.read(self._core.lookup, admitted))
-        return pb.LookupResponse(present=self._core.lookup(admitted))
+        begun = self._begin(Verb.LOOKUP, request.tenant, len(request.digests))
+        if self._core.lookup_blocks:  # it may ask the shared tier: off the event loop
+            present = await self._workers.read(
+                self._core.lookup, begun, request.model, request.digests
+            )
+        else:
+            present = self._core.lookup(begun, request.model, request.digests)
+        return pb.LookupResponse(present=present)
 
     async def Get(self, request: pb.GetRequest, context: Context) -> AsyncIterator[pb.GetFrame]:
-        admitted = self._core.admit(
-            current_principal.get(), Action.READ, request.tenant, request.model, request.digests
-        )
-        limits = self._core.limits
+        begun = self._begin(Verb.GET, request.tenant, len(request.digests))
         frame_bytes = min(
-            request.max_frame_bytes or limits.get_frame_bytes,
-            limits.max_message_bytes - FRAME_SLACK_BYTES,
+            request.max_frame_bytes or self._limits.get_frame_bytes,
+            self._limits.max_message_bytes - FRAME_SLACK_BYTES,
         )
         framer = _Framer(frame_bytes)
         # Each batch is copied before it is framed: about two frames of it at a time,
         # so a client that stops reading holds that much server memory, not its whole
-        # prefix (issue 15, F6).
-        batch_bytes = 2 * frame_bytes
-        async with self._workers.get_stream(admitted.tenant):
-            with self._core.read(admitted) as reading:
-                while True:
-                    batch = await self._workers.read(reading.next_batch, batch_bytes)
-                    if batch is None:
-                        break
+        # prefix.
+        reply = self._core.get(begun, request.model, request.digests, batch_bytes=2 * frame_bytes)
+        async with self._workers.get_stream(reply.tenant):
+            with reply:
+                while (served := await self._workers.read(reply.next_served)) is not None:
                     # Frames go out while the stream waits on its client: copy views of
                     # journal records now and let go of them, rather than pin them.
                     payloads = [
-                        bytes(p) if isinstance(p, memoryview) else p for p in batch.payloads
+                        bytes(p) if isinstance(p, memoryview) else p for p in served.payloads
                     ]
-                    reading.release()
-                    for frame in framer.frames(reading.served - len(payloads), payloads):
+                    reply.release()
+                    for frame in framer.frames(served.first_index, payloads):
                         yield frame
         last = framer.flush()
         if last is not None:
@@ -110,50 +103,47 @@ class BlockStoreService(pb_grpc.BlockStoreServicer):
     async def Put(
         self, request_iterator: AsyncIterator[pb.PutFrame], context: Context
     ) -> pb.PutResponse:
-        put: AdmittedPut | None = None
-        assembler = _BlockAssembler(self._receiving)
+        stream: PutStream | None = None
+        assembler = _BlockAssembler()
         futures = []
         try:
             async for frame in request_iterator:
-                if put is None:
+                if stream is None:
                     if not frame.HasField("header"):
                         raise InvalidArgument(
                             "the first Put frame must carry `header` (tenant, model)"
                         )
-                    put = self._core.admit_put(
-                        current_principal.get(), frame.header.tenant, frame.header.model
-                    )
+                    begun = self._begin(Verb.PUT, frame.header.tenant, 0)
+                    stream = self._core.put(begun, frame.header.model)
                 elif frame.HasField("header"):
                     raise InvalidArgument("only the first Put frame may carry `header`")
-                for index, key, payload in assembler.add(frame.chunks, put, self._core):
+                for block, payload in assembler.add(frame.chunks, stream):
                     # Off the event loop: a journaled put copies the block before it returns.
                     submitted = await self._workers.write(
-                        put.tenant, self._core.put, put, index, key, BytesSource(payload)
+                        stream.tenant, stream.store, block, BytesSource(payload)
                     )
-                    assembler.handed_over(put, len(payload))
-                    futures.append((index, asyncio.wrap_future(submitted)))
-            if put is None:
+                    futures.append((block.index, asyncio.wrap_future(submitted)))
+            if stream is None:
                 raise InvalidArgument("empty Put stream; send a first frame with `header`")
             assembler.finish()
         finally:
-            if put is not None:
-                assembler.abandon(put)
+            if stream is not None:
+                stream.close()  # a partial block's receive budget
         return await _put_results(futures)
 
     async def Delete(self, request: pb.DeleteRequest, context: Context) -> pb.DeleteResponse:
-        principal = current_principal.get()
         if request.whole_tenant:
             if request.digests:
                 raise InvalidArgument("whole_tenant deletes take no digests; send one or the other")
-            tenant = self._core.admit_tenant(principal, request.tenant, Action.ADMIN)
+            begun = self._begin(Verb.DELETE_NAMESPACE, request.tenant, 0)
             deleted = await self._workers.write(
-                tenant, self._core.delete_namespace, principal, request.tenant, request.model
+                begun.tenant, self._core.delete_namespace, begun, request.model
             )
             return pb.DeleteResponse(deleted=deleted)
-        admitted = self._core.admit(
-            principal, Action.WRITE, request.tenant, request.model, request.digests
+        begun = self._begin(Verb.DELETE, request.tenant, len(request.digests))
+        deleted = await self._workers.write(
+            begun.tenant, self._core.delete, begun, request.model, request.digests
         )
-        deleted = await self._workers.write(admitted.tenant, self._core.delete, admitted)
         return pb.DeleteResponse(deleted=deleted)
 
     async def Stats(self, request: pb.StatsRequest, context: Context) -> pb.StatsResponse:
@@ -181,6 +171,9 @@ class BlockStoreService(pb_grpc.BlockStoreServicer):
                 pb.TierStats(name=name, blocks=blocks, bytes=nbytes, budget_bytes=budget)
             )
         return response
+
+    def _begin(self, verb: Verb, tenant: str, count: int) -> Begun:
+        return self._core.begin(current_principal.get(), verb, tenant, count)
 
 
 async def _put_results(futures: Sequence[tuple[int, asyncio.Future[bool]]]) -> pb.PutResponse:
@@ -243,71 +236,56 @@ class _Framer:
 class _BlockAssembler:
     """Reassembles Put chunks into whole blocks; a block is released only when complete.
 
-    A block's declared size is admitted (the core's name_block: digest, count, size,
-    room in the tenant's quota) from its first chunk, and taken from the stream's
-    receive budget, before any of its bytes are kept: what a stream holds in server
-    memory while its blocks arrive is bounded, per tenant and in total (issue 15, F6)."""
+    A block is announced to the put (admission: digest, count, size, room in the
+    tenant's quota and in the receive budget) from its first chunk, before any of its
+    bytes are kept: what a stream holds in server memory while its blocks arrive is
+    bounded, per tenant and in total (cacheserver.core.admission)."""
 
-    def __init__(self, budget: WriteBacklog) -> None:
-        self._budget = budget
-        self._held = 0  # bytes taken from the budget: the block arriving now
-        self._count = 0
-        self._key = StorageKey(b"")
-        self._expected = -1  # -1: between blocks
+    def __init__(self) -> None:
+        self._block: Announced | None = None  # the block arriving now
         self._parts: list[bytes] = []
         self._received = 0
+        self._count = 0  # blocks completed
 
     def add(
-        self, chunks: Sequence[pb.PutChunk], put: AdmittedPut, core: RequestCore
-    ) -> Iterator[tuple[int, StorageKey, bytes]]:
+        self, chunks: Sequence[pb.PutChunk], stream: PutStream
+    ) -> Iterator[tuple[Announced, bytes]]:
         for chunk in chunks:
-            if self._expected < 0 and chunk.offset == 0:
-                self._key = core.name_block(put, self._count, chunk.digest, chunk.block_bytes)
-                self._budget.reserve(put.tenant, chunk.block_bytes, 0.0)
-                self._held = chunk.block_bytes
-                self._expected = chunk.block_bytes
+            if self._block is None and chunk.offset == 0:
+                self._block = stream.announce(chunk.digest, chunk.block_bytes, hold=True)
                 self._parts, self._received = [], 0
-            elif self._expected < 0 or chunk.offset != self._received:
+            elif self._block is None or chunk.offset != self._received:
                 raise InvalidArgument(
                     f"block {self._count}: chunk at offset {chunk.offset}, expected "
                     f"{self._received}; send each block's chunks in order, starting at offset 0"
                 )
-            if not chunk.data and self._received < self._expected:
+            expected = self._block.size
+            if not chunk.data and self._received < expected:
                 raise InvalidArgument(
                     f"block {self._count}: an empty chunk; every chunk carries bytes"
                 )
             self._parts.append(chunk.data)
             self._received += len(chunk.data)
-            if self._received > self._expected:
+            if self._received > expected:
                 raise InvalidArgument(
-                    f"block {self._count}: more bytes than its block_bytes {self._expected}"
+                    f"block {self._count}: more bytes than its block_bytes {expected}"
                 )
-            if self._received == self._expected:
+            if self._received == expected:
                 yield self._complete()
 
-    def _complete(self) -> tuple[int, StorageKey, bytes]:
+    def _complete(self) -> tuple[Announced, bytes]:
+        assert self._block is not None
         payload = self._parts[0] if len(self._parts) == 1 else b"".join(self._parts)
-        result = (self._count, self._key, payload)
+        result = (self._block, payload)
         self._count += 1
-        self._expected = -1
+        self._block = None
         return result
 
-    def handed_over(self, put: AdmittedPut, nbytes: int) -> None:
-        """The store has the complete block: its bytes leave the receive budget."""
-        self._budget.release(put.tenant, nbytes)
-        self._held -= nbytes
-
-    def abandon(self, put: AdmittedPut) -> None:
-        """The stream ended (well or not): give back what a partial block held."""
-        if self._held:
-            self._budget.release(put.tenant, self._held)
-            self._held = 0
-
     def finish(self) -> None:
-        if self._expected >= 0:
+        if self._block is not None:
             raise InvalidArgument(
                 f"block {self._count} ended after {self._received} of "
-                f"{self._expected} bytes; nothing of it was stored"
+                f"{self._block.size} bytes; nothing of it was stored"
             )
 
 

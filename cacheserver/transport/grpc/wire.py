@@ -16,7 +16,8 @@ authenticated caller is INVALID_ARGUMENT, not an unexpected error. A call with m
 one `authorization` header is refused: which one counts must never be ambiguous.
 
 `KvshareError`s become `context.abort(status, message)` here and nowhere else; any other
-exception is a bug, logged with a request id and answered INTERNAL with a fixed message.
+exception is a bug, logged with a request id and answered INTERNAL with a fixed message
+(`kvcommon.errors.wire_error`, which the bulk listener uses too).
 
 The same wrapper observes the call (ServerTelemetry.rpc): a request id for its log and
 audit records, a server span whose parent is the caller's `traceparent` metadata, and
@@ -26,7 +27,6 @@ the call's count and latency by method and final status.
 from __future__ import annotations
 
 import contextvars
-import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeAlias, TypeVar
@@ -35,13 +35,11 @@ import grpc
 from opentelemetry.context import Context
 
 from cacheserver.telemetry import RpcCall, ServerTelemetry
-from kvcommon.errors import InvalidArgument, KvshareError, Unauthenticated
-from kvcommon.logs import current_request_id, new_request_id
+from kvcommon.errors import InvalidArgument, KvshareError, Unauthenticated, wire_error
 from kvcommon.tracing import context_from_metadata
 from policy import AccessPolicy, Principal
 from policy.audit import bind_call
 
-log = logging.getLogger(__name__)
 UNAUTHENTICATED_METHODS = frozenset(
     {
         "/grpc.health.v1.Health/Check",
@@ -59,16 +57,10 @@ def _status(error: KvshareError) -> grpc.StatusCode:
 async def abort_for(
     context: grpc.aio.ServicerContext[Any, Any], error: BaseException, method: str
 ) -> None:
-    if isinstance(error, KvshareError):
-        await context.abort(_status(error), str(error))
-    request_id = current_request_id() or new_request_id()
-    log.error(
-        "internal error in %s (request id %s)",
-        method,
-        request_id,
-        exc_info=(type(error), error, error.__traceback__),
-    )
-    await context.abort(grpc.StatusCode.INTERNAL, f"internal error (request id {request_id})")
+    """Abort the call with `error`'s status (kvcommon.errors.wire_error: INTERNAL, logged
+    with the request id, for anything but a KvshareError)."""
+    answer = wire_error(error, method)
+    await context.abort(_status(answer), str(answer))
 
 
 async def _authenticate(

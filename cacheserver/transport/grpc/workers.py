@@ -4,14 +4,14 @@ the writers per tenant — and a bound on the Get streams each tenant keeps open
 gRPC handlers run on one event loop and hand blocking work (LMDB reads, a put waiting
 for room in the journal or the writer's backlog, a delete waiting for the disk writer)
 to threads. On one shared pool, a tenant whose puts wait for room held every thread,
-and another tenant's read from disk waited seconds behind them (issue 15, F4). Here
-reads have their own threads, and one tenant's writes hold at most half the writers.
+and another tenant's read from disk waited seconds behind them. Here reads have their
+own threads, and one tenant's writes hold at most half the writers.
 
 A Get stream copies a batch of blocks (about two frames) before it frames them, and
 gRPC keeps the frames it was handed until the client's flow-control window takes
 them: a client that stops reading holds roughly that much server memory per stream. So
 one tenant keeps at most `GET_STREAMS_PER_TENANT` streams sending at once (and all
-tenants `GET_STREAMS`); more wait, holding nothing (issue 15, F6).
+tenants `GET_STREAMS`); more wait, holding nothing.
 """
 
 from __future__ import annotations

@@ -318,3 +318,55 @@ def test_after_a_descriptor_flood_the_bulk_channel_serves_again(tmp_path: Path) 
     finally:
         health.close()
         served.stop()
+
+
+def refused_puts(served: Served, count: int) -> None:
+    """`count` gRPC Puts whose first frame carries 14 MiB and is refused: half by a
+    read-only principal (PERMISSION_DENIED), half for a chunk at the wrong offset."""
+    options = [("grpc.max_send_message_length", 64 * MiB)]
+    with grpc.insecure_channel(served.address, options=options) as channel:
+        put = pb_grpc.BlockStoreStub(channel).Put
+        for i in range(count):
+            who, offset = ("r", 0) if i % 2 else ("a", 5)
+            chunk = pb.PutChunk(
+                digest=os.urandom(32), block_bytes=16 * MiB, offset=offset, data=bytes(14 * MiB)
+            )
+            header = pb.PutHeader(tenant="alpha", model=MODEL)
+            with pytest.raises(grpc.RpcError) as refused:
+                put(iter([pb.PutFrame(header=header, chunks=[chunk])]), timeout=60,
+                    metadata=served.metadata(who))  # fmt: skip
+            assert refused.value.code() in (
+                grpc.StatusCode.PERMISSION_DENIED,
+                grpc.StatusCode.INVALID_ARGUMENT,
+            )
+
+
+def owned(served: Served) -> int:
+    from benchmarks.reliability.harness import owned_rss_bytes
+
+    return owned_rss_bytes(served.proc.pid)
+
+
+@pytest.mark.slow
+def test_refused_puts_give_their_memory_back(served: Served) -> None:
+    """A refused gRPC Put used to keep its frames (14 MiB each here) alive through the
+    abort's reference chain until a full garbage collection, which a quiet server
+    rarely runs: every refused call grew the server for good. After the first few, more
+    refusals must not grow it — the rest stays within the server's memory budget."""
+    start = owned(served)
+    refused_puts(served, 16)
+    time.sleep(1.0)
+    after_16 = owned(served)
+    refused_puts(served, 32)
+    time.sleep(1.0)
+    after_48 = owned(served)
+    print(
+        f"server memory: +{(after_16 - start) / MiB:.0f} MiB after 16 refused Puts, "
+        f"+{(after_48 - start) / MiB:.0f} MiB after 48"
+    )
+    assert after_48 - after_16 < 96 * MiB  # 32 more would keep 448 MiB if each leaked
+    assert after_48 - start < BUDGET_BYTES
+    with BlockClient(served.address, served.tokens["b"], same_host=False) as b:  # serves on
+        digest, payload = os.urandom(32), os.urandom(MiB)
+        assert b.put("beta", MODEL, [digest], [payload]) == [True]
+        assert b.get("beta", MODEL, [digest]) == [payload]

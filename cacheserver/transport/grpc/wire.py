@@ -27,6 +27,7 @@ the call's count and latency by method and final status.
 from __future__ import annotations
 
 import contextvars
+import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeAlias, TypeVar
@@ -58,8 +59,14 @@ async def abort_for(
     context: grpc.aio.ServicerContext[Any, Any], error: BaseException, method: str
 ) -> None:
     """Abort the call with `error`'s status (kvcommon.errors.wire_error: INTERNAL, logged
-    with the request id, for anything but a KvshareError)."""
+    with the request id, for anything but a KvshareError).
+
+    The handler's frames are cleared first: the abort chains `error` to grpc's own
+    exception, and that chain sits in a reference cycle that only a full garbage
+    collection frees, holding every local of the handler meanwhile — a refused Put's
+    first frames, up to max_message_bytes each, for as long as a quiet server runs."""
     answer = wire_error(error, method)
+    traceback.clear_frames(error.__traceback__)
     await context.abort(_status(answer), str(answer))
 
 
@@ -132,13 +139,26 @@ def _decode(call: _Call, raw: Any) -> Any:
         ) from None
 
 
-async def _decoded(call: _Call, raw_stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
-    async for raw in raw_stream:
-        yield _decode(call, raw)
+async def _decoded(
+    call: _Call, context: grpc.aio.ServicerContext[Any, Any]
+) -> AsyncIterator[Any]:
+    """A request stream's messages, read with `context.read()` rather than through
+    grpc's request iterator: that iterator's closure keeps the last raw message (up to
+    max_message_bytes) alive after a refused call, in a pool of them that the garbage
+    collector never frees. Here no local outlives the message it was read for."""
+    while True:
+        raw = await context.read()
+        if raw is grpc.aio.EOF:
+            return
+        message, raw = _decode(call, raw), None
+        yield message
+        message = None
 
 
-def _request_of(call: _Call, request: Any, streaming: bool) -> Any:
-    return _decoded(call, request) if streaming else _decode(call, request)
+def _request_of(
+    call: _Call, request: Any, streaming: bool, context: grpc.aio.ServicerContext[Any, Any]
+) -> Any:
+    return _decoded(call, context) if streaming else _decode(call, request)
 
 
 def _wrap_unary(
@@ -148,7 +168,7 @@ def _wrap_unary(
         with call.telemetry.rpc(call.name, call.parent) as observed:
             try:
                 await _authenticate(call.policy, call.authorization, call.method, context)
-                return await behavior(_request_of(call, request, streaming), context)
+                return await behavior(_request_of(call, request, streaming, context), context)
             except Exception as exc:
                 await call.fail(context, exc, observed)
                 raise  # unreachable: abort raises
@@ -165,7 +185,7 @@ def _wrap_stream(
         with call.telemetry.rpc(call.name, call.parent, restore_context=False) as observed:
             try:
                 await _authenticate(call.policy, call.authorization, call.method, context)
-                async for item in behavior(_request_of(call, request, streaming), context):
+                async for item in behavior(_request_of(call, request, streaming, context), context):
                     yield item
             except Exception as exc:
                 await call.fail(context, exc, observed)

@@ -139,9 +139,7 @@ def _decode(call: _Call, raw: Any) -> Any:
         ) from None
 
 
-async def _decoded(
-    call: _Call, context: grpc.aio.ServicerContext[Any, Any]
-) -> AsyncIterator[Any]:
+async def _decoded(call: _Call, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
     """A request stream's messages, read with `context.read()` rather than through
     grpc's request iterator: that iterator's closure keeps the last raw message (up to
     max_message_bytes) alive after a refused call, in a pool of them that the garbage

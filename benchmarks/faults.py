@@ -14,6 +14,7 @@ Scenarios (benchmarks/reliability/fault_scenarios*.py; each docstring says what 
   clock_jumps    the server's wall clock jumps a day back and forth (libfaketime)
   descriptor_flood  idle connections exhaust the server's descriptors; the bulk
                  listener says so and serves again once they end
+  refused_put_memory  gRPC Puts refused after a 14 MiB frame give their memory back
 A scenario that needs root or a tool it does not find is skipped with the reason
 ("passed": null). `--json` prints {"scenarios": [{"name", "passed", "detail"}],
 "kill9_cycles", "acknowledged_lost", "torn_served"}.
@@ -46,6 +47,7 @@ SCENARIOS = {
     "server_paused": f2.server_paused,
     "clock_jumps": f2.clock_jumps,
     "descriptor_flood": f3.descriptor_flood,
+    "refused_put_memory": f3.refused_put_memory,
 }
 
 

@@ -10,8 +10,22 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from benchmarks.reliability.fault_scenarios import MODEL, Env, Outcome
-from benchmarks.reliability.harness import wait_until
+from benchmarks.reliability.fault_scenarios import (
+    MODEL,
+    PRINCIPALS,
+    TENANTS,
+    Env,
+    MiB,
+    Outcome,
+)
+from benchmarks.reliability.harness import (
+    PrincipalSpec,
+    owned_rss_bytes,
+    wait_until,
+    write_tenancy,
+)
+from kvcommon.v1 import kvshare_pb2 as pb
+from kvcommon.v1 import kvshare_pb2_grpc as pb_grpc
 from replica_agent.client import BlockClient
 
 FLOOD_CONNECTIONS = 400  # well past the server's descriptor limit below
@@ -68,3 +82,68 @@ def descriptor_flood(env: Env) -> Outcome:
 def _bulk_port(client: BlockClient) -> int:
     ticket = client._grpc.open_bulk("beta")
     return int(ticket.address.rpartition(":")[2])
+
+
+REFUSED_FRAME_BYTES = 14 * MiB
+
+
+def _refuse_puts(address: str, tokens: dict[str, str], count: int) -> int:
+    """`count` gRPC Puts whose first frame (14 MiB) is refused: half by a read-only
+    principal, half for a chunk at the wrong offset. Returns how many were refused."""
+    options = [("grpc.max_send_message_length", 64 * MiB)]
+    refused = 0
+    with grpc.insecure_channel(address, options=options) as channel:
+        put = pb_grpc.BlockStoreStub(channel).Put
+        for i in range(count):
+            who, offset = ("r", 0) if i % 2 else ("a", 5)
+            chunk = pb.PutChunk(
+                digest=os.urandom(32),
+                block_bytes=16 * MiB,
+                offset=offset,
+                data=bytes(REFUSED_FRAME_BYTES),
+            )
+            frame = pb.PutFrame(header=pb.PutHeader(tenant="alpha", model=MODEL), chunks=[chunk])
+            try:
+                put(
+                    iter([frame]),
+                    timeout=60,
+                    metadata=(("authorization", f"Bearer {tokens[who]}"),),
+                )
+            except grpc.RpcError:
+                refused += 1
+    return refused
+
+
+def refused_put_memory(env: Env) -> Outcome:
+    """gRPC Puts refused after a 14 MiB first frame (a read-only principal, a chunk at
+    the wrong offset). Passes when 48 more refusals after the first 16 grow the server's
+    own memory by less than 96 MiB (each kept its frame before: +14 MiB a call, for
+    good), and the server then stores and serves a block."""
+    principals = [*PRINCIPALS, PrincipalSpec("r", ("alpha",), ("read",))]
+    tenancy = write_tenancy(
+        env.directory,
+        TENANTS,
+        principals,
+        storage={"journal_dir": str(env.journal_dir)},
+        limits={"max_block_bytes": 32 * MiB},
+    )
+    server = env.start(tenancy)
+    start = owned_rss_bytes(server.pid)
+    refused = _refuse_puts(server.address, tenancy.tokens, 16)
+    time.sleep(1.0)
+    after_16 = owned_rss_bytes(server.pid)
+    refused += _refuse_puts(server.address, tenancy.tokens, 48)
+    time.sleep(1.0)
+    after_64 = owned_rss_bytes(server.pid)
+    digest, payload = os.urandom(32), os.urandom(MiB)
+    with BlockClient(server.address, tenancy.tokens["b"]) as client:
+        served = client.put("beta", MODEL, [digest], [payload]) == [True] and client.get(
+            "beta", MODEL, [digest]
+        ) == [payload]
+    growth = after_64 - after_16
+    passed = refused == 64 and growth < 96 * MiB and served
+    detail = (
+        f"{refused} of 64 refused; server memory +{(after_16 - start) / MiB:.0f} MiB after "
+        f"16, +{(after_64 - start) / MiB:.0f} MiB after 64; serves on: {served}"
+    )
+    return Outcome(passed, detail)

@@ -9,7 +9,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from cacheserver.config import FLAG_SPECS, ServerConfig, check_flag, load_config
+from cacheserver.config import ServerConfig, load_config
+from cacheserver.config.specs import FLAG_SPECS, check_flag
 from kvcommon.errors import ConfigError
 from kvcommon.memtune import tune_allocator
 

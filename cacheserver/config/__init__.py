@@ -1,9 +1,10 @@
 """Server configuration, parsed once at start-up into frozen dataclasses.
 
 The TOML keys `listen`, `data_dir`, `[[tenants]]` and `[[principals]]` are a contract
-(DESIGN §8); `[storage]`, `[limits]`, `[tls]`, `[telemetry]`, `[bulk]` and `audit_log` are optional
-with the defaults below; `[redis_cluster]` (DESIGN §6) is parsed by
-`cacheserver.tiers.cluster.config`.
+(docs/design.md §8); `[storage]`, `[limits]`, `[tls]`, `[telemetry]`, `[bulk]` and
+`audit_log` are optional with the defaults below; `[redis_cluster]` (docs/design.md §6)
+is parsed by `cacheserver.tiers.cluster.config`; the specs of every key are in
+`cacheserver.config.specs`.
 Command-line flags override the file. Every key has one spec (its type and range,
 `STORAGE_SPECS` and its neighbours below; `policy.config` for the access part and the
 spec types), and the flags are checked by the specs of the keys they override: a bad
@@ -20,45 +21,33 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from cacheserver.config.bulk import BULK_ADDRESSES
+from cacheserver.config.specs import (
+    BULK_SPECS,
+    DEFAULT_DATA_DIR,
+    DEFAULT_LISTEN,
+    LIMITS_SPECS,
+    MAX_CONFIG_BYTES,
+    STORAGE_SPECS,
+    TELEMETRY_SPECS,
+    TLS_SPECS,
+    TOP_KEYS,
+    TOP_SPECS,
+)
 from cacheserver.tiers.cluster.config import RedisClusterConfig, parse_redis_cluster
 from kvcommon.errors import ConfigError, InvalidArgument
 from policy.audit import AUDIT_FILE
 from policy.config import (
-    DAY_MS,
-    MAX_BUDGET_BYTES,
-    REQUESTS_PER_S,
     AccessConfig,
-    Address,
-    Choice,
-    ConfigText,
-    Flag,
-    GiB,
-    KiB,
-    MiB,
-    PathText,
-    Refused,
-    Spec,
-    Text,
-    TiB,
-    int_in,
     parse_access,
-    shown,
+)
+from policy.config_text import (
+    ConfigText,
+    GiB,
+    MiB,
+    Spec,
 )
 from policy.naming import SECRET_FILE
 from policy.ratelimit import DEFAULT_BURST_S, DEFAULT_REQUESTS_PER_S
-
-DEFAULT_LISTEN = "127.0.0.1:50051"
-DEFAULT_DATA_DIR = "./kvshare-data"
-LOG_FORMATS = ("text", "json")
-# Bounds that come from elsewhere in the server (config cannot import those modules:
-# they import this one). tests/unit/test_config.py checks that they still agree.
-JOURNAL_MIN_BYTES = 16 * MiB  # the put journal's smallest ring (store/journal/ring.py)
-GRPC_SLACK_BYTES = 1 * MiB  # what the server adds to max_message_bytes (server.py)
-GRPC_MAX_MESSAGE = (1 << 31) - 1  # gRPC's message sizes are signed 32-bit integers
-MAX_CONFIG_BYTES = 16 * MiB
-LMDB_MAX_VALUE = (1 << 32) - 1  # LMDB's largest value: a block is one value
-MAX_MAP_BYTES = 96 * TiB  # an LMDB map that leaves room in 128 TiB of address space
 
 
 @dataclass(frozen=True)
@@ -138,7 +127,7 @@ class LimitsConfig:
 class BulkConfig:
     """The bulk channel's listeners (cacheserver/transport/bulk/): TCP/TLS, and same-host."""
 
-    # HOST:PORT of the TCP/TLS listener (DESIGN §8). "": the gRPC listen host at the
+    # HOST:PORT of the TCP/TLS listener (docs/design.md §8). "": the gRPC listen host at the
     # gRPC port + 1 (port 0 stays 0: a free port, as in tests). A fixed port is one a
     # firewall rule or a Kubernetes Service can name.
     listen: str = ""
@@ -221,142 +210,6 @@ class ServerConfig:
     @property
     def is_dev_mode(self) -> bool:
         return self.access is None
-
-
-# -- what each key may hold -------------------------------------------------------------
-# One spec per key the parser reads (tests/unit/test_config.py checks that every field
-# of each table has one). Upper bounds keep a value from overflowing what it feeds: a
-# 32-bit gRPC size, a thread's wait (Python refuses waits past about 292 years, and an
-# fsync thread given one dies), LMDB's largest value, the LMDB map (mapped whole into
-# a 64-bit process's 128 TiB of address space: budgets stop at MAX_BUDGET_BYTES, whose
-# derived map still fits; a file system may allow less, e.g. ext4's 16 TiB files, which
-# the server reports at start). Intervals stop at a day, past anything a deployment
-# means. Where 0 means something else (off, derived, unlimited) the spec says so, and
-# the error message repeats it.
-
-STORAGE_SPECS: dict[str, Spec] = {
-    "memory_budget_bytes": int_in(0, MAX_BUDGET_BYTES, "bytes"),
-    "disk_budget_bytes": int_in(1, MAX_BUDGET_BYTES, "bytes"),
-    "lmdb_map_bytes": int_in(MiB, MAX_MAP_BYTES, "bytes", zero="derived from disk_budget_bytes"),
-    "journal_bytes": int_in(
-        JOURNAL_MIN_BYTES, TiB, "bytes", zero="no journal: a put is acknowledged after LMDB"
-    ),
-    "journal_dir": PathText(empty="the shared-memory tmpfs when it is writable, else none"),
-    "drain_idle_ms": int_in(0, DAY_MS, "ms"),
-    "sync_writes": Flag(),
-    "sync_interval_ms": int_in(1, DAY_MS, "ms", zero="no periodic fsync"),
-    "max_pending_write_bytes": int_in(1, TiB, "bytes"),
-    "max_pending_write_bytes_per_tenant": int_in(
-        1, TiB, "bytes", zero="half of max_pending_write_bytes"
-    ),
-}
-LIMITS_SPECS: dict[str, Spec] = {
-    "max_digests_per_call": int_in(1, 1_000_000),
-    "max_block_bytes": int_in(1, LMDB_MAX_VALUE, "bytes"),
-    # At least 1 MiB: a frame carries its protobuf framing besides payload bytes.
-    "max_message_bytes": int_in(MiB, GRPC_MAX_MESSAGE - GRPC_SLACK_BYTES, "bytes"),
-    "get_frame_bytes": int_in(1, GRPC_MAX_MESSAGE - GRPC_SLACK_BYTES, "bytes"),
-    "requests_per_s": REQUESTS_PER_S,
-    "request_burst_s": int_in(1, 3600),
-}
-BULK_SPECS: dict[str, Spec] = {
-    **BULK_ADDRESSES,
-    "same_host": Flag(),
-    "arena_bytes": int_in(MiB, 4 * GiB, "bytes"),
-    "max_arenas": int_in(1, 4096, zero="no same-host arenas: TCP only"),
-    "max_arenas_per_principal": int_in(1, 4096),
-    # Transfer deadlines divide by it: 0 would fail every bulk transfer.
-    "min_transfer_bytes_per_s": int_in(KiB, TiB, "bytes"),
-}
-TLS_SPECS: dict[str, Spec] = {
-    "cert": PathText(),
-    "key": PathText(),
-    "client_ca": PathText(),
-}
-
-
-@dataclass(frozen=True)
-class MetricsAddress:
-    """`metrics_listen`: [HOST:]PORT (a bare port is loopback), or "" (off)."""
-
-    def allowed(self) -> str:
-        return '[HOST:]PORT with a port from 0 to 65535, or "" (off)'
-
-    def check(self, value: Any) -> str:
-        if not isinstance(value, str):
-            raise Refused(f"must be str, not {shown(value)}; give {self.allowed()}")
-        port = value.rpartition(":")[2]
-        if value and not (port.isdigit() and int(port) <= 65535):
-            raise Refused(
-                f"metrics_listen {shown(value)} is not [HOST:]PORT; give {self.allowed()}"
-            )
-        if value and not value.isdigit():
-            Address("metrics_listen").check(value)
-        return value
-
-
-@dataclass(frozen=True)
-class OtlpUrl:
-    def allowed(self) -> str:
-        return 'the collector\'s OTLP/HTTP base URL, e.g. http://127.0.0.1:4318, or "" (off)'
-
-    def check(self, value: Any) -> str:
-        Text(0, 2048).check(value)
-        if value and not value.startswith(("http://", "https://")):
-            raise Refused(f"otlp_endpoint {shown(value)}; give {self.allowed()}")
-        return str(value)
-
-
-TELEMETRY_SPECS: dict[str, Spec] = {
-    "metrics_listen": MetricsAddress(),
-    "otlp_endpoint": OtlpUrl(),
-    "per_tenant_labels": Flag(),
-    "log_format": Choice("log_format", LOG_FORMATS),
-    "health_interval_ms": int_in(1, DAY_MS, "ms"),
-}
-# The top level's own values; its tables are parsed by the functions below.
-TOP_SPECS: dict[str, Spec] = {
-    "listen": Address("listen", 0),
-    "data_dir": PathText(),
-    "allow_insecure_listen": Flag(),
-    "audit_log": PathText(empty="<data_dir>/audit.log"),
-    "secret_file": PathText(empty="<data_dir>/server.secret"),
-}
-TOP_KEYS = frozenset(TOP_SPECS) | {
-    "tenants",
-    "principals",
-    "storage",
-    "limits",
-    "tls",
-    "telemetry",
-    "bulk",
-    "redis_cluster",
-}
-# Command-line flags that set the same values, checked by the same specs.
-FLAG_SPECS: dict[str, Spec] = {
-    "--listen": TOP_SPECS["listen"],
-    "--data-dir": TOP_SPECS["data_dir"],
-    "--bulk-listen": BULK_SPECS["listen"],
-    "--bulk-advertise": BULK_SPECS["advertise"],
-    "--memory-budget-bytes": STORAGE_SPECS["memory_budget_bytes"],
-    "--disk-budget-bytes": STORAGE_SPECS["disk_budget_bytes"],
-    "--tls-cert": TLS_SPECS["cert"],
-    "--tls-key": TLS_SPECS["key"],
-    "--tls-client-ca": TLS_SPECS["client_ca"],
-    "--metrics-listen": TELEMETRY_SPECS["metrics_listen"],
-    "--otlp-endpoint": TELEMETRY_SPECS["otlp_endpoint"],
-    "--log-format": TELEMETRY_SPECS["log_format"],
-}
-
-
-def check_flag(flag: str, value: object) -> None:
-    """A command-line value, checked by the spec of the key it overrides."""
-    if value is None:
-        return
-    try:
-        FLAG_SPECS[flag].check(str(value) if isinstance(value, Path) else value)
-    except Refused as refused:
-        raise ConfigError(f"{flag}: {refused}") from None
 
 
 def _section(

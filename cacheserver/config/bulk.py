@@ -8,7 +8,9 @@ from typing import TYPE_CHECKING
 
 from kvcommon.errors import ConfigError
 from kvcommon.hostport import HostPort, parse_host_port
-from policy.config import Address
+from policy.config_text import (
+    Address,
+)
 
 if TYPE_CHECKING:
     from cacheserver.config import ServerConfig

@@ -10,14 +10,16 @@ from pathlib import Path
 import pytest
 
 from cacheserver.config import (
+    SECTION_SPECS,
+    TlsFiles,
+    load_config,
+)
+from cacheserver.config.specs import (
     BULK_SPECS,
     LIMITS_SPECS,
-    SECTION_SPECS,
     STORAGE_SPECS,
     TELEMETRY_SPECS,
     TLS_SPECS,
-    TlsFiles,
-    load_config,
 )
 from cacheserver.tiers.cluster.config import REDIS_CLUSTER_SPECS, RedisClusterConfig
 from kvcommon.errors import ConfigError
@@ -26,6 +28,8 @@ from policy.config import (
     REQUESTS_PER_S,
     TENANT_KEYS,
     TENANT_NUMBERS,
+)
+from policy.config_text import (
     IntIn,
     Refused,
     key_line,
@@ -171,7 +175,7 @@ def test_each_bound_is_allowed_and_one_past_it_is_not(name: str, spec: IntIn) ->
 def test_the_bounds_taken_from_elsewhere_still_agree() -> None:
     """config cannot import these modules (they import it): the copies are checked here."""
     from cacheserver import server
-    from cacheserver.config import GRPC_MAX_MESSAGE, GRPC_SLACK_BYTES, JOURNAL_MIN_BYTES
+    from cacheserver.config.specs import GRPC_MAX_MESSAGE, GRPC_SLACK_BYTES, JOURNAL_MIN_BYTES
     from cacheserver.store.journal.ring import MIN_CAPACITY
     from cacheserver.transport.grpc.service import FRAME_SLACK_BYTES
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcommon.hostport import HostPort, parse_host_port
-from policy.config import (
+from policy.config_text import (
     DAY_MS,
     SECOND_MS,
     ConfigText,

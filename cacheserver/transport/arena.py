@@ -17,11 +17,11 @@ import os
 import secrets
 import socket
 import threading
-from collections import Counter
 from collections.abc import Sequence
 
+from cacheserver.transport.caps import PrincipalCap
 from kvcommon import bulkwire as w
-from kvcommon.errors import InvalidArgument, ResourceExhausted
+from kvcommon.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 # Linux only (memfd, seals, abstract sockets): elsewhere the same-host listener is off.
@@ -99,37 +99,29 @@ class ArenaCount:
     memory, so both are capped; past either cap a client uses the TCP listener."""
 
     def __init__(self, max_total: int, max_per_principal: int) -> None:
-        self._max_total = max_total
-        self._max_per_principal = max_per_principal
         self._lock = threading.Lock()
-        self._total = 0
-        self._of: Counter[str] = Counter()
+        self._cap = PrincipalCap(
+            max_total,
+            max_per_principal,
+            lambda cap: (
+                f"all {cap} same-host arenas are in use ([bulk] max_arenas); use the TCP listener"
+            ),
+            lambda principal, cap: (
+                f"principal {principal!r} holds {cap} same-host arenas "
+                "([bulk] max_arenas_per_principal); its further connections use the TCP listener"
+            ),
+        )
 
     @property
     def total(self) -> int:
         with self._lock:
-            return self._total
+            return self._cap.total
 
     def take(self, principal: str) -> None:
         """One more arena for `principal`, or ResourceExhausted saying which cap."""
         with self._lock:
-            if self._total >= self._max_total:
-                raise ResourceExhausted(
-                    f"all {self._max_total} same-host arenas are in use "
-                    "([bulk] max_arenas); use the TCP listener"
-                )
-            if self._of[principal] >= self._max_per_principal:
-                raise ResourceExhausted(
-                    f"principal {principal!r} holds {self._max_per_principal} same-host "
-                    "arenas ([bulk] max_arenas_per_principal); its further connections "
-                    "use the TCP listener"
-                )
-            self._total += 1
-            self._of[principal] += 1
+            self._cap.take(principal)
 
     def give_back(self, principal: str) -> None:
         with self._lock:
-            self._total -= 1
-            self._of[principal] -= 1
-            if not self._of[principal]:
-                del self._of[principal]
+            self._cap.give_back(principal)

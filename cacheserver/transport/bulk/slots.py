@@ -19,10 +19,10 @@ import contextlib
 import socket
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable
 
-from kvcommon.errors import ResourceExhausted
+from cacheserver.transport.caps import PrincipalCap
 
 MAX_HANDSHAKING_PER_LISTENER = 64
 MAX_AUTHENTICATED = 256
@@ -43,15 +43,24 @@ class ConnectionSlots:
     ) -> None:
         self.handshake_timeout_s = handshake_timeout_s
         self._max_handshaking = max_handshaking
-        self._max_authenticated = max_authenticated
-        self._max_per_principal = max_per_principal
         self._shut = shut or _shutdown
         self._clock = clock
         self._lock = threading.Condition()
         # listener name -> connections still handshaking, oldest first, with deadlines
         self._handshaking: dict[str, OrderedDict[socket.socket, float]] = {}
         self._principals: dict[socket.socket, str] = {}
-        self._per_principal: Counter[str] = Counter()
+        self._authenticated = PrincipalCap(
+            max_authenticated,
+            max_per_principal,
+            lambda cap: (
+                f"the bulk listener holds {cap} connections; retry later (the client "
+                "uses gRPC meanwhile)"
+            ),
+            lambda principal, cap: (
+                f"principal {principal!r} holds {cap} bulk connections "
+                "already; close some, or share them between threads"
+            ),
+        )
         self._closed = False
 
     def accept(self, conn: socket.socket, listener: str) -> None:
@@ -70,18 +79,8 @@ class ConnectionSlots:
         with self._lock:
             for pool in self._handshaking.values():
                 pool.pop(conn, None)
-            if len(self._principals) >= self._max_authenticated:
-                raise ResourceExhausted(
-                    f"the bulk listener holds {self._max_authenticated} connections; "
-                    "retry later (the client uses gRPC meanwhile)"
-                )
-            if self._per_principal[principal] >= self._max_per_principal:
-                raise ResourceExhausted(
-                    f"principal {principal!r} holds {self._max_per_principal} bulk "
-                    "connections already; close some, or share them between threads"
-                )
+            self._authenticated.take(principal)
             self._principals[conn] = principal
-            self._per_principal[principal] += 1
 
     def rebind(self, old: socket.socket, new: socket.socket) -> None:
         """`old` became `new` (a TLS wrap detaches the accepted socket): the slot, its
@@ -102,9 +101,7 @@ class ConnectionSlots:
                 pool.pop(conn, None)
             principal = self._principals.pop(conn, None)
             if principal is not None:
-                self._per_principal[principal] -= 1
-                if not self._per_principal[principal]:
-                    del self._per_principal[principal]
+                self._authenticated.give_back(principal)
 
     def reap(self) -> None:
         """Shut down handshaking connections past their deadline, until `close`."""

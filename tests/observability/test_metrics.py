@@ -79,17 +79,23 @@ def assert_counts(samples: Samples, expected: dict[Series, float]) -> None:
     assert actual == expected
 
 
-def test_scraped_counters_equal_the_workload_over_grpc_and_bulk(tmp_path: Path) -> None:
+def serving_metrics(tmp_path: Path) -> tuple[ServerProcess, str]:
+    """A dev-mode `kvshare serve` with a metrics port, and that port's address."""
     server = ServerProcess(
         "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "data"),
         "--metrics-listen", "127.0.0.1:0",
     )  # fmt: skip
+    found = [m.group(1) for line in server.startup_lines if (m := METRICS_RE.search(line))]
+    assert found, server.startup_lines
+    return server, found[0]
+
+
+def test_scraped_counters_equal_the_workload_over_grpc_and_bulk(tmp_path: Path) -> None:
+    server, metrics = serving_metrics(tmp_path)
     try:
-        found = [m.group(1) for line in server.startup_lines if (m := METRICS_RE.search(line))]
-        assert found, server.startup_lines
 
         def scrape() -> Samples:
-            return parse(scrape_text(found[0]))
+            return parse(scrape_text(metrics))
 
         token = (tmp_path / "data" / "dev.token").read_text().strip()
 
@@ -184,16 +190,11 @@ def test_idle_connections_to_the_metrics_port_hold_no_threads(tmp_path: Path) ->
     """The metrics port answers without authentication: idle connections are let go
     after a few seconds and at most a few are served at once, so a flood of them
     cannot pile up server threads (it kept one thread per idle connection before)."""
-    server = ServerProcess(
-        "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "data"),
-        "--metrics-listen", "127.0.0.1:0",
-    )  # fmt: skip
+    server, metrics = serving_metrics(tmp_path)
     try:
-        found = [m.group(1) for line in server.startup_lines if (m := METRICS_RE.search(line))]
-        assert found, server.startup_lines
-        assert "kvshare_" in scrape_text(found[0])  # positive control: the port serves
+        assert "kvshare_" in scrape_text(metrics)  # positive control: the port serves
         threads = len(list(Path(f"/proc/{server.proc.pid}/task").iterdir()))
-        host, _, port = found[0].rpartition(":")
+        host, _, port = metrics.rpartition(":")
         idle = [socket.create_connection((host, int(port)), timeout=10) for _ in range(100)]
         time.sleep(1.0)
         during = len(list(Path(f"/proc/{server.proc.pid}/task").iterdir()))
@@ -203,6 +204,6 @@ def test_idle_connections_to_the_metrics_port_hold_no_threads(tmp_path: Path) ->
             sock.settimeout(max(0.1, deadline - time.monotonic()))
             assert sock.recv(1) == b""
             sock.close()
-        assert "kvshare_" in scrape_text(found[0])  # and scrapes go on
+        assert "kvshare_" in scrape_text(metrics)  # and scrapes go on
     finally:
         server.terminate()

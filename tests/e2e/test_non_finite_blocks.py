@@ -23,8 +23,8 @@ from replica_agent.adapters.vllm_plan import LoadPlan
 from replica_agent.agent import ReplicaAgent
 from replica_agent.spec import ModelSpec
 from tests.conftest import Running
-from tests.e2e import test_sglang_page_store as sglang
-from tests.e2e import test_vllm_store as vllm
+from tests.e2e import test_sglang_page_store as sglang_e2e
+from tests.e2e import test_vllm_store as vllm_e2e
 
 POISONS = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
 
@@ -68,18 +68,18 @@ def test_the_vllm_connector_writes_no_non_finite_block_into_the_paged_cache(
     dev_server: Running,
 ) -> None:
     client = dev_server.client()
-    model = vllm.SPEC.wire_model()
-    good = [torch.randn(vllm.SPEC.block_shape) for _ in vllm.DIGESTS]
-    plan = LoadPlan("r2", "dev", vllm.DIGESTS, 0, vllm.LOADED_INTO)
-    client.put("dev", model, vllm.DIGESTS[:1], [codec.encode_block(vllm.SPEC, good[0])])
-    bad = codec.encode_block(vllm.SPEC, poisoned(good[1], float("nan")))
-    client.put("dev", model, vllm.DIGESTS[1:], [bad])
-    target = vllm.paged_cache(fill=False)
-    store = vllm.worker(dev_server.client(), None)
+    model = vllm_e2e.SPEC.wire_model()
+    good = [torch.randn(vllm_e2e.SPEC.block_shape) for _ in vllm_e2e.DIGESTS]
+    plan = LoadPlan("r2", "dev", vllm_e2e.DIGESTS, 0, vllm_e2e.LOADED_INTO)
+    client.put("dev", model, vllm_e2e.DIGESTS[:1], [codec.encode_block(vllm_e2e.SPEC, good[0])])
+    bad = codec.encode_block(vllm_e2e.SPEC, poisoned(good[1], float("nan")))
+    client.put("dev", model, vllm_e2e.DIGESTS[1:], [bad])
+    target = vllm_e2e.paged_cache(fill=False)
+    store = vllm_e2e.worker(dev_server.client(), None)
     assert store.load(target, plan) == [5, 6]  # vLLM recomputes store block 1's tokens
     assert store.stats.format_errors == 1 and store.stats.blocks_loaded == 1
-    assert all(not layer.any() for layer in vllm.pages(target, (5, 6)))
-    assert all(layer.any() for layer in vllm.pages(target, (0, 1)))  # positive control
+    assert all(not layer.any() for layer in vllm_e2e.pages(target, (5, 6)))
+    assert all(layer.any() for layer in vllm_e2e.pages(target, (0, 1)))  # positive control
     store.close(flush_timeout_s=1)
 
 
@@ -87,14 +87,14 @@ def test_the_sglang_backend_writes_no_non_finite_page_into_the_host_pool(
     dev_server: Running,
 ) -> None:
     client = dev_server.client()
-    spec, digests = sglang.SPEC, sglang.DIGESTS[:2]
+    spec, digests = sglang_e2e.SPEC, sglang_e2e.DIGESTS[:2]
     good = [torch.randn(spec.block_shape) for _ in digests]
     bad = poisoned(good[1], float("-inf"))
     payloads = [codec.encode_block(spec, good[0]), codec.encode_block(spec, bad)]
     client.put("dev", spec.wire_model(), digests, payloads)
-    target: HostPages = sglang.pool(fill=False)
-    store = sglang.replica(dev_server.client(), tenant="dev")
-    page = sglang.PAGE
+    target: HostPages = sglang_e2e.pool(fill=False)
+    store = sglang_e2e.replica(dev_server.client(), tenant="dev")
+    page = sglang_e2e.PAGE
     assert store.load(digests, [target.page(0), target.page(page)]) == [True, False]
     assert store.stats.format_errors == 1 and store.stats.blocks_loaded == 1
     assert target.page(0).any()  # positive control: the finite page was written

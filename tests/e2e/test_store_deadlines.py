@@ -192,9 +192,15 @@ def assert_ended_at_its_deadline(client: BlockClient, action: Callable[[], objec
 
 @pytest.mark.parametrize("transport", list(TRANSPORTS))
 def test_a_dripped_reply_ends_the_call_at_its_deadline(dripping: str, transport: str) -> None:
-    with client_for(dripping, transport) as client:
-        assert_ended_at_its_deadline(client, lambda: client.get("t", MODEL, DIGESTS))
-        assert_ended_at_its_deadline(client, lambda: list(client.iter_views("t", MODEL, DIGESTS)))
+    for streamed in (False, True):  # a client each: after a stall the next calls use
+        with client_for(dripping, transport) as client:  # gRPC for a while
+
+            def read(client: BlockClient = client, streamed: bool = streamed) -> object:
+                if streamed:
+                    return list(client.iter_views("t", MODEL, DIGESTS))
+                return client.get("t", MODEL, DIGESTS)
+
+            assert_ended_at_its_deadline(client, read)
 
 
 @pytest.mark.parametrize("transport", list(TRANSPORTS))
@@ -242,10 +248,13 @@ def test_a_relay_that_drips_a_real_servers_reply_holds_no_call_past_its_deadline
         digest, payload = block.digest, block.sealed
     else:
         digest, payload = os.urandom(32), os.urandom(4096)
-    client = running.client(who, transport="bulk-tcp", sealed_channel=True, timeout_s=TIMEOUT_S)
+    # The connection is set up with time to spare on a loaded machine; then the budget
+    # under test applies to the dripped call (a client reads `timeout_s` per call).
+    client = running.client(who, transport="bulk-tcp", sealed_channel=True, timeout_s=30)
     with client:
         assert client.put(tenant, model, [digest], [payload]) == [True]
         assert client.get(tenant, model, [digest]) == [payload]  # positive control
         assert client.transport_stats.bulk_fallbacks == 0 and len(mitm.connections) == 1
+        client._grpc.timeout_s = TIMEOUT_S
         mitm.drip(count=40, every_s=DRIP_S)  # the reply's first 40 bytes: 20 s
         assert_ended_at_its_deadline(client, lambda: client.get(tenant, model, [digest]))

@@ -63,7 +63,7 @@ import struct
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from kvcommon.errors import KvshareError
 
@@ -112,13 +112,25 @@ def sealed_frame(sealed: bytes) -> bytes:
     return FRAME.pack(len(sealed)) + sealed
 
 
-def recv_frame(sock: socket.socket, min_size: int, max_size: int) -> bytearray:
+def recv_frame(
+    sock: socket.socket, min_size: int, max_size: int, deadline: Timer | None = None
+) -> bytearray:
     """The next sealed header's bytes (still sealed). A length outside what this point
     of the exchange allows is refused before anything is allocated for it."""
-    (size,) = FRAME.unpack(recv_bytes(sock, FRAME.size))
+    (size,) = FRAME.unpack(recv_bytes(sock, FRAME.size, deadline))
     if not min_size <= size <= max_size:
         raise ChannelBroken("a sealed bulk frame of an impossible length")
-    return recv_bytes(sock, size)
+    return recv_bytes(sock, size, deadline)
+
+
+class Timer(Protocol):
+    """What `recv_exact` and `send_parts` call around each system call to bound a
+    transfer: `Deadline` (the server's, per transfer) or the client's per-call timer
+    (replica_agent.deadline.SocketTimer)."""
+
+    def arm(self, sock: socket.socket) -> None: ...
+
+    def disarm(self, sock: socket.socket) -> None: ...
 
 
 class Deadline:
@@ -149,7 +161,7 @@ def set_timeout(sock: socket.socket, seconds: float) -> None:
         sock.settimeout(seconds)
 
 
-def recv_exact(sock: socket.socket, view: memoryview, deadline: Deadline | None = None) -> None:
+def recv_exact(sock: socket.socket, view: memoryview, deadline: Timer | None = None) -> None:
     """Fill `view` completely from `sock` (within `deadline`, when given).
 
     On a blocking plain socket (timeouts set with SO_RCVTIMEO, see `kernel_timeouts`),
@@ -189,7 +201,7 @@ def _kernel_timeouts(sock: socket.socket, seconds: float) -> None:
 def send_parts(
     sock: socket.socket,
     parts: list[bytes | bytearray | memoryview],
-    deadline: Deadline | None = None,
+    deadline: Timer | None = None,
 ) -> None:
     """Send every byte of `parts` with as few `sendmsg` calls as the kernel allows
     (within `deadline`, when given: a peer that stops reading cannot hold the sender).
@@ -216,9 +228,9 @@ def send_parts(
             deadline.disarm(sock)
 
 
-def recv_bytes(sock: socket.socket, size: int) -> bytearray:
+def recv_bytes(sock: socket.socket, size: int, deadline: Timer | None = None) -> bytearray:
     buffer = bytearray(size)
-    recv_exact(sock, memoryview(buffer))
+    recv_exact(sock, memoryview(buffer), deadline)
     return buffer
 
 
@@ -228,16 +240,18 @@ def error_frame(error: KvshareError) -> bytes:
     return ERROR.pack(error.wire_code, len(encoded)) + encoded
 
 
-def recv_error(sock: socket.socket, start: bytes = b"") -> tuple[int, str]:
+def recv_error(
+    sock: socket.socket, start: bytes = b"", deadline: Timer | None = None
+) -> tuple[int, str]:
     """The status code and message of an error frame whose first bytes, `start`, were
     read already (the rest is received here). The one parser of the frame."""
     head = start[: ERROR.size]
     if len(head) < ERROR.size:
-        head += bytes(recv_bytes(sock, ERROR.size - len(head)))
+        head += bytes(recv_bytes(sock, ERROR.size - len(head), deadline))
     code, length = ERROR.unpack(head)
     message = start[ERROR.size :]
     if len(message) < length:
-        message += bytes(recv_bytes(sock, length - len(message)))
+        message += bytes(recv_bytes(sock, length - len(message), deadline))
     return code, bytes(message[:length]).decode("utf-8", "replace")
 
 

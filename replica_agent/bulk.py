@@ -9,6 +9,10 @@ into the shared-memory arena the server wrote it to. With `keep=False` a view is
 until the next one is asked for (the restore path decodes block i while block i+1 is on
 the wire); with `keep=True` every view is valid until this thread's next call.
 
+Every call runs within one deadline (replica_agent.deadline: the client's `timeout_s`
+for the whole call, however slowly the reply comes); a call that runs out of it, or
+stops anywhere mid-frame, closes its connection, whose stream position is then unknown.
+
 Requests bigger than the arena are split; a block bigger than the whole arena goes over
 TCP. Sizes the server announces are checked before anything is allocated for them: a
 hostile or broken server gets a DATA_LOSS error (a miss for the agent), never an
@@ -30,11 +34,12 @@ from replica_agent.bulk_connect import (
     connect_tcp,
     expect_ok,
 )
+from replica_agent.deadline import CallDeadline
 from replica_agent.errors import store_error
 from replica_agent.grpc_calls import MAX_BLOCK_BYTES, Ticket
 
 Payload = bytes | bytearray | memoryview
-OpenTicket = Callable[[str], Ticket]  # tenant -> a fresh ticket
+OpenTicket = Callable[[str, CallDeadline], Ticket]  # tenant, the call's deadline -> a ticket
 
 
 class UseGrpc(Exception):
@@ -68,30 +73,37 @@ class BulkChannel:
 
     # -- connections ----------------------------------------------------------------
 
-    def _connection(self, tenant: str, *, tcp: bool = False) -> Connection:
-        """This thread's connection for `tenant`: same-host when it can be had, unless
-        `tcp` asks for the TCP listener (a block too big for the arena)."""
+    def _connection(self, tenant: str, deadline: CallDeadline, *, tcp: bool = False) -> Connection:
+        """This thread's connection for `tenant`, for a call within `deadline`:
+        same-host when it can be had, unless `tcp` asks for the TCP listener (a block
+        too big for the arena)."""
         conns: dict[tuple[str, bool], Connection] = self._local.__dict__.setdefault("conns", {})
         conn = conns.get((tenant, tcp))
         if conn is not None and conn.is_closed_by_peer():
             self._drop(tenant, tcp=tcp)
             conn = None
         if conn is None:
-            conn = conns[(tenant, tcp)] = self._connect(tenant, tcp)
+            conn = conns[(tenant, tcp)] = self._connect(tenant, tcp, deadline)
             with self._lock:
                 self._all.append(conn)
+        conn.timer.deadline = deadline
         return conn
 
-    def _connect(self, tenant: str, tcp: bool) -> Connection:
-        ticket = self._open_ticket(tenant)
+    def _connect(self, tenant: str, tcp: bool, deadline: CallDeadline) -> Connection:
+        ticket = self._open_ticket(tenant, deadline)
         if not tcp and self._same_host and can_use_local(ticket) and self._local_allowed():
-            conn, ticket_spent = connect_local(ticket, self._timeout_s)
+            conn, ticket_spent = connect_local(ticket, deadline)
             if conn is not None:
                 return conn
             self._local_failed()
             if ticket_spent:
-                ticket = self._open_ticket(tenant)
-        return connect_tcp(ticket, self._tls, self._server_name, self._timeout_s)
+                ticket = self._open_ticket(tenant, deadline)
+        return connect_tcp(ticket, self._tls, self._server_name, deadline)
+
+    def _deadline(self, deadline: CallDeadline | None) -> CallDeadline:
+        """The call's deadline: the caller's (BlockClient: shared with a fallback), or
+        a fresh one of `timeout_s`."""
+        return deadline if deadline is not None else CallDeadline(self._timeout_s)
 
     def _drop(self, tenant: str, *, tcp: bool) -> None:
         """Close a connection left out of step (an error mid-frame): never reused."""
@@ -125,26 +137,33 @@ class BulkChannel:
             op |= w.TRACED
         header = w.REQUEST.pack(op, len(encoded), len(digests))
         parts = [header, trace, encoded] if trace is not None else [header, encoded]
-        try:
-            w.send_parts(conn.sock, [*parts, b"".join(digests), *then])  # digests: one buffer
+        try:  # digests: one buffer
+            w.send_parts(conn.sock, [*parts, b"".join(digests), *then], conn.timer)
         except (BrokenPipeError, ConnectionResetError):
             # The server refused the request from its header and closed (a Unix socket
             # then fails the send at once): its error frame may be waiting to be read.
-            expect_ok(conn.sock)
+            expect_ok(conn.sock, conn.timer)
             raise
 
     def read(
-        self, tenant: str, model: str, digests: Sequence[bytes], *, keep: bool
+        self,
+        tenant: str,
+        model: str,
+        digests: Sequence[bytes],
+        *,
+        keep: bool,
+        deadline: CallDeadline | None = None,
     ) -> Iterator[memoryview]:
         """The leading present payloads, each as soon as it arrived (module docstring)."""
         _check_framable(model, digests)
-        conn = self._connection(tenant)
+        deadline = self._deadline(deadline)
+        conn = self._connection(tenant, deadline)
         conn.buffers.reset()
         if conn.sealed is not None:
             return self._read_sealed(tenant, conn, model, digests, keep=keep)
         if conn.arena is None:
             return self._read_streamed(tenant, conn, model, digests, keep=keep, tcp=False)
-        return self._read_arena(tenant, conn, model, digests, keep=keep)
+        return self._read_arena(tenant, conn, model, digests, keep=keep, deadline=deadline)
 
     def _read_sealed(
         self, tenant: str, conn: Connection, model: str, digests: Sequence[bytes], *, keep: bool
@@ -171,10 +190,10 @@ class BulkChannel:
         finished = False
         try:
             self._request(conn, w.OP_GET, model, digests)
-            expect_ok(conn.sock)
+            expect_ok(conn.sock, conn.timer)
             size_buf = bytearray(w.SIZE.size)
             for _ in range(len(digests) + 1):
-                w.recv_exact(conn.sock, memoryview(size_buf))
+                w.recv_exact(conn.sock, memoryview(size_buf), conn.timer)
                 (size,) = w.SIZE.unpack(size_buf)
                 if size == 0:
                     finished = True
@@ -182,7 +201,7 @@ class BulkChannel:
                 if size > MAX_BLOCK_BYTES:
                     raise store_error("DATA_LOSS", f"the server announced a {size}-byte block")
                 view = conn.buffers.take(size, keep=keep)
-                w.recv_exact(conn.sock, view)
+                w.recv_exact(conn.sock, view, conn.timer)
                 yield view
             raise store_error("DATA_LOSS", "the server sent more blocks than were asked for")
         finally:
@@ -190,13 +209,20 @@ class BulkChannel:
                 self._drop(tenant, tcp=tcp)  # stopped mid-stream: out of step
 
     def _read_arena(
-        self, tenant: str, conn: Connection, model: str, digests: Sequence[bytes], *, keep: bool
+        self,
+        tenant: str,
+        conn: Connection,
+        model: str,
+        digests: Sequence[bytes],
+        *,
+        keep: bool,
+        deadline: CallDeadline,
     ) -> Iterator[memoryview]:
         served = 0
         while served < len(digests):
             views, truncated = self._get_arena(tenant, conn, model, digests[served:])
             if truncated and not views:  # the next block is bigger than the whole arena
-                tcp = self._connection(tenant, tcp=True)
+                tcp = self._connection(tenant, deadline, tcp=True)
                 tcp.buffers.reset()
                 rest = digests[served:]
                 yield from self._read_streamed(tenant, tcp, model, rest, keep=keep, tcp=True)
@@ -217,11 +243,12 @@ class BulkChannel:
         assert arena is not None
         try:
             self._request(conn, w.OP_GET, model, digests)
-            expect_ok(conn.sock)
-            count, truncated = w.LOCAL_GET.unpack(w.recv_bytes(conn.sock, w.LOCAL_GET.size))
+            expect_ok(conn.sock, conn.timer)
+            reply = w.recv_bytes(conn.sock, w.LOCAL_GET.size, conn.timer)
+            count, truncated = w.LOCAL_GET.unpack(reply)
             if count > len(digests):
                 raise store_error("DATA_LOSS", "the server described more blocks than asked")
-            raw = w.recv_bytes(conn.sock, count * w.SIZE.size)
+            raw = w.recv_bytes(conn.sock, count * w.SIZE.size, conn.timer)
             sizes = [size for (size,) in w.SIZE.iter_unpack(raw)]
             offsets, end = w.arena_offsets(sizes)
             if end > len(arena):
@@ -236,15 +263,21 @@ class BulkChannel:
         return [bytes(v) for v in self.read(tenant, model, digests, keep=True)]
 
     def put(
-        self, tenant: str, model: str, digests: Sequence[bytes], payloads: Sequence[Payload]
+        self,
+        tenant: str,
+        model: str,
+        digests: Sequence[bytes],
+        payloads: Sequence[Payload],
+        deadline: CallDeadline | None = None,
     ) -> list[bool]:
         _check_framable(model, digests)
         sizes = [memoryview(p).nbytes for p in payloads]
         if 0 in sizes:
             raise UseGrpc("empty payload")
-        conn, tcp = self._connection(tenant), False
+        deadline = self._deadline(deadline)
+        conn, tcp = self._connection(tenant, deadline), False
         if conn.arena is not None and max(sizes, default=0) > len(conn.arena):
-            conn, tcp = self._connection(tenant, tcp=True), True  # bigger than the arena
+            conn, tcp = self._connection(tenant, deadline, tcp=True), True  # too big for it
         if conn.sealed is not None:
             try:
                 return conn.sealed.put(conn.sock, model, digests, payloads)
@@ -280,8 +313,8 @@ class BulkChannel:
         try:
             raw_sizes = b"".join(w.SIZE.pack(size) for size in sizes)
             self._request(conn, w.OP_PUT, model, digests, [raw_sizes, *payloads])
-            expect_ok(conn.sock)
-            outcomes = w.recv_bytes(conn.sock, len(digests))
+            expect_ok(conn.sock, conn.timer)
+            outcomes = w.recv_bytes(conn.sock, len(digests), conn.timer)
         except Exception:
             self._drop(tenant, tcp=tcp)
             raise

@@ -9,9 +9,13 @@ host this client dialed for gRPC (kvcommon.hostport, applied when the ticket is 
 A ticket that carries a channel secret opens the sealed-payload channel there instead
 of TLS (replica_agent.bulk_sealed).
 
-Each connection keeps page-aligned receive buffers that grow to the largest reply seen,
-so steady-state transfers touch no fresh memory (a fresh buffer per call caps near
-1 GB/s on these machines: PERF-BASELINES).
+Every step of opening a connection takes what is left of the call's deadline
+(replica_agent.deadline), so a listener that drips its handshake holds the call no
+longer than its `timeout_s`.
+
+Each connection keeps page-aligned receive buffers that grow to the largest reply
+seen, so steady-state transfers touch no fresh memory (a fresh buffer per call caps
+near 1 GB/s on these machines: PERF-BASELINES).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from dataclasses import dataclass
 from kvcommon import bulkwire as w
 from policy.tickets import is_local_binding
 from replica_agent.bulk_sealed import SealedChannel
+from replica_agent.deadline import CallDeadline, SocketTimer
 from replica_agent.errors import store_error
 from replica_agent.grpc_calls import Ticket
 
@@ -87,6 +92,7 @@ class Connection:
     traced: bool  # the server reads TRACED requests
     arena: mmap.mmap | None  # same host: the server's shared-memory arena for payloads
     buffers: Buffers
+    timer: SocketTimer  # its socket's timeout, within the current call's deadline
     sealed: SealedChannel | None = None  # the sealed-payload channel's frames
 
     def is_closed_by_peer(self) -> bool:
@@ -112,28 +118,41 @@ class Connection:
 
 
 def connect_tcp(
-    ticket: Ticket, tls: ssl.SSLContext | None, server_name: str | None, timeout_s: float | None
+    ticket: Ticket, tls: ssl.SSLContext | None, server_name: str | None, deadline: CallDeadline
 ) -> Connection:
     """A connection to the TCP listener: the sealed-payload channel when the ticket
     carries its secret (plain TCP, replica_agent.bulk_sealed), else TLS when `tls`."""
     host, _, port = ticket.address.rpartition(":")
     host = host.strip("[]")  # an IPv6 literal, as a socket and TLS want it
-    sock = socket.create_connection((host, int(port)), timeout=timeout_s)
+    timer = _timer(deadline)
+    sock = socket.create_connection((host, int(port)), timeout=timer.timeout_s)
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if ticket.channel_secret:
-            sealed = SealedChannel.hello(sock, ticket.channel_secret, ticket.ticket, ticket.traced)
-            if timeout_s is not None:  # kernel timeouts: receives wait for whole blocks
-                w.kernel_timeouts(sock, timeout_s)
-            return Connection(sock, ticket.traced, None, Buffers(), sealed)
+            channel = SealedChannel.hello(
+                sock, ticket.channel_secret, ticket.ticket, ticket.traced, timer
+            )
+            left = deadline.left_s()
+            if left is not None:  # kernel timeouts: receives wait for whole blocks
+                w.kernel_timeouts(sock, left)
+                timer.timeout_s = left
+            return Connection(sock, ticket.traced, None, Buffers(), timer, channel)
         if tls is not None:
+            timer.arm(sock)  # the handshake gets what is left
             sock = tls.wrap_socket(sock, server_hostname=server_name or host)
-        sock.sendall(w.HELLO.pack(w.MAGIC, ticket.ticket))
-        expect_ok(sock)
+        w.send_parts(sock, [w.HELLO.pack(w.MAGIC, ticket.ticket)], timer)
+        expect_ok(sock, timer)
     except BaseException:
         sock.close()
         raise
-    return Connection(sock, ticket.traced, None, Buffers())
+    return Connection(sock, ticket.traced, None, Buffers(), timer)
+
+
+def _timer(deadline: CallDeadline) -> SocketTimer:
+    """The timer of a connection opened now, its timeout what is left of `deadline`."""
+    timer = SocketTimer(deadline.left_s())
+    timer.deadline = deadline
+    return timer
 
 
 def can_use_local(ticket: Ticket) -> bool:
@@ -154,13 +173,14 @@ def is_the_servers(ticket: Ticket, sock: socket.socket) -> bool:
     return is_local_binding(ticket.ticket, w.host_namespace(), uid, ticket.local_binding)
 
 
-def connect_local(ticket: Ticket, timeout_s: float | None) -> tuple[Connection | None, bool]:
+def connect_local(ticket: Ticket, deadline: CallDeadline) -> tuple[Connection | None, bool]:
     """The same-host connection and its arena; (None, whether the ticket was
     presented) when there is none to be had: another host or network namespace, or
     the server's arenas are all taken. Errors of policy are raised."""
+    timer = _timer(deadline)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.settimeout(timeout_s)
+        sock.settimeout(timer.timeout_s)
         try:
             sock.connect("\0" + ticket.local_address)
         except OSError:
@@ -172,8 +192,8 @@ def connect_local(ticket: Ticket, timeout_s: float | None) -> tuple[Connection |
             log.warning("the same-host bulk listener is not the server's; using TCP")
             sock.close()
             return None, False
-        sock.sendall(w.HELLO.pack(w.MAGIC, ticket.ticket))
-        arena, data = _receive_arena(sock)
+        w.send_parts(sock, [w.HELLO.pack(w.MAGIC, ticket.ticket)], timer)
+        arena, data = _receive_arena(sock, timer)
         if arena is None and data[:1] == bytes([w.OK]):
             log.warning("same-host bulk channel gave no usable arena; using TCP")
             sock.close()
@@ -181,7 +201,7 @@ def connect_local(ticket: Ticket, timeout_s: float | None) -> tuple[Connection |
         if arena is None:
             if not data:
                 raise w.ConnectionClosed("the same-host listener closed the connection")
-            error = store_error(*w.recv_error(sock, data))
+            error = store_error(*w.recv_error(sock, data, timer))
             if error.status != "RESOURCE_EXHAUSTED":
                 raise error
             log.warning("same-host bulk channel refused (%s); using TCP", error.details())
@@ -190,16 +210,17 @@ def connect_local(ticket: Ticket, timeout_s: float | None) -> tuple[Connection |
     except BaseException:
         sock.close()
         raise
-    return Connection(sock, ticket.traced, arena, Buffers()), True
+    return Connection(sock, ticket.traced, arena, Buffers(), timer), True
 
 
-def _receive_arena(sock: socket.socket) -> tuple[mmap.mmap | None, bytes]:
+def _receive_arena(sock: socket.socket, timer: SocketTimer) -> tuple[mmap.mmap | None, bytes]:
     """The arena the server sent with its reply (mapped), and the reply's bytes."""
+    timer.arm(sock)
     data, fds, _flags, _addr = socket.recv_fds(sock, w.ARENA_REPLY.size, 1)
     try:
         if data[:1] != bytes([w.OK]):
             return None, data
-        data += w.recv_bytes(sock, w.ARENA_REPLY.size - len(data))  # if split
+        data += w.recv_bytes(sock, w.ARENA_REPLY.size - len(data), timer)  # if split
         return _map_arena(fds, w.ARENA_REPLY.unpack(data)[1]), data
     finally:
         for fd in fds:
@@ -221,11 +242,11 @@ def _map_arena(fds: Sequence[int], size: int) -> mmap.mmap | None:
         return None
 
 
-def expect_ok(sock: socket.socket) -> None:
+def expect_ok(sock: socket.socket, timer: w.Timer | None = None) -> None:
     """Read a status byte; raise the server's error if it is not OK."""
-    status = w.recv_bytes(sock, 1)
+    status = w.recv_bytes(sock, 1, timer)
     if status[0] != w.OK:
-        raise store_error(*w.recv_error(sock, bytes(status)))
+        raise store_error(*w.recv_error(sock, bytes(status), timer))
 
 
 def _pages(size: int) -> int:

@@ -36,6 +36,7 @@ from replica_agent.grpc_calls import MAX_BLOCK_BYTES
 
 if TYPE_CHECKING:
     from replica_agent.bulk_connect import Buffers
+    from replica_agent.deadline import SocketTimer
 
 Payload = bytes | bytearray | memoryview
 # A reply header's plaintext is a status byte and its fields, or an error frame
@@ -44,32 +45,38 @@ MAX_ERROR_BYTES = w.ERROR.size + w.MAX_MESSAGE_CHARS
 
 
 class SealedChannel:
-    """One connection's two directions: this side's Sender and the server's Receiver."""
+    """One connection's two directions: this side's Sender and the server's Receiver;
+    every send and receive within the current call's deadline (the connection's
+    `timer`)."""
 
-    def __init__(self, sender: Sender, receiver: Receiver, traced: bool) -> None:
+    def __init__(
+        self, sender: Sender, receiver: Receiver, traced: bool, timer: SocketTimer
+    ) -> None:
         self._out = sender
         self._in = receiver
         self._traced = traced
+        self._timer = timer
 
     @classmethod
     def hello(
-        cls, sock: socket.socket, secret: bytes, ticket: bytes, traced: bool
+        cls, sock: socket.socket, secret: bytes, ticket: bytes, traced: bool, timer: SocketTimer
     ) -> SealedChannel:
         """Present the ticket with this side's proof, and check the server's."""
         sender, receiver = client_side(secret, ticket)
-        sock.sendall(w.HELLO_SEALED.pack(w.MAGIC_SEALED, ticket, sender.hello_proof()))
-        status = w.recv_bytes(sock, 1)
+        hello = w.HELLO_SEALED.pack(w.MAGIC_SEALED, ticket, sender.hello_proof())
+        w.send_parts(sock, [hello], timer)
+        status = w.recv_bytes(sock, 1, timer)
         if status[0] != w.OK:
             # Not authenticated (the hello is not done): a reason to give up, not a
             # verdict to pass on. The call falls back to gRPC, which gives the real one.
-            _code, message = w.recv_error(sock, bytes(status))
+            _code, message = w.recv_error(sock, bytes(status), timer)
             raise w.ChannelBroken(f"the bulk listener refused the sealed channel: {message}")
-        proof = bytes(w.recv_bytes(sock, w.PROOF_BYTES))
+        proof = bytes(w.recv_bytes(sock, w.PROOF_BYTES, timer))
         try:
             receiver.check_hello(proof)
         except ChannelError:
             raise w.ChannelBroken("the bulk listener did not prove the channel secret") from None
-        return cls(sender, receiver, traced)
+        return cls(sender, receiver, traced, timer)
 
     # -- frames -------------------------------------------------------------------------
 
@@ -90,7 +97,8 @@ class SealedChannel:
     def _reply(self, sock: socket.socket, size: int) -> bytes:
         """The next reply header's fields after its OK status (`size` bytes); the
         server's error (a BlockStoreError) when it sent one."""
-        frame = w.recv_frame(sock, 1 + TAG_BYTES, max(1 + size, MAX_ERROR_BYTES) + TAG_BYTES)
+        most = max(1 + size, MAX_ERROR_BYTES) + TAG_BYTES
+        frame = w.recv_frame(sock, 1 + TAG_BYTES, most, self._timer)
         try:
             plain = self._in.open_header(frame)
         except ChannelError:
@@ -114,7 +122,7 @@ class SealedChannel:
     ) -> Iterator[memoryview]:
         """The leading present blocks, each as it arrives (sealed: the caller opens it).
         Returns normally only after the reply's authenticated end."""
-        _send(sock, self._request(w.OP_GET, model, digests, b""), self)
+        self._send(sock, self._request(w.OP_GET, model, digests, b""))
         for index in range(len(digests) + 1):
             got, size = w.BLOCK.unpack(self._reply(sock, w.BLOCK.size))
             if got != index:
@@ -124,7 +132,7 @@ class SealedChannel:
             if size > MAX_BLOCK_BYTES:
                 raise store_error("DATA_LOSS", f"the server announced a {size}-byte block")
             view = buffers.take(size, keep=keep)
-            w.recv_exact(sock, view)
+            w.recv_exact(sock, view, self._timer)
             yield view
         raise w.ChannelBroken("the server sent more blocks than were asked for")
 
@@ -140,23 +148,18 @@ class SealedChannel:
         parts: list[Payload] = [*self._request(w.OP_PUT, model, digests, sizes)]
         for index, payload in enumerate(payloads):  # tags bound to the body frame sealed last
             parts += [payload, self._out.payload_tag(index, payload)]
-        _send(sock, parts, self)
+        self._send(sock, parts)
         outcomes = self._reply(sock, len(digests))
         return [o == w.OUTCOME_STORED for o in outcomes]
 
-    def error_after_refusal(self, sock: socket.socket) -> None:
-        """The server closed while a request was sent: raise its error if it sent one."""
-        self._reply(sock, 0)
-
-
-def _send(sock: socket.socket, parts: Sequence[Payload], channel: SealedChannel) -> None:
-    try:
-        w.send_parts(sock, list(parts))
-    except (BrokenPipeError, ConnectionResetError):
-        # The server refused the request from its header and closed: its error frame
-        # may be waiting to be read.
-        channel.error_after_refusal(sock)
-        raise
+    def _send(self, sock: socket.socket, parts: Sequence[Payload]) -> None:
+        try:
+            w.send_parts(sock, list(parts), self._timer)
+        except (BrokenPipeError, ConnectionResetError):
+            # The server refused the request from its header and closed: its error frame
+            # may be waiting to be read.
+            self._reply(sock, 0)
+            raise
 
 
 def _error(plain: bytes) -> tuple[int, str]:

@@ -12,6 +12,13 @@ Errors raise `BlockStoreError` (replica_agent.errors), whose `.code()` is the
 `isinstance(e, PermissionDenied)`), whichever transport answered.
 Thread-safe: one client (one HTTP/2 channel) may be shared by threads.
 
+Deadlines. `timeout_s` is each call's whole budget (replica_agent.deadline): OpenBulk,
+connecting, the handshake, the request and every byte of the reply, on the bulk channel
+(TCP, TLS, sealed, same-host arena) and over gRPC, including a Get stream's last
+frame and a fallback from one to the other. A reply that comes too slowly, however
+each single receive behaves, ends the call with DEADLINE_EXCEEDED (`timeout_s=None`:
+no deadline).
+
 Transports. Payloads move over the server's bulk channel (grpc_calls.py for the rest)
 unless `bulk=False`; the choice and the fallback live here and only here:
 - a call the bulk channel cannot frame goes over gRPC (the server then answers with
@@ -22,7 +29,10 @@ unless `bulk=False`; the choice and the fallback live here and only here:
   `transport_stats.bulk_fallbacks` and logged once per backoff window; then it is tried
   again. When gRPC cannot reach the server either, the channel was not at fault (the
   server is down or restarting): no backoff, so the bulk channel is used again as soon
-  as the server is back;
+  as the server is back. The fallback gets what is left of the call's deadline; when
+  the bulk channel used it all (a stalled reply), there is no fallback: the call ends
+  DEADLINE_EXCEEDED at its deadline, not a second `timeout_s` later, and the backoff
+  sends the next calls over gRPC;
 - a server without a bulk channel turns it off for good.
 Policy errors (the server's statuses) are raised whatever the transport: gRPC would
 answer the same.
@@ -45,6 +55,7 @@ import grpc
 from kvcommon import bulkwire as w
 from kvcommon.v1 import kvshare_pb2 as pb
 from replica_agent.bulk import BulkChannel, UseGrpc
+from replica_agent.deadline import CallDeadline
 from replica_agent.errors import BlockStoreError, store_error
 from replica_agent.grpc_calls import GrpcCalls, NoBulkListener
 from replica_agent.targets import balancing_options, grpc_target
@@ -218,20 +229,23 @@ class BlockClient:
         bulk = self._bulk
         return bulk if bulk is not None and self._bulk_backoff.allowed() else None
 
-    def _bulk_failed(self, error: Exception) -> None:
-        """The bulk path broke below the policy layer: this call goes over gRPC."""
+    def _bulk_failed(self, error: Exception, deadline: CallDeadline) -> None:
+        """The bulk path broke below the policy layer: this call goes over gRPC with
+        what is left of `deadline`, or ends DEADLINE_EXCEEDED when nothing is."""
         if isinstance(error, UseGrpc):
             return  # this call only; nothing is wrong with the channel
         if isinstance(error, NoBulkListener):
             log.info("the server has no bulk channel; using gRPC")
             self._bulk = None
             return
-        self.transport_stats.bulk_fallbacks += 1
         if self._bulk_backoff.failed():
             log.warning(
                 "bulk channel failed (%s); using gRPC, retrying the bulk channel later",
                 type(error).__name__,
             )
+        if deadline.is_spent():  # a fallback now would only add to the stall
+            raise deadline.exceeded() from None
+        self.transport_stats.bulk_fallbacks += 1
 
     # -- calls ------------------------------------------------------------------------
 
@@ -255,17 +269,19 @@ class BlockClient:
         self, tenant: str, model: str, digests: Sequence[bytes], *, keep: bool
     ) -> Iterator[View]:
         """The one read path: the bulk channel, else gRPC (module docstring)."""
+        deadline = CallDeadline(self.timeout_s)
         bulk = self._bulk_now()
         if bulk is not None:
             try:
-                stream = bulk.read(tenant, model, digests, keep=keep)
+                stream = bulk.read(tenant, model, digests, keep=keep, deadline=deadline)
                 first = next(stream, None)  # connection and policy errors surface here
             except (OSError, w.ConnectionClosed, NoBulkListener, UseGrpc) as error:
-                self._bulk_failed(error)
-                return self._forgiving(self._grpc.iter_get(tenant, model, digests))
+                self._bulk_failed(error, deadline)
+                fallback = self._grpc.iter_get(tenant, model, digests, deadline)
+                return self._forgiving(fallback)
             self._bulk_backoff.succeeded()
-            return _then(first, stream)
-        return self._grpc.iter_get(tenant, model, digests)
+            return _then(first, stream, deadline)
+        return self._grpc.iter_get(tenant, model, digests, deadline)
 
     def _forgiving(self, fallback: Iterator[View]) -> Iterator[View]:
         """A fallback read: if gRPC cannot reach the server either, the bulk channel was
@@ -285,21 +301,22 @@ class BlockClient:
             raise ValueError(
                 f"{len(digests)} digests but {len(payloads)} payloads; pass one payload per digest"
             )
+        deadline = CallDeadline(self.timeout_s)
         bulk = self._bulk_now()
         if bulk is not None:
             try:
-                stored = bulk.put(tenant, model, digests, payloads)
+                stored = bulk.put(tenant, model, digests, payloads, deadline)
             except (OSError, w.ConnectionClosed, NoBulkListener, UseGrpc) as error:
-                self._bulk_failed(error)  # puts are idempotent: this one goes over gRPC
-                try:
-                    return self._grpc.put(tenant, model, digests, payloads)
+                self._bulk_failed(error, deadline)  # puts are idempotent: this one goes
+                try:  # over gRPC
+                    return self._grpc.put(tenant, model, digests, payloads, deadline)
                 except BlockStoreError as fallback_error:
                     if _unreachable(fallback_error):
                         self._bulk_backoff.forgive()
                     raise
             self._bulk_backoff.succeeded()
             return stored
-        return self._grpc.put(tenant, model, digests, payloads)
+        return self._grpc.put(tenant, model, digests, payloads, deadline)
 
     def delete(self, tenant: str, model: str, digests: Sequence[bytes]) -> int:
         return self._grpc.delete(pb.DeleteRequest(tenant=tenant, model=model, digests=digests))
@@ -316,13 +333,18 @@ def _unreachable(error: BlockStoreError) -> bool:
     return error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
-def _then(first: memoryview | None, rest: Iterator[memoryview]) -> Iterator[View]:
+def _then(
+    first: memoryview | None, rest: Iterator[memoryview], deadline: CallDeadline
+) -> Iterator[View]:
     """`first`, then the rest of a bulk read; a connection lost mid-stream is an
-    UNAVAILABLE error (the caller keeps what it already has)."""
+    UNAVAILABLE error, a reply too slow for the deadline DEADLINE_EXCEEDED (the caller
+    keeps what it already has)."""
     if first is None:
         return
     yield first
     try:
         yield from rest
     except (OSError, w.ConnectionClosed) as error:
+        if deadline.is_spent():
+            raise deadline.exceeded() from None
         raise store_error("UNAVAILABLE", f"bulk transfer broke: {error}") from None

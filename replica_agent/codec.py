@@ -1,8 +1,12 @@
 """Block codec: one block's KV tensor <-> bytes, a fixed header plus raw tensor bytes.
 
 Invariant: `decode_block` returns a tensor only when every header field and the
-length match the spec the caller expects; anything else raises `BlockFormatError`
-(never a partly filled tensor, never pickle or `torch.load`). The payload is the
+length match the spec the caller expects and every element is finite; anything else
+raises `BlockFormatError` (never a partly filled tensor, never pickle or `torch.load`).
+A block of the right layout full of NaN or infinities is as unusable as a block of
+another layout: attention over it poisons every token after it, and a tenant without
+a keyring has no seal to refuse it, so the check is here, before any element is
+copied anywhere (`tensor_bytes`, which every engine's path goes through). The payload is the
 tensor in the canonical layout `[layers, 2 (k, v), kv_heads, block_tokens, head_dim]`,
 C order, little-endian elements, starting at byte `HEADER_BYTES` (a multiple of 64, so
 the payload stays aligned for zero-copy readers).
@@ -17,6 +21,7 @@ from __future__ import annotations
 import struct
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -36,6 +41,16 @@ assert HEADER_BYTES % 64 == 0 and _HEADER.size <= HEADER_BYTES
 # Codes are part of the format: never renumber, only add.
 DTYPE_CODES = {"float32": 1, "bfloat16": 2, "float16": 3}
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# A float is NaN or infinite exactly when its exponent bits are all ones: its bits as an
+# unsigned integer, sign cleared (`& magnitude`), are then at least the infinity's.
+# Integer views work on read-only buffers (bytes from gRPC) and for bfloat16, which
+# numpy lacks, and ran several times faster here than torch.isfinite over a tensor.
+_NON_FINITE_FROM: dict[str, tuple[np.dtype[Any], int, int]] = {
+    "float32": (np.dtype("<u4"), 0x7FFF_FFFF, 0x7F80_0000),
+    "bfloat16": (np.dtype("<u2"), 0x7FFF, 0x7F80),
+    "float16": (np.dtype("<u2"), 0x7FFF, 0x7C00),
+}
+FINITE_CHECK_ELEMENTS = 1 << 18  # checked a piece at a time: a small scratch, in cache
 
 # The payload is raw native bytes; the format says little-endian, so refuse to run
 # where that would silently differ.
@@ -172,7 +187,28 @@ def tensor_bytes(spec: ModelSpec, data: bytes | bytearray | memoryview) -> memor
             f"block is {view.nbytes} bytes; a block of this spec is "
             f"{HEADER_BYTES + expected.payload_bytes} (truncated or padded payload)"
         )
-    return view[HEADER_BYTES:]
+    payload = view[HEADER_BYTES:]
+    if not is_finite(spec, payload):
+        raise BlockFormatError(
+            "block holds NaN or infinite values; no model writes such KV, so it is "
+            "refused as corrupt (the engine recomputes it)"
+        )
+    return payload
+
+
+def is_finite(spec: ModelSpec, payload: memoryview) -> bool:
+    """Whether every element of `payload`, the tensor bytes of a block of `spec`, is
+    finite (module docstring)."""
+    dtype, magnitude, infinity = _NON_FINITE_FROM[spec.dtype]
+    bits = np.frombuffer(payload, dtype=dtype)
+    scratch = np.empty(min(bits.size, FINITE_CHECK_ELEMENTS), dtype=dtype)
+    for start in range(0, bits.size, FINITE_CHECK_ELEMENTS):
+        piece = bits[start : start + FINITE_CHECK_ELEMENTS]
+        masked = scratch[: piece.size]
+        np.bitwise_and(piece, magnitude, out=masked)
+        if masked.max() >= infinity:
+            return False
+    return True
 
 
 def _uint8_numpy(tensor: torch.Tensor) -> npt.NDArray[np.uint8]:

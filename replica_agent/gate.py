@@ -6,7 +6,8 @@ an outcome means the same thing in every engine. Engine-neutral: no torch, no en
 
 Invariant: inference never fails and never waits long because of the store. Whatever
 the store does, the engine gets a result, a miss or a dropped save, never an exception;
-every call runs under the client's deadline (`timeout_s`) and a circuit breaker.
+every call runs under the client's deadline (`timeout_s`, the whole call's budget
+however slowly the reply comes: replica_agent.deadline) and a circuit breaker.
 
 The outcome table (`OUTCOMES`, the one copy of it; docs/architecture.md repeats it):
 
@@ -17,20 +18,26 @@ The outcome table (`OUTCOMES`, the one copy of it; docs/architecture.md repeats 
                  RESOURCE_EXHAUSTED (the request's own
                  fault: its tenant, its size, a quota)
     unavailable  UNAVAILABLE, a connection that failed   a miss / dropped save  failure
-    timeout      DEADLINE_EXCEEDED, a timeout            a miss / dropped save  failure
+    timeout      DEADLINE_EXCEEDED, a timeout: the       a miss / dropped save  failure
+                 reply did not end within timeout_s
     internal     INTERNAL, any other status              a miss / dropped save  failure
-                 (UNAUTHENTICATED, DATA_LOSS, ...), or
-                 an unexpected error below the gate
+                 (UNAUTHENTICATED, DATA_LOSS: a reply
+                 that breaks its framing or announces
+                 sizes past the limits, ...), or an
+                 unexpected error below the gate
     tampered     a sealed block failed to open           a miss from that       answered
     malformed    an opened block is not of this          block on (recomputed)  answered
-                 engine's layout (codec header)
+                 engine's layout (codec header), or
+                 holds NaN or infinite values
 
 "answered" resets the breaker's failure count (and closes a half-open breaker): the
 store is up. A refusal must not count as a failure, or a request naming a foreign
 tenant could switch the cache off for every tenant of the replica; a bad block must
 not either, or a writer without the data key could. "failure" counts towards opening
 the breaker; while it is open calls are skipped (`skipped_breaker_open`) until its
-cooldown lets one trial call through.
+cooldown lets one trial call through. A slow or malformed reply is the store's own
+doing, so it is a failure: a store that drips its replies opens the breaker after
+`failure_threshold` calls of `timeout_s` each, and the engine stops waiting for it.
 
 Breaker protocol: every `allow()` that returns True is settled exactly once, by leaving
 `settled(...)` (or through `call`, which does both): a half-open breaker lets one trial

@@ -3,6 +3,11 @@
 Used for every call that moves no payload (Lookup, Delete, Stats, OpenBulk), and for
 Get and Put when the bulk channel is off or unavailable. Each call carries the caller's
 trace context (W3C `traceparent`), so the server's span joins the caller's trace.
+
+Every call has a gRPC deadline: `timeout_s` from its start, or what is left of the
+`CallDeadline` of a BlockClient call it is part of (OpenBulk for a bulk call, or the
+fallback after the bulk channel failed). gRPC applies it to the whole call, a Get
+stream's last frame included, however slowly the frames come.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from kvcommon.hostport import bulk_dial_address
 from kvcommon.tracing import outgoing_metadata
 from kvcommon.v1 import kvshare_pb2 as pb
 from kvcommon.v1 import kvshare_pb2_grpc as pb_grpc
+from replica_agent.deadline import CallDeadline
 from replica_agent.errors import from_rpc_error, store_error
 
 Payload = bytes | bytearray | memoryview
@@ -63,19 +69,23 @@ class GrpcCalls:
         self.timeout_s = timeout_s
         self.frame_bytes = frame_bytes
 
-    def _call(self, method: Any, request: Any) -> Any:
+    def _timeout_s(self, deadline: CallDeadline | None) -> float | None:
+        """A call's gRPC timeout: what is left of `deadline`, else `timeout_s`."""
+        return self.timeout_s if deadline is None else deadline.grpc_timeout_s()
+
+    def _call(self, method: Any, request: Any, deadline: CallDeadline | None = None) -> Any:
+        timeout = self._timeout_s(deadline)
         try:
-            return method(
-                request, timeout=self.timeout_s, metadata=self._metadata + outgoing_metadata()
-            )
+            return method(request, timeout=timeout, metadata=self._metadata + outgoing_metadata())
         except grpc.RpcError as error:
             raise from_rpc_error(error) from None
 
-    def open_bulk(self, tenant: str) -> Ticket:
+    def open_bulk(self, tenant: str, deadline: CallDeadline | None = None) -> Ticket:
+        timeout = self._timeout_s(deadline)
         try:
             response = self._stub.OpenBulk(
                 pb.OpenBulkRequest(tenant=tenant, sealed_channel=self._sealed_channel),
-                timeout=self.timeout_s,
+                timeout=timeout,
                 metadata=self._metadata + outgoing_metadata(),
             )
         except grpc.RpcError as error:
@@ -97,45 +107,39 @@ class GrpcCalls:
         request = pb.LookupRequest(tenant=tenant, model=model, digests=digests)
         return int(self._call(self._stub.Lookup, request).present)
 
-    def iter_get(self, tenant: str, model: str, digests: Sequence[bytes]) -> Iterator[bytes]:
+    def iter_get(
+        self,
+        tenant: str,
+        model: str,
+        digests: Sequence[bytes],
+        deadline: CallDeadline | None = None,
+    ) -> Iterator[bytes]:
         """The leading present payloads, each yielded as soon as its last byte arrives,
         so a caller can copy block i to the device while block i+1 is on the wire."""
         request = pb.GetRequest(
             tenant=tenant, model=model, digests=digests, max_frame_bytes=self.frame_bytes
         )
+        timeout = self._timeout_s(deadline)
         call = self._stub.Get(
-            request, timeout=self.timeout_s, metadata=self._metadata + outgoing_metadata()
+            request, timeout=timeout, metadata=self._metadata + outgoing_metadata()
         )
-        assembled = 0
-        partial: bytearray | None = None
         try:
-            for frame in call:
-                for chunk in frame.chunks:
-                    if chunk.index != assembled:
-                        raise store_error("DATA_LOSS", "server sent blocks out of order")
-                    if chunk.offset == 0 and len(chunk.data) == chunk.block_bytes:
-                        assembled += 1
-                        yield chunk.data  # a whole block in one chunk: no copy
-                        continue
-                    if chunk.offset == 0:
-                        partial = bytearray(_checked_size(chunk.block_bytes))
-                    if partial is None:
-                        raise store_error("DATA_LOSS", "server sent a chunk without its start")
-                    partial[chunk.offset : chunk.offset + len(chunk.data)] = chunk.data
-                    if chunk.offset + len(chunk.data) == chunk.block_bytes:
-                        assembled += 1
-                        yield bytes(partial)
-                        partial = None
+            yield from _assembled(call)
         except grpc.RpcError as error:
             raise from_rpc_error(error) from None
         finally:
             call.cancel()  # a consumer that stops early frees the stream at once
 
     def put(
-        self, tenant: str, model: str, digests: Sequence[bytes], payloads: Sequence[Payload]
+        self,
+        tenant: str,
+        model: str,
+        digests: Sequence[bytes],
+        payloads: Sequence[Payload],
+        deadline: CallDeadline | None = None,
     ) -> list[bool]:
         frames = _put_frames(tenant, model, digests, payloads, self.frame_bytes)
-        response = self._call(self._stub.Put, frames)
+        response = self._call(self._stub.Put, frames, deadline)
         stored = [False] * len(digests)
         for result in response.results:
             stored[result.index] = result.outcome == pb.PUT_OUTCOME_STORED
@@ -147,6 +151,37 @@ class GrpcCalls:
     def stats(self) -> pb.StatsResponse:
         response: pb.StatsResponse = self._call(self._stub.Stats, pb.StatsRequest())
         return response
+
+
+def _assembled(frames: Iterator[pb.GetFrame]) -> Iterator[bytes]:
+    """The blocks of a Get stream's chunks. Chunks that do not continue their block
+    exactly, or a stream that ends inside a block, are DATA_LOSS: a malformed reply is
+    a store failure (the gate's breaker counts it), not a shorter prefix."""
+    assembled, filled = 0, 0
+    partial: bytearray | None = None
+    for frame in frames:
+        for chunk in frame.chunks:
+            if chunk.index != assembled:
+                raise store_error("DATA_LOSS", "server sent blocks out of order")
+            if partial is None:
+                if chunk.offset != 0:
+                    raise store_error("DATA_LOSS", "server sent a chunk without its start")
+                if len(chunk.data) == chunk.block_bytes:
+                    assembled += 1
+                    yield chunk.data  # a whole block in one chunk: no copy
+                    continue
+                partial, filled = bytearray(_checked_size(chunk.block_bytes)), 0
+            end = filled + len(chunk.data)
+            if chunk.offset != filled or chunk.block_bytes != len(partial) or end > len(partial):
+                raise store_error("DATA_LOSS", "server sent a chunk that does not fit its block")
+            partial[filled:end] = chunk.data
+            filled = end
+            if filled == len(partial):
+                assembled += 1
+                yield bytes(partial)
+                partial = None
+    if partial is not None:
+        raise store_error("DATA_LOSS", "the server's stream ended inside a block")
 
 
 def _checked_size(size: int) -> int:

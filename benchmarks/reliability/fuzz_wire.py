@@ -392,7 +392,7 @@ def bulk_client_target(verdicts: Verdicts) -> Target:
         script += _reply_script(fdp)
         hostile.script = bytes(script)
         ticket = hostile_ticket(hostile, local=local)
-        channel = BulkChannel(lambda _tenant: ticket, timeout_s=2)
+        channel = BulkChannel(lambda _tenant, _deadline: ticket, timeout_s=2)
         try:
             if fdp.ConsumeBool():
                 channel.get("t", "m", [bytes(32)] * fdp.ConsumeIntInRange(1, 3))

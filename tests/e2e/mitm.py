@@ -7,8 +7,10 @@ hello of so many bytes, length-prefixed frames, runs of raw payload bytes: all a
 network attacker can see of the sealed channel), and a `tamper` function that gets
 every planned segment and says what to forward instead: the same bytes, altered ones,
 nothing (held back to be sent later: reordering), several (replay), or `Cut` (the
-connection ends there). Past its plan a direction is relayed as it comes. Everything
-forwarded is recorded, so a test can also say what never crossed the wire in clear.
+connection ends there). Past its plan a direction is relayed as it comes, or, after
+`drip`, the server's next bytes trickle out one at a time (a reply that never stops
+coming, yet never waits long enough for one receive to time out). Everything forwarded
+is recorded, so a test can also say what never crossed the wire in clear.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvcommon import bulkwire as w
@@ -80,6 +83,8 @@ class Mitm:
         self.connections: list[Connection] = []
         self._lock = threading.Lock()
         self._sockets: list[socket.socket] = []
+        self._drip_bytes = 0
+        self._drip_every_s = 0.0
 
     @property
     def address(self) -> str:
@@ -89,6 +94,25 @@ class Mitm:
         host, _, port = upstream.rpartition(":")
         self.upstream = (host, int(port))
         threading.Thread(target=self._accept, daemon=True).start()
+
+    def drip(self, count: int, every_s: float) -> None:
+        """From now on, relay the server's next `count` bytes (past any plan) one at a
+        time, `every_s` apart."""
+        with self._lock:
+            self._drip_bytes, self._drip_every_s = count, every_s
+
+    def _paced(self, direction: str, chunk: bytes) -> Iterator[tuple[bytes, float]]:
+        """`chunk` in the pieces to forward, each with the pause before it."""
+        while chunk:
+            with self._lock:
+                dripping = direction == S2C and self._drip_bytes > 0
+                if dripping:
+                    self._drip_bytes -= 1
+            if not dripping:
+                yield chunk, 0.0
+                return
+            yield chunk[:1], self._drip_every_s
+            chunk = chunk[1:]
 
     def close(self) -> None:
         with self._lock:
@@ -113,31 +137,33 @@ class Mitm:
                 (server, client, S2C, attack.s2c),
             ):
                 args = (src, dst, plan, attack.tamper, direction, record.sent[direction])
-                threading.Thread(target=_pump, args=args, daemon=True).start()
+                threading.Thread(target=self._pump, args=args, daemon=True).start()
 
-
-def _pump(
-    src: socket.socket,
-    dst: socket.socket,
-    plan: Plan,
-    tamper: Tamper,
-    direction: str,
-    sent: bytearray,
-) -> None:
-    try:
-        for index, item in enumerate(plan):
-            segment = _segment(src, item)
-            for out in tamper(direction, index, segment):
-                dst.sendall(out)
-                sent += out
-        while chunk := src.recv(1 << 16):
-            dst.sendall(chunk)
-            sent += chunk
-        with contextlib.suppress(OSError):
-            dst.shutdown(socket.SHUT_WR)
-    except (Cut, OSError):
-        _shut(src)
-        _shut(dst)
+    def _pump(
+        self,
+        src: socket.socket,
+        dst: socket.socket,
+        plan: Plan,
+        tamper: Tamper,
+        direction: str,
+        sent: bytearray,
+    ) -> None:
+        try:
+            for index, item in enumerate(plan):
+                segment = _segment(src, item)
+                for out in tamper(direction, index, segment):
+                    dst.sendall(out)
+                    sent += out
+            while chunk := src.recv(1 << 16):
+                for piece, pause_s in self._paced(direction, chunk):
+                    time.sleep(pause_s)
+                    dst.sendall(piece)
+                    sent += piece
+            with contextlib.suppress(OSError):
+                dst.shutdown(socket.SHUT_WR)
+        except (Cut, OSError):
+            _shut(src)
+            _shut(dst)
 
 
 def _segment(sock: socket.socket, item: int | str) -> bytes:

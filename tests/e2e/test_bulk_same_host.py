@@ -33,6 +33,7 @@ from policy.tickets import local_binding
 from replica_agent.bulk import BulkChannel
 from replica_agent.bulk_connect import Connection
 from replica_agent.client import BlockClient
+from replica_agent.deadline import CallDeadline
 from replica_agent.grpc_calls import Ticket
 from tests.conftest import Running, launch, write_config
 
@@ -251,8 +252,8 @@ def pointing_at(
     assert isinstance(bulk, BulkChannel)
     real = bulk._open_ticket
 
-    def open_ticket(tenant: str) -> Ticket:
-        ticket = real(tenant)
+    def open_ticket(tenant: str, deadline: CallDeadline) -> Ticket:
+        ticket = real(tenant, deadline)
         uid = os.getuid() if owner is None else owner
         binding = local_binding(ticket.ticket, namespace, uid)
         return dataclasses.replace(ticket, local_address=impostor.name, local_binding=binding)

@@ -99,7 +99,7 @@ def _hostile_bulk_get(script: bytes, *, local: bool) -> BaseException | None:
     hostile.script = script
     hostile.arena = (1 << 20, True)
     ticket = hostile_ticket(hostile, local=local)
-    channel = BulkChannel(lambda _t: ticket, timeout_s=5)
+    channel = BulkChannel(lambda _t, _d: ticket, timeout_s=5)
     try:
         channel.get("t", "m", [bytes(32)])
     except BaseException as error:  # what the caller would have to handle

@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from replica_agent import codec
 from replica_agent.codec import (
     HEADER_BYTES,
     MAGIC,
@@ -20,6 +21,8 @@ from replica_agent.codec import (
     decode_block,
     encode_block,
     encode_header,
+    is_finite,
+    tensor_bytes,
 )
 from replica_agent.spec import ModelSpec
 
@@ -82,7 +85,8 @@ def test_header_is_aligned_and_payload_follows() -> None:
 def test_round_trip_is_bit_exact(dtype: str) -> None:
     spec = make_spec(dtype)
     kv = random_block(spec)
-    kv.view(-1)[:3] = torch.tensor([float("inf"), float("-inf"), -0.0])
+    extreme = torch.finfo(kv.dtype).max  # infinities are refused (the test after next)
+    kv.view(-1)[:3] = torch.tensor([extreme, -extreme, -0.0])
     decoded = decode_block(spec, encode_block(spec, kv))
     assert decoded.dtype == kv.dtype and decoded.shape == kv.shape
     assert torch.equal(bits(decoded), bits(kv))
@@ -254,3 +258,39 @@ def test_spec_rejects_non_int_counts() -> None:
         make_spec(head_dim=4.0)
     with pytest.raises(TypeError, match="num_layers"):
         make_spec(num_layers=True)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_a_block_with_a_non_finite_value_is_refused_before_it_is_copied(
+    dtype: str, value: float
+) -> None:
+    """Anywhere in the block (a piece boundary of the check included); the largest
+    finite values and negative zeros pass."""
+    spec = ModelSpec("m", "r", num_layers=2, num_kv_heads=2, head_dim=8, dtype=dtype)
+    extreme = torch.finfo(TORCH_DTYPES[spec.dtype]).max
+    kv = torch.full(spec.block_shape, -extreme).to(TORCH_DTYPES[spec.dtype])
+    kv.view(-1)[::7] = extreme
+    kv.view(-1)[1] = -0.0
+    data = encode_block(spec, kv)
+    assert torch.equal(decode_block(spec, data), kv)  # positive control
+    out = torch.zeros(spec.block_shape, dtype=TORCH_DTYPES[spec.dtype])
+    for position in (0, kv.numel() // 2, kv.numel() - 1):
+        bad = kv.clone()
+        bad.view(-1)[position] = value
+        with pytest.raises(BlockFormatError, match="NaN or infinite"):
+            decode_block(spec, encode_block(spec, bad), out=out)
+        with pytest.raises(BlockFormatError):
+            tensor_bytes(spec, encode_block(spec, bad))
+    assert not out.any()  # nothing was copied
+
+
+def test_the_finite_check_covers_every_piece(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(codec, "FINITE_CHECK_ELEMENTS", 5)  # blocks of many pieces
+    spec = ModelSpec("m", "r", num_layers=1, num_kv_heads=1, head_dim=8, dtype="float32")
+    kv = torch.ones(spec.block_shape)
+    for position in range(0, kv.numel(), 3):
+        bad = kv.clone()
+        bad.view(-1)[position] = float("nan")
+        assert not is_finite(spec, memoryview(encode_block(spec, bad))[64:])
+    assert is_finite(spec, memoryview(encode_block(spec, kv))[64:])

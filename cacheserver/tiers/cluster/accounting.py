@@ -4,7 +4,8 @@ across every server.
 Each tenant's accounting lives in its own hash slot (`layout`), changed only by the
 scripts there, so each change is atomic on one node whichever server makes it:
 
-- `admit` lists a block before its bytes are written, and, when that takes the tenant
+- `admit` lists a block once its bytes are written (so an eviction always finds the
+  bytes it deletes), and, when that takes the tenant
   over its quota, takes its least recently used blocks out of the list in the same
   step (the caller then deletes their keys). The list's total never exceeds the quota.
 - `touch` moves blocks to the recent end as any server reads them.

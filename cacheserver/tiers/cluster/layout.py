@@ -18,8 +18,10 @@ A tenant's keys share one hash tag (the tenant tag, `policy.naming.cluster_tag`:
 the same at every epoch), so each script below touches one slot, atomically; blocks never
 share a slot on purpose, and no hot-path operation spans two slots.
 
-The header says what LMDB's metadata says of a block (tenant, epoch, model tag, size,
-checksum), with the tenant as its keyed tag instead of its id.
+The header says what LMDB's metadata says of a block (tenant, epoch, model tag, size),
+with the tenant as its keyed tag instead of its id, and ends with a keyed MAC over the
+key name, the header and the payload (policy.shared_values): whoever can write to Redis
+but holds no server secret can delete values, never make one a server serves.
 """
 
 from __future__ import annotations
@@ -27,15 +29,17 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-import xxhash
-
 from cacheserver.tiers import Payload
+from policy.shared_values import SALT_BYTES, TAG_BYTES, ValueMac
 from policy.types import ModelTag, StorageKey
 
-MAGIC = b"KVC1"
-# magic | tenant tag | epoch | model tag | payload bytes | xxh3-128 of the payload
-_HEADER = struct.Struct(">4s16sI16sQ16s")
-HEADER_BYTES = _HEADER.size
+# The value format's version: a value of another version (an older server's) is a
+# miss, deleted so that a put writes it again (SET NX would keep it otherwise).
+MAGIC = b"KVC2"
+OLD_MAGICS = (b"KVC1",)
+# magic | tenant tag | epoch | model tag | payload bytes | salt; then the MAC's tag
+_HEAD = struct.Struct(f">4s16sI16sQ{SALT_BYTES}s")
+HEADER_BYTES = _HEAD.size + TAG_BYTES
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,34 +48,47 @@ class BlockHeader:
     epoch: int
     model_tag: ModelTag
     size: int
-    checksum: bytes
 
 
-def pack_header(tenant_tag: bytes, epoch: int, model_tag: bytes, payload: Payload) -> bytes:
-    digest = xxhash.xxh3_128_digest(payload)
-    return _HEADER.pack(MAGIC, tenant_tag, epoch, model_tag, len(payload), digest)
+def pack_header(
+    mac: ValueMac, name: bytes, tenant_tag: bytes, epoch: int, model_tag: bytes, payload: Payload
+) -> bytes:
+    """The header of `payload` stored under the key `name`, its MAC tag last: the tag
+    binds the key name, the header and the payload (policy.shared_values)."""
+    head = _HEAD.pack(MAGIC, tenant_tag, epoch, model_tag, len(payload), mac.new_salt())
+    return head + mac.tag(name, head, payload)
 
 
 def unpack_header(raw: bytes | bytearray | memoryview) -> BlockHeader | None:
-    """The header at the start of `raw`, or None when it is not one of ours."""
+    """The header at the start of `raw`, or None when it is not one of ours. Not yet
+    checked: what it says is only a hint (which accounting a delete releases)."""
     if len(raw) < HEADER_BYTES:
         return None
-    magic, tenant_tag, epoch, model_tag, size, digest = _HEADER.unpack_from(raw)
+    magic, tenant_tag, epoch, model_tag, size, _ = _HEAD.unpack_from(raw)
     if magic != MAGIC:
         return None
-    return BlockHeader(tenant_tag, epoch, ModelTag(model_tag), size, digest)
+    return BlockHeader(tenant_tag, epoch, ModelTag(model_tag), size)
 
 
-def open_value(raw: bytes | bytearray, tenant_tag: bytes) -> tuple[memoryview, ModelTag] | None:
-    """The payload of a stored value (a view, no copy) and its model tag, or None when
-    the value is not a whole, intact block of this tenant: torn, corrupt, or written
-    under another tenant's tag (which a key of this tenant holds only if someone put it
-    there)."""
+def is_old_format(raw: bytes | bytearray | memoryview) -> bool:
+    return bytes(raw[:4]) in OLD_MAGICS
+
+
+def open_value(
+    mac: ValueMac, name: bytes, raw: bytes | bytearray, tenant_tag: bytes
+) -> tuple[memoryview, ModelTag] | None:
+    """The payload of the value stored under `name` (a view, no copy) and its model
+    tag, or None unless a server holding the secret wrote exactly these bytes under this
+    name for this tenant: torn, corrupt, moved from another key, re-headed to another
+    tenant, or forged are all None."""
     header = unpack_header(raw)
     if header is None or header.tenant_tag != tenant_tag:
         return None
-    payload = memoryview(raw)[HEADER_BYTES:]
-    if len(payload) != header.size or xxhash.xxh3_128_digest(payload) != header.checksum:
+    view = memoryview(raw)
+    payload = view[HEADER_BYTES:]
+    if len(payload) != header.size:
+        return None
+    if not mac.verify(name, view[: _HEAD.size], payload, view[_HEAD.size : HEADER_BYTES]):
         return None
     return payload, header.model_tag
 

@@ -236,6 +236,7 @@ class Sharing:
         names = [tier.keys.block(item.key) for item, _ in ready]
         present = tier.nodes.run([(n, ("EXISTS", n)) for n in names])
         missing = [i for i, answer in enumerate(present) if answer == 0]
+        tier.count(dropped=sum(isinstance(answer, Failed) for answer in present))
         stored = dict.fromkeys((i for i, a in enumerate(present) if a == 1), False)
         for i, answer in zip(missing, self._set([ready[i] for i in missing]), strict=True):
             if answer is not None:
@@ -279,7 +280,8 @@ class Sharing:
         commands = []
         for item, payload in writes:
             name = tier.keys.block(item.key)
-            header = pack_header(item.tenant.tag, item.tenant.epoch, item.model_tag, payload)
+            tenant = item.tenant
+            header = pack_header(tier.mac, name, tenant.tag, tenant.epoch, item.model_tag, payload)
             commands.append((name, ("SET", name, b"".join((header, payload)), "NX")))
         out: list[bool | None] = []
         for answer in tier.nodes.run(commands):

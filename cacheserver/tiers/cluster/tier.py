@@ -12,8 +12,10 @@ Invariants:
   (reads, lookups), drops a write (the block stays local, counted), and only a delete
   that could not reach the cluster or the other servers is an error (UNAVAILABLE: the
   caller retries; nothing acknowledged is undone).
-- A block is served only when its header names the asking tenant (by its keyed tag) and
-  its checksum matches; anything else is a miss, counted as an integrity failure.
+- A block is served (or kept locally) only when its header names the asking tenant
+  (by its keyed tag) and its MAC, keyed by the servers' secret over the key name, the
+  header and the payload, checks; anything else is a miss, counted as an integrity
+  failure (a value of an older format: a plain miss), and its key deleted.
 - A delete reaches the cluster and the delete stream before it is acknowledged, and
   every copy this server was making of a deleted block meanwhile is undone (`DeleteLog`).
 - Quotas hold across servers (`accounting`); eviction there never touches another
@@ -38,11 +40,18 @@ from cacheserver.tiers.cluster.accounting import Accounting, Tenant
 from cacheserver.tiers.cluster.config import RedisClusterConfig
 from cacheserver.tiers.cluster.deletes import DeleteEntry, DeleteLog, Erasure
 from cacheserver.tiers.cluster.follower import Follower, announce
-from cacheserver.tiers.cluster.layout import HEADER_BYTES, Keys, open_value, unpack_header
+from cacheserver.tiers.cluster.layout import (
+    HEADER_BYTES,
+    Keys,
+    is_old_format,
+    open_value,
+    unpack_header,
+)
 from cacheserver.tiers.cluster.nodes import ClusterNodes, Failed
 from cacheserver.tiers.cluster.sharing import Keep, Sharing
 from kvcommon.errors import Unavailable
 from policy import AccessPolicy
+from policy.shared_values import ValueMac
 from policy.types import ModelTag, StorageKey, TenantId
 
 log = logging.getLogger(__name__)
@@ -83,8 +92,10 @@ class ClusterTier:
         tenants: Iterable[Tenant],
         data_dir: Path,
         max_block_bytes: int,
+        mac: ValueMac,
     ) -> None:
         self.config = config
+        self.mac = mac  # tags values written, checks values read (layout.open_value)
         # The largest value a block key may hold: a bigger one is a miss, never read in.
         self.max_value_bytes = HEADER_BYTES + max_block_bytes
         self.tenants = {t.id: t for t in tenants}
@@ -195,24 +206,31 @@ class ClusterTier:
         """Each block's payload (a view of the value) and model tag, or None: a miss."""
         names = [self.keys.block(key) for key in keys]
         out: list[tuple[memoryview, ModelTag] | None] = []
-        corrupt = []
+        corrupt, old = [], []
         for name, raw in zip(names, self.nodes.get(names, self.max_value_bytes), strict=True):
             if raw is None or isinstance(raw, Failed):
                 self.count(misses=1, failures=int(isinstance(raw, Failed)))
                 out.append(None)
                 continue
-            opened = open_value(raw, tenant.tag)
-            if opened is None:
-                corrupt.append(name)
-            else:
+            opened = open_value(self.mac, name, raw, tenant.tag)
+            if opened is not None:
                 self.count(hits=1, hit_bytes=len(opened[0]))
+            elif is_old_format(raw):
+                old.append(name)
+            else:
+                corrupt.append(name)
             out.append(opened)
+        if old:  # an older server's format: a miss, and room for a put to write it again
+            self.count(misses=len(old))
+            self.nodes.run([(name, ("DEL", name)) for name in old])
         if corrupt:
             self._drop_corrupt(corrupt)
         return out
 
     def _drop_corrupt(self, names: list[bytes]) -> None:
-        """Torn, corrupt or misplaced values: misses from now on (a put writes them again)."""
+        """Torn, corrupt, moved or forged values: misses from now on (a put writes them
+        again). The log says how many, never which: key names are keyed, but still
+        nothing an operator's log needs."""
         self.count(integrity_failures=len(names))
         log.warning("%d block(s) in the Redis Cluster failed their check; deleted", len(names))
         self.nodes.run([(name, ("DEL", name)) for name in names])
@@ -221,11 +239,12 @@ class ClusterTier:
         """Indexed blocks LMDB could not return (a corrupt local copy): any tenant's."""
         out: list[Payload | None] = []
         names = [self.keys.block(key) for key in keys]
-        for raw in self.nodes.get(names, self.max_value_bytes):
+        for name, raw in zip(names, self.nodes.get(names, self.max_value_bytes), strict=True):
             opened = None
             if isinstance(raw, bytearray) and (header := unpack_header(raw)) is not None:
                 owner = self.by_tag.get(header.tenant_tag)
-                opened = open_value(raw, owner.tag) if owner is not None else None
+                if owner is not None:
+                    opened = open_value(self.mac, name, raw, owner.tag)
             out.append(opened[0] if opened is not None else None)
         return out
 
@@ -315,4 +334,4 @@ def open_cluster_tier(
         Tenant(tenant, policy.cluster_tag(tenant), policy.epoch(tenant), quota)
         for tenant, quota in policy.quotas_bytes.items()
     ]
-    return ClusterTier(config, tenants, data_dir, max_block_bytes)
+    return ClusterTier(config, tenants, data_dir, max_block_bytes, policy.shared_value_mac())

@@ -44,7 +44,7 @@ from redis.retry import Retry
 
 from cacheserver.tiers.cluster.config import RedisClusterConfig
 from cacheserver.tiers.cluster.replies import Failed as Failed
-from cacheserver.tiers.cluster.replies import Replies
+from cacheserver.tiers.cluster.replies import ReadBudget, Replies
 from kvcommon.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -152,16 +152,19 @@ class ClusterNodes:
             ),
         )
 
-    def get(self, names: Sequence[bytes], max_bytes: int) -> list[bytearray | Failed | None]:
+    def get(
+        self, names: Sequence[bytes], max_bytes: int, budget_bytes: int | None = None
+    ) -> list[bytearray | Failed | None]:
         """The values of `names` (None: no such key; `Failed`: its node is down or
-        answered an error, or the value is over `max_bytes`), one pipeline per node,
-        each value received into a buffer of its own size (module docstring). A value
-        over `max_bytes` is read past, never held: what a node announces is not trusted
-        with the server's memory."""
+        answered an error, the value is over `max_bytes`, or `budget_bytes` was spent on
+        values before it), one pipeline per node, each value received into a buffer of
+        its own size (module docstring). A value over either is read past, never held:
+        what a node announces is not trusted with the server's memory."""
+        budget = None if budget_bytes is None else ReadBudget(budget_bytes)
         return self._each_node(
             names,
             lambda client, node, indices: self._get_on_node(
-                client, node, [names[i] for i in indices], max_bytes
+                client, node, [names[i] for i in indices], max_bytes, budget
             ),
         )
 
@@ -171,7 +174,8 @@ class ClusterNodes:
         on_node: Callable[[RedisCluster, ClusterNode, list[int]], list[Any]],
     ) -> list[Any]:
         """`on_node(client, node, indices)` once per node, for the indices of `keys`
-        that node holds; its answers, each in the place of its key."""
+        that node holds; its answers, each in the place of its key. Nodes come in the
+        order of their first key (a read's budget goes to its first block first)."""
         results: list[Any] = [Failed("not connected")] * len(keys)
         client = self._client
         if client is None:
@@ -202,10 +206,15 @@ class ClusterNodes:
         return by_node.values()
 
     def _get_on_node(
-        self, client: RedisCluster, node: ClusterNode, names: list[bytes], max_bytes: int
+        self,
+        client: RedisCluster,
+        node: ClusterNode,
+        names: list[bytes],
+        max_bytes: int,
+        budget: ReadBudget | None,
     ) -> list[bytearray | Failed | None]:
         try:
-            answers = self._get_replies(client, node, names, max_bytes)
+            answers = self._get_replies(client, node, names, max_bytes, budget)
         except (RedisError, OSError, ValueError) as error:
             self._node_failed(node, error)
             return [Failed("node down")] * len(names)
@@ -215,7 +224,11 @@ class ClusterNodes:
 
     @staticmethod
     def _get_replies(
-        client: RedisCluster, node: ClusterNode, names: list[bytes], max_bytes: int
+        client: RedisCluster,
+        node: ClusterNode,
+        names: list[bytes],
+        max_bytes: int,
+        budget: ReadBudget | None,
     ) -> list[bytearray | Failed | None]:
         pool = client.get_redis_connection(node).connection_pool
         connection = pool.get_connection()
@@ -225,7 +238,7 @@ class ClusterNodes:
             if sock is None:
                 raise redis.ConnectionError("the connection has no socket")
             replies = Replies(sock)
-            return [replies.value(max_bytes) for _ in names]
+            return [replies.value(max_bytes, budget) for _ in names]
         except BaseException:
             connection.disconnect()  # a reply half read: the connection is unusable
             raise

@@ -29,6 +29,18 @@ class Failed:
         return f"Failed({self.reason})"
 
 
+class ReadBudget:
+    """The bytes one read may still take in, shared by every node's replies to it: a
+    value is taken while some is left (the one that crosses it too, as a read returns at
+    least one block) and read past once it is spent, whatever the node announces."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.left = max_bytes
+
+
+OVER_BUDGET = "over budget"  # a Failed reason: read past, the read's budget spent
+
+
 class Replies:
     """The replies to pipelined GETs, read off a node's socket (module docstring):
     a value, nil, or an error (as `Failed`, reason its first word, e.g. MOVED).
@@ -38,7 +50,7 @@ class Replies:
         self._sock = sock
         self._pending = bytearray()  # received beyond the last reply taken
 
-    def value(self, max_bytes: int) -> bytearray | Failed | None:
+    def value(self, max_bytes: int, budget: ReadBudget | None = None) -> bytearray | Failed | None:
         line = self._line()
         kind, rest = line[:1], line[1:]
         if kind == b"$":
@@ -46,7 +58,14 @@ class Replies:
             if size > max_bytes:
                 self._skip(size + 2)
                 return Failed("too large")
-            return None if size < 0 else self._take(size)
+            if size < 0:
+                return None
+            if budget is not None:
+                if budget.left <= 0:
+                    self._skip(size + 2)
+                    return Failed(OVER_BUDGET)
+                budget.left -= size
+            return self._take(size)
         if kind == b"_":  # RESP3 nil
             return None
         if kind == b"-":

@@ -48,6 +48,7 @@ from cacheserver.tiers.cluster.layout import (
     unpack_header,
 )
 from cacheserver.tiers.cluster.nodes import ClusterNodes, Failed
+from cacheserver.tiers.cluster.replies import OVER_BUDGET as OVER_BUDGET_REASON
 from cacheserver.tiers.cluster.sharing import Keep, Sharing
 from kvcommon.errors import Unavailable
 from policy import AccessPolicy
@@ -57,6 +58,7 @@ from policy.types import ModelTag, StorageKey, TenantId
 log = logging.getLogger(__name__)
 FIRST_READ_WINDOW = 2  # blocks asked at once before their size is known
 FIRST_LOOKUP_WINDOW = 32
+OVER_BUDGET = Failed(OVER_BUDGET_REASON)  # `_read`'s answer for a value read past
 
 
 @dataclass
@@ -170,19 +172,24 @@ class ClusterTier:
             return [], False
         generation = self.deletes.generation
         out: list[tuple[memoryview, ModelTag]] = []
-        total, start, window = 0, 0, FIRST_READ_WINDOW
+        total, largest, start, window = 0, 1, 0, FIRST_READ_WINDOW
         while start < len(keys):
             batch = keys[start : start + window]
-            for found in self._read(known, batch):
+            for found in self._read(known, batch, max_bytes - total):
+                if isinstance(found, Failed):  # OVER_BUDGET: spent on blocks after this one
+                    return self._served(known, keys, out, generation), True
                 if found is None:
                     return self._served(known, keys, out, generation), False
                 out.append(found)
                 total += len(found[0])
+                largest = max(largest, len(found[0]))
                 if total >= max_bytes:
                     more = len(out) < len(keys)
                     return self._served(known, keys, out, generation), more
             start += len(batch)
-            window = max(1, min(64, (max_bytes - total) // max(1, total // len(out))))
+            # Sized by the largest block yet, so blocks like those fit the budget; larger
+            # ones than announced are read past by `_read`, never taken in.
+            window = max(1, min(64, (max_bytes - total) // largest))
         return self._served(known, keys, out, generation), False
 
     def _served(
@@ -201,13 +208,21 @@ class ClusterTier:
         return [payload for payload, _ in found]
 
     def _read(
-        self, tenant: Tenant, keys: Sequence[StorageKey]
-    ) -> list[tuple[memoryview, ModelTag] | None]:
-        """Each block's payload (a view of the value) and model tag, or None: a miss."""
+        self, tenant: Tenant, keys: Sequence[StorageKey], budget_bytes: int
+    ) -> list[tuple[memoryview, ModelTag] | Failed | None]:
+        """Each block's payload (a view of the value) and model tag, None (a miss), or
+        OVER_BUDGET: `budget_bytes` went to other values of this read first, so it was
+        read past, not taken in. The budget, not what the first blocks' sizes promise,
+        bounds what a read holds: at most `budget_bytes` + one value. The first key's
+        node is read first, its value first, so the first block is never read past."""
         names = [self.keys.block(key) for key in keys]
-        out: list[tuple[memoryview, ModelTag] | None] = []
+        out: list[tuple[memoryview, ModelTag] | Failed | None] = []
         corrupt, old = [], []
-        for name, raw in zip(names, self.nodes.get(names, self.max_value_bytes), strict=True):
+        values = self.nodes.get(names, self.max_value_bytes, budget_bytes)
+        for name, raw in zip(names, values, strict=True):
+            if isinstance(raw, Failed) and raw.reason == OVER_BUDGET_REASON:
+                out.append(OVER_BUDGET)
+                continue
             if raw is None or isinstance(raw, Failed):
                 self.count(misses=1, failures=int(isinstance(raw, Failed)))
                 out.append(None)

@@ -153,3 +153,34 @@ def test_a_spent_budget_reads_values_past_and_the_replies_after_still_parse() ->
     assert isinstance(replies.value(LIMIT, budget), Failed)
     moved = replies.value(LIMIT, budget)
     assert isinstance(moved, Failed) and moved.reason == "MOVED"
+
+
+def _bulk(value: bytes) -> bytes:
+    return b"$%d\r\n%s\r\n" % (len(value), value)
+
+
+def _entry(entry_id: bytes, *parts: bytes) -> bytes:
+    return b"*2\r\n" + _bulk(entry_id) + b"*%d\r\n" % len(parts) + b"".join(map(_bulk, parts))
+
+
+def test_stream_entries_over_the_bound_are_read_past_and_the_rest_parse() -> None:
+    """An XREAD reply: an entry of 70,000 bytes, one of 3,000 tiny fields, one with an
+    odd count, then a real one; the reader keeps only what fits and stays in step."""
+    entries = [
+        _entry(b"1-0", b"o", b"x", b"k", b"k" * 70_000),
+        _entry(b"2-0", *[b"f"] * 3000),
+        _entry(b"3-0", b"o"),
+        _entry(b"4-0", b"o", b"me", b"k", b"a" * 64),
+    ]
+    stream = b"*1\r\n*2\r\n" + _bulk(b"kvshare:deletes") + b"*4\r\n" + b"".join(entries)
+    for step in (7, 1 << 16):
+        pieces = [stream[i : i + step] for i in range(0, len(stream), step)] + [b"*-1\r\n"]
+        replies = replies_from(pieces)
+        got = replies.stream_entries(12 << 10)
+        assert got == [
+            (b"1-0", None),
+            (b"2-0", None),
+            (b"3-0", None),
+            (b"4-0", {b"o": b"me", b"k": b"a" * 64}),
+        ]
+        assert replies.stream_entries(12 << 10) == []  # BLOCK ran out: nothing new

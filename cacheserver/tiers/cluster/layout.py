@@ -221,3 +221,20 @@ redis.call('SET', KEYS[1], ARGV[1])
 redis.call('APPEND', KEYS[1], ARGV[2])
 return 1
 """
+
+# KEYS: the delete stream. {first id, last id, last generated id} ("" where the stream
+# is empty), or {} when there is no stream: ids only, never an entry, so what a writer
+# to Redis planted in the stream stays there.
+STREAM_ENDS = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {} end
+local first = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)[1]
+local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)[1]
+local generated = last and last[1] or ''
+if not last then
+  local info = redis.call('XINFO', 'STREAM', KEYS[1])
+  for i = 1, #info, 2 do
+    if info[i] == 'last-generated-id' then generated = info[i + 1] end
+  end
+end
+return {first and first[1] or '', last and last[1] or '', generated}
+"""

@@ -76,6 +76,7 @@ class ClusterCounts:
     evicted: int = 0  # blocks evicted for a tenant's quota by this server's writes
     promoted: int = 0  # blocks read from the cluster and kept locally
     deletes_applied: int = 0  # delete stream entries from other servers applied here
+    stream_skipped: int = 0  # delete stream entries too large or not ours: read past
     reconciled: int = 0  # local copies dropped because the cluster no longer has them
 
     def as_dict(self) -> dict[str, int]:

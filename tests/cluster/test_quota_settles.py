@@ -10,12 +10,14 @@ reading each header, not by asking kvshare's accounting.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
+from cacheserver.tiers.cluster.accounting import Admission
 from cacheserver.tiers.cluster.layout import HEADER_BYTES, unpack_header
 from kvshare.bench.redis_cluster import LocalRedisCluster
-from policy.types import TenantId
-from tests.cluster.conftest import MODEL, KiB, Servers, blocks, primaries, tier_of
+from policy.types import StorageKey, TenantId
+from tests.cluster.conftest import MODEL, KiB, Servers, blocks, direct, primaries, tier_of
 
 ALPHA = TenantId("alpha")
 BLOCK_BYTES = 64 * KiB
@@ -52,3 +54,23 @@ def test_two_servers_writing_ten_times_the_quota_leave_at_most_the_quota_in_redi
     # The accounting agrees with what is there (positive control: writes did land).
     listed = tier_of(servers[0]).accounting.usage(tier_of(servers[0]).tenants[ALPHA])
     assert listed == (count, total)
+
+
+def test_a_block_written_and_never_admitted_is_swept(
+    cluster: LocalRedisCluster, start_servers: Callable[..., Servers]
+) -> None:
+    """A server that stops between writing a block and admitting it: the block is in
+    the tenant's writing set, and the sweep deletes it; an admitted one stays."""
+    servers = start_servers(cluster, count=1, quotas={"alpha": QUOTA_BYTES})
+    tier = tier_of(servers[0])
+    alpha = tier.tenants[ALPHA]
+    orphan, admitted = StorageKey(os.urandom(32)), StorageKey(os.urandom(32))
+    tier.accounting.mark_writing([(alpha, orphan), (alpha, admitted)])
+    operator = direct(cluster)
+    for key in (orphan, admitted):
+        operator.set(tier.keys.block(key), b"v" * 100)
+    assert tier.accounting.admit([(alpha, admitted, 100)])[0] == Admission(True, False)
+    assert tier.accounting.sweep(alpha) == []  # too recent: its writer may be slow
+    assert tier.accounting.sweep(alpha, age_s=0) == [orphan]  # the caller deletes it
+    assert tier.accounting.sweep(alpha, age_s=0) == []  # once
+    operator.close()

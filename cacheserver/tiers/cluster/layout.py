@@ -12,6 +12,8 @@ Keys (P is `key_prefix`; nothing in them is a client digest, a tenant id or a se
     P t{<tag>}:clock                  counter: the tenant's access clock
     P t{<tag>}:epochs                 set: epochs with blocks (retired ones get reclaimed)
     P t{<tag>}:doomed                 set: blocks evicted whose key may still exist
+    P t{<tag>}:writing                zset: blocks being written, by the (Redis) second
+                                      their write began; admitting one takes it out
     P deletes                         stream: deletes every server applies to its copies
 
 A tenant's keys share one hash tag (the tenant tag, `policy.naming.cluster_tag`: keyed,
@@ -116,6 +118,7 @@ class TenantKeys:
         self.clock = base + b"clock"
         self.epochs = base + b"epochs"
         self.doomed = base + b"doomed"
+        self.writing = base + b"writing"
 
     def lru(self, epoch: int) -> bytes:
         return self.base + b"lru:%d" % epoch
@@ -133,10 +136,11 @@ class TenantKeys:
 
 # -- scripts: each runs atomically on the one node that holds the tenant's slot --------
 
-# KEYS: lru sizes used clock epochs doomed; ARGV: block size quota epoch.
+# KEYS: lru sizes used clock epochs doomed writing; ARGV: block size quota epoch.
 # Returns {1, victims...} (accounted: store it, delete the victims), {0} (listed
 # already: only touched), or {-1} (larger than the quota: not stored).
 ADMIT = """
+redis.call('ZREM', KEYS[7], ARGV[1])
 local now = redis.call('INCR', KEYS[4])
 if redis.call('ZSCORE', KEYS[1], ARGV[1]) then
   redis.call('ZADD', KEYS[1], 'XX', now, ARGV[1])
@@ -204,14 +208,28 @@ end
 return out
 """
 
-# KEYS: doomed lru; ARGV: count. Up to `count` evicted blocks whose keys may still
-# exist, left out those admitted again since (listed in lru).
+# KEYS: doomed lru writing; ARGV: count age_s. Up to `count` evicted blocks whose keys
+# may still exist, and blocks whose write began `age_s` or more ago and was never
+# admitted (its server stopped in between): both left out if listed in lru.
 SWEEP = """
 local out = {}
 for _, block in ipairs(redis.call('SPOP', KEYS[1], tonumber(ARGV[1]))) do
   if not redis.call('ZSCORE', KEYS[2], block) then out[#out + 1] = block end
 end
+local cutoff = tonumber(redis.call('TIME')[1]) - tonumber(ARGV[2])
+local stale = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', cutoff, 'LIMIT', 0, tonumber(ARGV[1]))
+for _, block in ipairs(stale) do
+  redis.call('ZREM', KEYS[3], block)
+  if not redis.call('ZSCORE', KEYS[2], block) then out[#out + 1] = block end
+end
 return out
+"""
+
+# KEYS: writing; ARGV: blocks. Notes that their writes begin now (SWEEP's second part).
+WRITING = """
+local now = tonumber(redis.call('TIME')[1])
+for i = 1, #ARGV do redis.call('ZADD', KEYS[1], now, ARGV[i]) end
+return 0
 """
 
 # KEYS: the block; ARGV: header payload. First writer wins: SET NX of the whole value.

@@ -238,6 +238,7 @@ class Sharing:
         missing = [i for i, answer in enumerate(present) if answer == 0]
         tier.count(dropped=sum(isinstance(answer, Failed) for answer in present))
         stored = dict.fromkeys((i for i, a in enumerate(present) if a == 1), False)
+        tier.accounting.mark_writing([(ready[i][0].tenant, ready[i][0].key) for i in missing])
         for i, answer in zip(missing, self._set([ready[i] for i in missing]), strict=True):
             if answer is not None:
                 stored[i] = answer  # True: written by this server; False: by another

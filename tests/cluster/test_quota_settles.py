@@ -29,7 +29,9 @@ def _tenant_bytes(cluster: LocalRedisCluster, tag: bytes) -> tuple[int, int]:
     count = total = 0
     for client in primaries(cluster):
         for name in client.scan_iter(match=b"kvshare:b:*", count=1000):
-            header = unpack_header(client.getrange(name, 0, HEADER_BYTES - 1))
+            head = client.getrange(name, 0, HEADER_BYTES - 1)
+            assert isinstance(head, bytes)
+            header = unpack_header(head)
             if header is not None and header.tenant_tag == tag:
                 count += 1
                 total += int(client.strlen(name)) - HEADER_BYTES

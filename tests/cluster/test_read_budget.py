@@ -44,7 +44,8 @@ def test_a_cold_read_takes_in_at_most_its_budget_and_one_block(
         return take(self, size)
 
     monkeypatch.setattr(Replies, "_take", counted)
-    budget, served, reads = 3 * MiB, [], 0
+    budget, reads = 3 * MiB, 0
+    served: list[bytes] = []
     while len(served) < len(keys):  # the store's batches, each with its budget
         taken.clear()
         got, more = reader.read_leading(ALPHA, keys[len(served) :], budget)

@@ -128,3 +128,24 @@ def test_a_sealed_block_the_cluster_serves_opens_at_the_agent(
     )
     with pytest.raises(SealError):
         SEALER.open("alpha", MODEL, digests[1], got[0])
+
+
+def test_a_value_of_the_first_format_is_a_plain_miss_and_a_put_writes_it_again(
+    cluster: LocalRedisCluster, start_servers: Callable[..., Servers]
+) -> None:
+    """Values an older server wrote (magic KVC1, unkeyed checksum) are misses, not
+    integrity failures, and are deleted so that SET NX can write the block again."""
+    servers = start_servers(cluster)
+    tier = tier_of(servers[0])
+    digests, payloads = blocks(1)
+    name = tier.keys.block(_key(servers, "alpha", digests[0]))
+    operator = direct(cluster)
+    operator.set(name, b"KVC1" + bytes(60) + payloads[0])
+    reader = servers[1].client("a", transport="grpc")
+    assert reader.get("alpha", MODEL, digests) == []
+    assert tier_of(servers[1]).counts()["integrity_failures"] == 0
+    assert operator.exists(name) == 0
+    servers[0].client("a", transport="grpc").put("alpha", MODEL, digests, payloads)
+    servers.settle()
+    assert reader.get("alpha", MODEL, digests) == payloads  # written again, served
+    operator.close()

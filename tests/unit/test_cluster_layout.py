@@ -4,9 +4,13 @@ keys share a hash slot; the delete log that undoes copies made during a delete."
 
 from __future__ import annotations
 
+import hmac
 import os
 
 import xxhash
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+from cryptography.hazmat.primitives.poly1305 import Poly1305
 from redis.crc import key_slot
 
 from cacheserver.tiers.cluster.deletes import (
@@ -24,6 +28,7 @@ from cacheserver.tiers.cluster.layout import (
     pack_header,
     unpack_header,
 )
+from kvcommon.encoding import enc
 from policy.shared_values import ValueMac
 from policy.types import ModelTag, StorageKey
 
@@ -119,3 +124,14 @@ def test_stream_entries_round_trip() -> None:
         parsed = from_fields(to_fields(b"origin", entry))
         assert parsed == (b"origin", entry)
     assert from_fields({b"o": b"x", b"k": b"short"}) is None
+
+
+def test_the_value_mac_is_the_documented_construction() -> None:
+    """A known answer (a format change is never silent) and the construction in
+    policy/shared_values.py's docstring, computed here from the primitives."""
+    secret, name, header, payload = bytes(range(32)), b"kvshare:b:00", bytes(64), b"payload"
+    tag = ValueMac(secret).tag(name, header, payload)
+    assert tag.hex() == "1af2b5a5b6ebc49ac848b92875e7b31b"
+    hkdf = HKDF(hashes.SHA256(), 32, None, enc("kvshare/shared-value/v1"))
+    once = hmac.digest(hkdf.derive(secret), enc(name, header), "sha256")
+    assert Poly1305.generate_tag(once, payload) == tag

@@ -39,6 +39,7 @@ from policy.identity import (
 from policy.naming import BlockNamer
 from policy.ratelimit import RateLimited, RequestRateLimiter
 from policy.sealing import looks_sealed
+from policy.shared_values import ValueMac
 from policy.types import (
     BlockDigest,
     ModelName,
@@ -253,6 +254,10 @@ class AccessPolicy:
     def cluster_tag(self, tenant: TenantId) -> bytes:
         """The tenant's keyed name in a shared tier (policy.naming.BlockNamer.cluster_tag)."""
         return self._namer.cluster_tag(tenant)
+
+    def shared_value_mac(self) -> ValueMac:
+        """What a shared tier tags and checks its values with (policy.shared_values)."""
+        return self._namer.shared_value_mac()
 
     def record_admin(self, principal: Principal | None, action: str, **fields: Field) -> None:
         """An admin action (whole-tenant delete, reclamation at start-up, ...)."""

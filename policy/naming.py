@@ -22,6 +22,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from kvcommon.encoding import enc
 from kvcommon.errors import ConfigError
+from policy.shared_values import ValueMac
 from policy.types import BlockDigest, ModelName, ModelTag, StorageKey, TenantId
 
 SERVER_SECRET_BYTES = 32
@@ -84,6 +85,10 @@ class BlockNamer:
             )
             tag = self._cluster_tags[tenant] = hkdf.derive(self._secret)
         return tag
+
+    def shared_value_mac(self) -> ValueMac:
+        """The MAC of values in a shared tier, keyed by this secret (policy.shared_values)."""
+        return ValueMac(self._secret)
 
     def storage_key(self, tenant: TenantId, model: ModelName, digest: BlockDigest) -> StorageKey:
         # hmac.digest: OpenSSL's one-shot HMAC, several times cheaper than an HMAC

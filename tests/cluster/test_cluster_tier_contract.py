@@ -3,6 +3,7 @@ a real cluster, and its probe names the nodes when it cannot take writes."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from cacheserver.tiers import Capability, SharedTier
@@ -11,6 +12,7 @@ from cacheserver.tiers.cluster.config import RedisClusterConfig
 from cacheserver.tiers.cluster.tier import ClusterTier
 from kvcommon.hostport import parse_host_port
 from kvshare.bench.redis_cluster import LocalRedisCluster
+from policy.shared_values import ValueMac
 from policy.types import StorageKey
 from tests.unit.tier_contract import TENANT, FakeLocalCopies, check_tier_contract, pending_write
 
@@ -26,7 +28,7 @@ def cluster_tier(
         timeout_ms=timeout_ms,
     )
     tenant = Tenant(TENANT, tag=bytes(16), epoch=0, quota_bytes=0)
-    return ClusterTier(config, [tenant], data_dir, MiB)
+    return ClusterTier(config, [tenant], data_dir, MiB, ValueMac(os.urandom(32)))
 
 
 def test_the_cluster_tier_keeps_the_tier_contract(

@@ -2,10 +2,10 @@
 what their changes achieve.
 
 They see key names, sizes and access patterns: no digest, tenant id, model name or
-secret (scanned here, every key and value). They can change bytes: a corrupted block
-is a miss (its checksum), a block moved to another tenant's key is a miss (its header's
-tenant tag), and a block forged with a consistent header is served — and the agent's
-AEAD refuses it, while the untouched block opens (positive control).
+secret (scanned here, every key and value). They can delete values but not make one a
+server serves: a value moved to another key, re-headed to another tenant or forged
+fails its keyed MAC (policy.shared_values) and is a miss, never kept locally, while
+the untouched blocks are served (positive control).
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ import os
 from collections.abc import Callable
 
 import pytest
+import xxhash
 
-from cacheserver.tiers.cluster.layout import HEADER_BYTES, pack_header, unpack_header
+from cacheserver.tiers.cluster.layout import HEADER_BYTES
 from kvshare.bench.redis_cluster import LocalRedisCluster
 from policy.sealing import BlockSealer, Keyring, SealError, TenantKeys
 from policy.types import BlockDigest, ModelName, StorageKey, TenantId
@@ -68,45 +69,83 @@ def test_the_cluster_holds_no_digest_tenant_id_model_or_secret(
     assert any(payloads[1] in v for v in contents.values() if isinstance(v, bytes))
 
 
-def test_altered_blocks_are_misses_and_the_agent_aead_refuses_a_forged_one(
+def _forge(value: bytes, payload: bytes, tenant_tag: bytes | None = None) -> bytes:
+    """What someone who can write to Redis but holds no server secret can make: the
+    header kept (its tenant tag replaced, if given), the payload theirs, and the header's
+    last 16 bytes an unkeyed checksum of it (xxh3-128: what the first format checked)."""
+    head = bytearray(value[:HEADER_BYTES])
+    if tenant_tag is not None:
+        head[4:20] = tenant_tag
+    head[HEADER_BYTES - 16 :] = xxhash.xxh3_128_digest(payload)
+    return bytes(head) + payload
+
+
+def test_values_moved_re_headed_or_forged_in_redis_are_misses_never_served_or_kept(
     cluster: LocalRedisCluster, start_servers: Callable[..., Servers]
 ) -> None:
+    """Plaintext blocks (alpha has no keyring, the default): whoever can write to Redis
+    moves a block within alpha, re-heads one to beta, forges one; each is a miss,
+    counted, and the reading server keeps none of them in its local tiers."""
     servers = start_servers(cluster)
     tier = tier_of(servers[0])
-    digests, plaintexts = blocks(5)
-    sealed = [SEALER.seal("alpha", MODEL, d, p) for d, p in zip(digests, plaintexts, strict=True)]
-    servers[0].client("a", transport="grpc").put("alpha", MODEL, digests, sealed)
+    digests, payloads = blocks(5)
+    servers[0].client("a", transport="grpc").put("alpha", MODEL, digests, payloads)
     servers.settle()
     names = [tier.keys.block(_key(servers, "alpha", d)) for d in digests]
     operator = direct(cluster)
     values = [_bytes(operator.get(n)) for n in names]
-    # 0: one payload bit flipped (a bad disk, or a careless operator): a miss.
-    corrupt = bytearray(values[0])
-    corrupt[HEADER_BYTES + 5] ^= 1
-    operator.set(names[0], bytes(corrupt))
-    # 1: alpha's block copied under beta's key for the same digest: a miss (header tag).
+    operator.set(names[0], values[1])  # 1 moved onto 0, within alpha
+    beta_tag = tier.tenants[TenantId("beta")].tag
     beta_name = tier.keys.block(_key(servers, "beta", digests[1]))
-    operator.set(beta_name, values[1])
-    # 2: forged with a consistent header (what a Redis operator can do): served...
-    header = unpack_header(values[2])
-    assert header is not None
-    forged = bytearray(values[2][HEADER_BYTES:])
-    forged[-1] ^= 1
-    rewritten = pack_header(header.tenant_tag, header.epoch, header.model_tag, forged)
-    operator.set(names[2], rewritten + bytes(forged))
+    operator.set(beta_name, _forge(values[1], payloads[1], beta_tag))  # re-headed to beta
+    operator.set(names[2], _forge(values[2], b"attacker's bytes" * 4096))  # forged
     reader = servers[1]  # holds no local copy: reads the cluster
     alpha = reader.client("a", transport="grpc")
     assert alpha.get("alpha", MODEL, digests[:1]) == []
     assert reader.client("b", transport="grpc").get("beta", MODEL, digests[1:2]) == []
-    assert tier_of(reader).counts()["integrity_failures"] == 2
-    got = alpha.get("alpha", MODEL, digests[2:4])
-    assert got[0] == bytes(forged)
-    with pytest.raises(SealError):  # ...and the agent's AEAD refuses it
-        SEALER.open("alpha", MODEL, digests[2], got[0])
-    assert SEALER.open("alpha", MODEL, digests[3], got[1]) == plaintexts[3]  # control
-    # 3: alpha's block 3 placed under alpha's key for block 4: served, refused the same.
-    operator.set(names[4], values[3])
-    moved = alpha.get("alpha", MODEL, digests[4:])
-    assert moved == [sealed[3]]
+    assert alpha.get("alpha", MODEL, digests[2:3]) == []
+    assert tier_of(reader).counts()["integrity_failures"] == 3
+    assert alpha.get("alpha", MODEL, digests[3:]) == payloads[3:]  # positive control
+    servers.settle()
+    assert reader.store.tenant_usage(TenantId("beta")) == (0, 0)
+    assert reader.store.tenant_usage(TenantId("alpha"))[0] == 2  # only the two real ones
+    assert operator.exists(names[0], names[2], beta_name) == 0  # deleted: a put rewrites
+
+
+def test_a_sealed_block_the_cluster_serves_opens_at_the_agent(
+    cluster: LocalRedisCluster, start_servers: Callable[..., Servers]
+) -> None:
+    """Sealing still binds tenant, model and digest end to end (C11, C12): the agent
+    opens what the cluster served, and refuses it under another digest."""
+    servers = start_servers(cluster)
+    digests, plaintexts = blocks(2)
+    sealed = [SEALER.seal("alpha", MODEL, d, p) for d, p in zip(digests, plaintexts, strict=True)]
+    servers[0].client("a", transport="grpc").put("alpha", MODEL, digests, sealed)
+    servers.settle()
+    got = servers[1].client("a", transport="grpc").get("alpha", MODEL, digests)
+    assert [SEALER.open("alpha", MODEL, d, g) for d, g in zip(digests, got, strict=True)] == (
+        plaintexts
+    )
     with pytest.raises(SealError):
-        SEALER.open("alpha", MODEL, digests[4], moved[0])
+        SEALER.open("alpha", MODEL, digests[1], got[0])
+
+
+def test_a_value_of_the_first_format_is_a_plain_miss_and_a_put_writes_it_again(
+    cluster: LocalRedisCluster, start_servers: Callable[..., Servers]
+) -> None:
+    """Values an older server wrote (magic KVC1, unkeyed checksum) are misses, not
+    integrity failures, and are deleted so that SET NX can write the block again."""
+    servers = start_servers(cluster)
+    tier = tier_of(servers[0])
+    digests, payloads = blocks(1)
+    name = tier.keys.block(_key(servers, "alpha", digests[0]))
+    operator = direct(cluster)
+    operator.set(name, b"KVC1" + bytes(60) + payloads[0])
+    reader = servers[1].client("a", transport="grpc")
+    assert reader.get("alpha", MODEL, digests) == []
+    assert tier_of(servers[1]).counts()["integrity_failures"] == 0
+    assert operator.exists(name) == 0
+    servers[0].client("a", transport="grpc").put("alpha", MODEL, digests, payloads)
+    servers.settle()
+    assert reader.get("alpha", MODEL, digests) == payloads  # written again, served
+    operator.close()

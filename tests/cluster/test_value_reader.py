@@ -20,7 +20,7 @@ import pytest
 
 from cacheserver.tiers.cluster.config import RedisClusterConfig
 from cacheserver.tiers.cluster.nodes import ClusterNodes, Failed
-from cacheserver.tiers.cluster.replies import Replies
+from cacheserver.tiers.cluster.replies import OVER_BUDGET, ReadBudget, Replies
 from kvcommon.hostport import HostPort
 from kvshare.bench.redis_cluster import LocalRedisCluster
 from tests.cluster.conftest import direct
@@ -137,3 +137,50 @@ def test_replies_split_anywhere_are_read_whole() -> None:
 def test_a_broken_reply_is_an_error_never_a_value(stream: bytes, error: type[Exception]) -> None:
     with pytest.raises(error):
         replies_from([stream], close=stream.startswith(b"$10")).value(LIMIT)
+
+
+def test_a_spent_budget_reads_values_past_and_the_replies_after_still_parse() -> None:
+    """A read's budget bounds what it takes in, whatever sizes the node announces: the
+    value that crosses it is taken (a read returns at least one block), the next ones
+    are read past, and the stream stays in step."""
+    first, second, third = b"a" * 600, b"b" * 5000, b"c" * 10
+    stream = b"".join(b"$%d\r\n%s\r\n" % (len(v), v) for v in (first, second, third))
+    replies = replies_from([stream, b"-MOVED 1 x\r\n"])
+    budget = ReadBudget(500)
+    assert replies.value(LIMIT, budget) == first
+    skipped = replies.value(LIMIT, budget)
+    assert isinstance(skipped, Failed) and skipped.reason == OVER_BUDGET
+    assert isinstance(replies.value(LIMIT, budget), Failed)
+    moved = replies.value(LIMIT, budget)
+    assert isinstance(moved, Failed) and moved.reason == "MOVED"
+
+
+def _bulk(value: bytes) -> bytes:
+    return b"$%d\r\n%s\r\n" % (len(value), value)
+
+
+def _entry(entry_id: bytes, *parts: bytes) -> bytes:
+    return b"*2\r\n" + _bulk(entry_id) + b"*%d\r\n" % len(parts) + b"".join(map(_bulk, parts))
+
+
+def test_stream_entries_over_the_bound_are_read_past_and_the_rest_parse() -> None:
+    """An XREAD reply: an entry of 70,000 bytes, one of 3,000 tiny fields, one with an
+    odd count, then a real one; the reader keeps only what fits and stays in step."""
+    entries = [
+        _entry(b"1-0", b"o", b"x", b"k", b"k" * 70_000),
+        _entry(b"2-0", *[b"f"] * 3000),
+        _entry(b"3-0", b"o"),
+        _entry(b"4-0", b"o", b"me", b"k", b"a" * 64),
+    ]
+    stream = b"*1\r\n*2\r\n" + _bulk(b"kvshare:deletes") + b"*4\r\n" + b"".join(entries)
+    for step in (7, 1 << 16):
+        pieces = [stream[i : i + step] for i in range(0, len(stream), step)] + [b"*-1\r\n"]
+        replies = replies_from(pieces)
+        got = replies.stream_entries(12 << 10)
+        assert got == [
+            (b"1-0", None),
+            (b"2-0", None),
+            (b"3-0", None),
+            (b"4-0", {b"o": b"me", b"k": b"a" * 64}),
+        ]
+        assert replies.stream_entries(12 << 10) == []  # BLOCK ran out: nothing new

@@ -4,19 +4,21 @@ across every server.
 Each tenant's accounting lives in its own hash slot (`layout`), changed only by the
 scripts there, so each change is atomic on one node whichever server makes it:
 
-- `admit` lists a block before its bytes are written, and, when that takes the tenant
+- `admit` lists a block once its bytes are written (so an eviction always finds the
+  bytes it deletes), and, when that takes the tenant
   over its quota, takes its least recently used blocks out of the list in the same
   step (the caller then deletes their keys). The list's total never exceeds the quota.
 - `touch` moves blocks to the recent end as any server reads them.
 - `release` stops listing deleted blocks; `take` empties an epoch, oldest first
   (whole-tenant deletes, retired epochs); `sweep` finds evicted blocks whose keys a
-  crashed server never deleted.
+  crashed server never deleted, and blocks a crashed server wrote and never admitted
+  (`mark_writing` notes each write before it begins).
 
 What is exact and what is not (docs/scale-out.md): the list and its total are exact at
-every instant; the bytes in Redis may exceed the quota while evicted keys wait for their
-DEL (one round trip after the admission that evicted them), and blocks written around a
-node's loss can be listed without bytes (harmless: they count until evicted) or held
-without being listed (they escape the quota until read or swept).
+every instant; the bytes in Redis may exceed the quota while a batch is written and not
+yet admitted, and while evicted keys wait for their DEL (one round trip after the
+admission that evicted them); blocks written around a node's loss can be listed without
+bytes (harmless: they count until evicted) or held without being listed until swept.
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ from cacheserver.tiers.cluster.nodes import ClusterNodes, Failed
 from policy.types import StorageKey, TenantId
 
 TAKE_BATCH = 512
+# A block written this long ago and never admitted was left by a server that stopped
+# between the two: `sweep` deletes it. Far above any write's duration: a slower one
+# only loses its block (a miss), never a quota.
+UNADMITTED_AGE_S = 60
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +64,7 @@ class Accounting:
         self._touch = nodes.register(layout.TOUCH)
         self._take = nodes.register(layout.TAKE)
         self._sweep = nodes.register(layout.SWEEP)
+        self._writing = nodes.register(layout.WRITING)
 
     def _of(self, tenant: Tenant) -> TenantKeys:
         return self._keys.tenant(tenant.tag)
@@ -68,7 +75,7 @@ class Accounting:
         commands = []
         for tenant, key, size in blocks:
             t = self._of(tenant)
-            names = [*t.of_epoch(tenant.epoch), t.clock, t.epochs, t.doomed]
+            names = [*t.of_epoch(tenant.epoch), t.clock, t.epochs, t.doomed, t.writing]
             args = (key, size, tenant.quota_bytes, tenant.epoch)
             commands.append((t.base, ("EVALSHA", self._admit, len(names), *names, *args)))
         out: list[Admission | Failed] = []
@@ -80,6 +87,18 @@ class Accounting:
             victims = tuple(StorageKey(bytes(v)) for v in answer[1:])
             out.append(Admission(status == 1, status < 0, victims))
         return out
+
+    def mark_writing(self, blocks: Sequence[tuple[Tenant, StorageKey]]) -> None:
+        """Note that these blocks' bytes are about to be written (before their
+        admission): if this server stops in between, `sweep` finds them."""
+        by_tenant: dict[Tenant, list[StorageKey]] = {}
+        for tenant, key in blocks:
+            by_tenant.setdefault(tenant, []).append(key)
+        commands = []
+        for tenant, keys in by_tenant.items():
+            t = self._of(tenant)
+            commands.append((t.base, ("EVALSHA", self._writing, 1, t.writing, *keys)))
+        self._nodes.run(commands)
 
     def forget_doomed(self, tenant: Tenant, victims: Sequence[StorageKey]) -> None:
         """The victims' keys are deleted: they need no sweep."""
@@ -128,10 +147,14 @@ class Accounting:
             return answer
         return [StorageKey(bytes(block)) for block in answer]
 
-    def sweep(self, tenant: Tenant, count: int = TAKE_BATCH) -> list[StorageKey]:
+    def sweep(
+        self, tenant: Tenant, count: int = TAKE_BATCH, age_s: int = UNADMITTED_AGE_S
+    ) -> list[StorageKey]:
+        """Blocks whose keys may be in Redis unlisted (evicted and not deleted, or
+        written and never admitted): the caller deletes them."""
         t = self._of(tenant)
-        names = [t.doomed, t.lru(tenant.epoch)]
-        answer = self._nodes.call(t.base, "EVALSHA", self._sweep, 2, *names, count)
+        names = [t.doomed, t.lru(tenant.epoch), t.writing]
+        answer = self._nodes.call(t.base, "EVALSHA", self._sweep, 3, *names, count, age_s)
         return [] if isinstance(answer, Failed) else [StorageKey(bytes(b)) for b in answer]
 
     def usage(self, tenant: Tenant) -> tuple[int, int] | Failed:

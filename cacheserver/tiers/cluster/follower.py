@@ -23,12 +23,13 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from cacheserver.tiers import LocalCopies
-from cacheserver.tiers.cluster import deletes
+from cacheserver.tiers.cluster import deletes, layout
 from cacheserver.tiers.cluster.deletes import DeleteEntry
 from cacheserver.tiers.cluster.nodes import Failed
+from cacheserver.tiers.cluster.replies import StreamEntry
 from policy.types import ModelTag
 
 if TYPE_CHECKING:
@@ -37,6 +38,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 POSITION_FILE = "cluster.position"
 READ_COUNT = 256
+# The largest delete stream entry taken in: ours are at most 256 keys (8 KiB) and an
+# origin; a larger one is read past, never held (a writer to Redis may plant any size),
+# so one read holds at most READ_COUNT x this (3 MiB).
+MAX_ENTRY_BYTES = 12 << 10
 RECONCILE_CHUNK = 1024
 SAVE_EVERY_S = 1.0
 SWEEP_EVERY_S = 10.0
@@ -76,6 +81,7 @@ class Follower:
         self._thread: threading.Thread | None = None
         self._due = {"save": 0.0, "sweep": 0.0, "reclaim": 0.0}
         self._warned_epochs: set[tuple[bytes, int]] = set()
+        self._stream_ends = tier.nodes.register(layout.STREAM_ENDS)
 
     # -- start and stop ------------------------------------------------------------------
 
@@ -132,22 +138,13 @@ class Follower:
         assert self.position is not None
         stream = tier.keys.deletes
         block_ms = max(1, min(500, tier.config.timeout_ms // 2))
-        answer = tier.nodes.call(
-            stream,
-            "XREAD",
-            "COUNT",
-            READ_COUNT,
-            "BLOCK",
-            block_ms,
-            "STREAMS",
-            stream,
-            self.position,
+        entries = tier.nodes.read_stream(
+            stream, self.position, READ_COUNT, block_ms, MAX_ENTRY_BYTES
         )
-        if isinstance(answer, Failed):
+        if isinstance(entries, Failed):
             self.position = None  # reconnect and check what was missed
             self._stop.wait(min(1.0, tier.config.retry_after_ms / 1000))
             return
-        entries = answer[0][1] if answer else []
         if len(entries) == READ_COUNT and not self._covers(self.position):
             self._reconcile()  # behind by more than the stream keeps
         self._apply(entries)
@@ -191,26 +188,28 @@ class Follower:
             for key, model_tag in local.local_keys(tenant.id):
                 tier.sharing.enqueue(tenant, key, model_tag, None)
 
+    def _ends(self) -> list[bytes] | Failed:
+        """[first id, last id, last generated id] of the stream ([]: no stream), by ids
+        alone (layout.STREAM_ENDS): XINFO and XREVRANGE would send whole entries."""
+        stream = self._tier.keys.deletes
+        answer = self._tier.nodes.script(self._stream_ends, [stream], [])
+        return answer if isinstance(answer, Failed) else [bytes(a) for a in answer]
+
     def _covers(self, position: bytes) -> bool:
         """Whether every entry after `position` is still in the stream."""
-        tier = self._tier
-        answer = tier.nodes.call(tier.keys.deletes, "XINFO", "STREAM", tier.keys.deletes)
-        if isinstance(answer, Failed):
+        ends = self._ends()
+        if isinstance(ends, Failed) or not ends:
             return False  # no stream (its node lost it, or none was ever written)
-        first = answer.get("first-entry")  # redis-py parses XINFO into a dict
-        if not first or first[0] is None:  # empty: trimmed to nothing
-            last = answer.get("last-generated-id") or START
-            return _stream_id(last) <= _stream_id(position)
-        return _stream_id(first[0]) <= _stream_id(position) or position == START
+        first, _, generated = ends
+        if not first:  # empty: trimmed to nothing
+            return _stream_id(generated or START) <= _stream_id(position)
+        return _stream_id(first) <= _stream_id(position) or position == START
 
     def _last_id(self) -> bytes | None:
-        tier = self._tier
-        answer = tier.nodes.call(
-            tier.keys.deletes, "XREVRANGE", tier.keys.deletes, "+", "-", "COUNT", 1
-        )
-        if isinstance(answer, Failed):
+        ends = self._ends()
+        if isinstance(ends, Failed):
             return None
-        return bytes(answer[0][0]) if answer else START
+        return (ends[1] or ends[2] or START) if ends else START
 
     def _reconcile(self) -> None:
         """Drop every local copy of a block the cluster does not hold (module docstring)."""
@@ -230,12 +229,15 @@ class Follower:
         if dropped:
             log.info("dropped %d local block(s) the Redis Cluster no longer holds", dropped)
 
-    def _apply(self, entries: list[Any]) -> None:
+    def _apply(self, entries: list[StreamEntry]) -> None:
         tier, local = self._tier, self._local
-        for raw_id, fields in entries:  # redis-py parses each entry into (id, dict)
-            self.position = bytes(raw_id)
-            parsed = deletes.from_fields(fields or {})
-            if parsed is None or parsed[0] == tier.origin:
+        for raw_id, fields in entries:
+            self.position = raw_id
+            parsed = None if fields is None else deletes.from_fields(fields)
+            if parsed is None:  # too large, or not ours: passed, counted, never logged
+                tier.count(stream_skipped=1)
+                continue
+            if parsed[0] == tier.origin:
                 continue
             entry = parsed[1]
             tier.deletes.record(entry)

@@ -9,9 +9,10 @@ moved (a refused connection, MOVED, CLUSTERDOWN) asks for a refresh of the map, 
 twice a second. A cluster that cannot be reached at start-up is connected later
 (`connect`, called again by the tier's maintenance thread): the server starts anyway.
 
-Block values (`get`) are read off the node's socket by a reader of their own
-(`replies`), not by redis-py's; everything else (scripts, errors on other commands,
-MOVED handling on them) stays with redis-py. The socket is that of one of redis-py's
+Block values (`get`) and delete stream entries (`read_stream`) are read off the node's
+socket by a reader of their own (`replies`), not by redis-py's: it holds no more than
+its caller's bound, whatever a node announces; everything else (scripts, errors on
+other commands, MOVED handling on them) stays with redis-py. The socket is that of one of redis-py's
 pooled connections, which did the connecting, TLS and AUTH.
 
 Credentials: the password file must be owner-only (like the server secret); TLS
@@ -26,7 +27,7 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, TypeVar
 
 import redis
 from redis.backoff import NoBackoff
@@ -44,7 +45,7 @@ from redis.retry import Retry
 
 from cacheserver.tiers.cluster.config import RedisClusterConfig
 from cacheserver.tiers.cluster.replies import Failed as Failed
-from cacheserver.tiers.cluster.replies import Replies
+from cacheserver.tiers.cluster.replies import ReadBudget, Replies, StreamEntry
 from kvcommon.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ _MOVED_WORDS = frozenset({b"MOVED", b"ASK", b"CLUSTERDOWN", b"TRYAGAIN"})
 
 
 Command: TypeAlias = tuple[Any, ...]  # the command's arguments, e.g. ("GET", name)
+_Read = TypeVar("_Read")
 
 
 def read_password(config: RedisClusterConfig) -> str | None:
@@ -152,16 +154,19 @@ class ClusterNodes:
             ),
         )
 
-    def get(self, names: Sequence[bytes], max_bytes: int) -> list[bytearray | Failed | None]:
+    def get(
+        self, names: Sequence[bytes], max_bytes: int, budget_bytes: int | None = None
+    ) -> list[bytearray | Failed | None]:
         """The values of `names` (None: no such key; `Failed`: its node is down or
-        answered an error, or the value is over `max_bytes`), one pipeline per node,
-        each value received into a buffer of its own size (module docstring). A value
-        over `max_bytes` is read past, never held: what a node announces is not trusted
-        with the server's memory."""
+        answered an error, the value is over `max_bytes`, or `budget_bytes` was spent on
+        values before it), one pipeline per node, each value received into a buffer of
+        its own size (module docstring). A value over either is read past, never held:
+        what a node announces is not trusted with the server's memory."""
+        budget = None if budget_bytes is None else ReadBudget(budget_bytes)
         return self._each_node(
             names,
             lambda client, node, indices: self._get_on_node(
-                client, node, [names[i] for i in indices], max_bytes
+                client, node, [names[i] for i in indices], max_bytes, budget
             ),
         )
 
@@ -171,7 +176,8 @@ class ClusterNodes:
         on_node: Callable[[RedisCluster, ClusterNode, list[int]], list[Any]],
     ) -> list[Any]:
         """`on_node(client, node, indices)` once per node, for the indices of `keys`
-        that node holds; its answers, each in the place of its key."""
+        that node holds; its answers, each in the place of its key. Nodes come in the
+        order of their first key (a read's budget goes to its first block first)."""
         results: list[Any] = [Failed("not connected")] * len(keys)
         client = self._client
         if client is None:
@@ -202,32 +208,70 @@ class ClusterNodes:
         return by_node.values()
 
     def _get_on_node(
-        self, client: RedisCluster, node: ClusterNode, names: list[bytes], max_bytes: int
+        self,
+        client: RedisCluster,
+        node: ClusterNode,
+        names: list[bytes],
+        max_bytes: int,
+        budget: ReadBudget | None,
     ) -> list[bytearray | Failed | None]:
-        try:
-            answers = self._get_replies(client, node, names, max_bytes)
-        except (RedisError, OSError, ValueError) as error:
-            self._node_failed(node, error)
-            return [Failed("node down")] * len(names)
+        answers = self._read_own(
+            client,
+            node,
+            [("GET", n) for n in names],
+            lambda replies: [replies.value(max_bytes, budget) for _ in names],
+        )
+        if isinstance(answers, Failed):
+            return [answers] * len(names)
         if any(isinstance(a, Failed) and a.reason.encode() in _MOVED_WORDS for a in answers):
             self._refresh_wanted = True
         return answers
 
-    @staticmethod
-    def _get_replies(
-        client: RedisCluster, node: ClusterNode, names: list[bytes], max_bytes: int
-    ) -> list[bytearray | Failed | None]:
+    def read_stream(
+        self, stream: bytes, position: bytes, count: int, block_ms: int, max_entry_bytes: int
+    ) -> list[StreamEntry] | Failed:
+        """`XREAD COUNT count BLOCK block_ms` of `stream` after `position`, read by
+        `Replies.stream_entries`: an entry over `max_entry_bytes` comes with fields
+        None, read past and never held (a writer to Redis chooses what is there)."""
+        client = self._client
+        if client is None:
+            return Failed("not connected")
+        results: list[Any] = [None]
+        for node, _ in self._by_node(client, [stream], results):
+            command = ("XREAD", "COUNT", count, "BLOCK", block_ms, "STREAMS", stream, position)
+            answer = self._read_own(
+                client, node, [command], lambda replies: replies.stream_entries(max_entry_bytes)
+            )
+            break
+        else:
+            return Failed(results[0].reason)  # no node for its slot, or the node is down
+        if isinstance(answer, Failed) and answer.reason.encode() in _MOVED_WORDS:
+            self._refresh_wanted = True
+        return answer
+
+    def _read_own(
+        self,
+        client: RedisCluster,
+        node: ClusterNode,
+        commands: list[Command],
+        read: Callable[[Replies], _Read],
+    ) -> _Read | Failed:
+        """`commands` sent on one of the node's pooled connections, their replies read
+        by `read` off its socket (module docstring); `Failed` when the node failed."""
         pool = client.get_redis_connection(node).connection_pool
         connection = pool.get_connection()
         try:
-            connection.send_packed_command(connection.pack_commands([("GET", n) for n in names]))
+            connection.send_packed_command(connection.pack_commands(commands))
             sock = connection._get_socket()  # connected by the send above
             if sock is None:
                 raise redis.ConnectionError("the connection has no socket")
-            replies = Replies(sock)
-            return [replies.value(max_bytes) for _ in names]
-        except BaseException:
+            return read(Replies(sock))
+        except (RedisError, OSError, ValueError) as error:
             connection.disconnect()  # a reply half read: the connection is unusable
+            self._node_failed(node, error)
+            return Failed("node down")
+        except BaseException:
+            connection.disconnect()
             raise
         finally:
             pool.release(connection)

@@ -1,8 +1,9 @@
 """Copies between this server and the cluster, on threads of their own.
 
 - Writing: a block acknowledged here is queued (`enqueue`) and written to the cluster
-  behind the acknowledgement: listed by its tenant's accounting (which may evict that
-  tenant's oldest blocks), then `SET` with its header. The queue is bounded in blocks
+  behind the acknowledgement: `SET NX` with its header, then listed by its tenant's
+  accounting (which may evict that tenant's oldest blocks; their keys are deleted at
+  once, and a block not admitted is deleted again). The queue is bounded in blocks
   and bytes; past it, or while the cluster is unreachable, writes are dropped and
   counted: the block stays local. Payloads not held as stable bytes are read back from
   the local tiers when their turn comes (`LocalCopies.local_copy`), so a put never
@@ -218,6 +219,11 @@ class Sharing:
         return batch
 
     def _write(self, batch: list[_Share]) -> None:
+        """Bytes first, then the listing: a block is listed (and so can be evicted) only
+        once its bytes are in Redis, so whoever evicts it deletes bytes that are there.
+        Listing first let an eviction (by this batch's later admissions or another
+        server's) delete a key not yet written, whose write then left it in Redis out of
+        every quota, for good."""
         tier, local = self._tier, self._local
         if not tier.nodes.is_connected or local is None:
             tier.count(dropped=len(batch))
@@ -227,28 +233,36 @@ class Sharing:
             payload = item.payload if item.payload is not None else local.local_copy(item.key)
             if payload is not None:  # else: deleted or evicted here meanwhile
                 ready.append((item, payload))
-        admissions = tier.accounting.admit([(i.tenant, i.key, len(p)) for i, p in ready])
-        to_set: list[tuple[_Share, Payload, bool]] = []
-        exists_check = []
-        for (item, payload), admission in zip(ready, admissions, strict=True):
+        names = [tier.keys.block(item.key) for item, _ in ready]
+        present = tier.nodes.run([(n, ("EXISTS", n)) for n in names])
+        missing = [i for i, answer in enumerate(present) if answer == 0]
+        tier.count(dropped=sum(isinstance(answer, Failed) for answer in present))
+        stored = dict.fromkeys((i for i, a in enumerate(present) if a == 1), False)
+        tier.accounting.mark_writing([(ready[i][0].tenant, ready[i][0].key) for i in missing])
+        for i, answer in zip(missing, self._set([ready[i] for i in missing]), strict=True):
+            if answer is not None:
+                stored[i] = answer  # True: written by this server; False: by another
+        admitted = [ready[i] for i in stored]
+        admissions = tier.accounting.admit([(i.tenant, i.key, len(p)) for i, p in admitted])
+        undo: list[StorageKey] = []
+        for (item, payload), ours, admission in zip(
+            admitted, stored.values(), admissions, strict=True
+        ):
             if isinstance(admission, Failed) or admission.refused:
                 tier.count(dropped=1)
-            elif admission.listed:
-                self._evict(item.tenant, admission)
-                to_set.append((item, payload, True))
-            else:
-                exists_check.append((item, payload))
-        if exists_check:  # listed already: write only if its bytes are missing (lost)
-            names = [tier.keys.block(i.key) for i, _ in exists_check]
-            answers = tier.nodes.run([(n, ("EXISTS", n)) for n in names])
-            to_set += [
-                (i, p, False) for (i, p), a in zip(exists_check, answers, strict=True) if a == 0
-            ]
-            self.mark_shared(
-                [i.key for (i, _), a in zip(exists_check, answers, strict=True) if a == 1]
-            )
-        if to_set:
-            self._set(to_set)
+                if ours:  # out of the quota's reach: take the bytes back out
+                    undo.append(item.key)
+                continue
+            self._evict(item.tenant, admission)
+            if ours:
+                tier.count(written=1, written_bytes=len(payload))
+            self.mark_shared([item.key])
+            if tier.deletes.deleted_since(
+                item.generation, item.tenant.tag, item.key, item.model_tag
+            ):
+                undo.append(item.key)  # deleted while it was being written: again
+        if undo:
+            tier.erasure.delete_blocks(undo)
 
     def _evict(self, tenant: Tenant, admission: Admission) -> None:
         if not admission.victims:
@@ -260,29 +274,24 @@ class Sharing:
         if not any(isinstance(a, Failed) for a in answers):
             tier.accounting.forget_doomed(tenant, admission.victims)
 
-    def _set(self, writes: list[tuple[_Share, Payload, bool]]) -> None:
+    def _set(self, writes: list[tuple[_Share, Payload]]) -> list[bool | None]:
+        """`SET NX` each block's value: True (written), False (another server's copy
+        was there first), or None (not written: its node failed; counted as dropped)."""
         tier = self._tier
         commands = []
-        for item, payload, _ in writes:
+        for item, payload in writes:
             name = tier.keys.block(item.key)
-            header = pack_header(item.tenant.tag, item.tenant.epoch, item.model_tag, payload)
+            tenant = item.tenant
+            header = pack_header(tier.mac, name, tenant.tag, tenant.epoch, item.model_tag, payload)
             commands.append((name, ("SET", name, b"".join((header, payload)), "NX")))
-        answers = tier.nodes.run(commands)
-        undo: list[StorageKey] = []
-        for (item, payload, listed), answer in zip(writes, answers, strict=True):
+        out: list[bool | None] = []
+        for answer in tier.nodes.run(commands):
             if isinstance(answer, Failed):
                 tier.count(dropped=1)
-                if listed:  # not stored after all: stop counting it against the quota
-                    tier.accounting.release(item.tenant.tag, item.tenant.epoch, [item.key])
-                continue
-            tier.count(written=1, written_bytes=len(payload))
-            self.mark_shared([item.key])
-            if tier.deletes.deleted_since(
-                item.generation, item.tenant.tag, item.key, item.model_tag
-            ):
-                undo.append(item.key)
-        if undo:  # deleted while it was being written: delete it again
-            tier.erasure.delete_blocks(undo)
+                out.append(None)
+            else:
+                out.append(answer is not None)
+        return out
 
     # -- the keeper thread --------------------------------------------------------------
 

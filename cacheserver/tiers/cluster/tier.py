@@ -12,8 +12,10 @@ Invariants:
   (reads, lookups), drops a write (the block stays local, counted), and only a delete
   that could not reach the cluster or the other servers is an error (UNAVAILABLE: the
   caller retries; nothing acknowledged is undone).
-- A block is served only when its header names the asking tenant (by its keyed tag) and
-  its checksum matches; anything else is a miss, counted as an integrity failure.
+- A block is served (or kept locally) only when its header names the asking tenant
+  (by its keyed tag) and its MAC, keyed by the servers' secret over the key name, the
+  header and the payload, checks; anything else is a miss, counted as an integrity
+  failure (a value of an older format: a plain miss), and its key deleted.
 - A delete reaches the cluster and the delete stream before it is acknowledged, and
   every copy this server was making of a deleted block meanwhile is undone (`DeleteLog`).
 - Quotas hold across servers (`accounting`); eviction there never touches another
@@ -38,16 +40,25 @@ from cacheserver.tiers.cluster.accounting import Accounting, Tenant
 from cacheserver.tiers.cluster.config import RedisClusterConfig
 from cacheserver.tiers.cluster.deletes import DeleteEntry, DeleteLog, Erasure
 from cacheserver.tiers.cluster.follower import Follower, announce
-from cacheserver.tiers.cluster.layout import HEADER_BYTES, Keys, open_value, unpack_header
+from cacheserver.tiers.cluster.layout import (
+    HEADER_BYTES,
+    Keys,
+    is_old_format,
+    open_value,
+    unpack_header,
+)
 from cacheserver.tiers.cluster.nodes import ClusterNodes, Failed
+from cacheserver.tiers.cluster.replies import OVER_BUDGET as OVER_BUDGET_REASON
 from cacheserver.tiers.cluster.sharing import Keep, Sharing
 from kvcommon.errors import Unavailable
 from policy import AccessPolicy
+from policy.shared_values import ValueMac
 from policy.types import ModelTag, StorageKey, TenantId
 
 log = logging.getLogger(__name__)
 FIRST_READ_WINDOW = 2  # blocks asked at once before their size is known
 FIRST_LOOKUP_WINDOW = 32
+OVER_BUDGET = Failed(OVER_BUDGET_REASON)  # `_read`'s answer for a value read past
 
 
 @dataclass
@@ -65,6 +76,7 @@ class ClusterCounts:
     evicted: int = 0  # blocks evicted for a tenant's quota by this server's writes
     promoted: int = 0  # blocks read from the cluster and kept locally
     deletes_applied: int = 0  # delete stream entries from other servers applied here
+    stream_skipped: int = 0  # delete stream entries too large or not ours: read past
     reconciled: int = 0  # local copies dropped because the cluster no longer has them
 
     def as_dict(self) -> dict[str, int]:
@@ -83,8 +95,10 @@ class ClusterTier:
         tenants: Iterable[Tenant],
         data_dir: Path,
         max_block_bytes: int,
+        mac: ValueMac,
     ) -> None:
         self.config = config
+        self.mac = mac  # tags values written, checks values read (layout.open_value)
         # The largest value a block key may hold: a bigger one is a miss, never read in.
         self.max_value_bytes = HEADER_BYTES + max_block_bytes
         self.tenants = {t.id: t for t in tenants}
@@ -159,19 +173,24 @@ class ClusterTier:
             return [], False
         generation = self.deletes.generation
         out: list[tuple[memoryview, ModelTag]] = []
-        total, start, window = 0, 0, FIRST_READ_WINDOW
+        total, largest, start, window = 0, 1, 0, FIRST_READ_WINDOW
         while start < len(keys):
             batch = keys[start : start + window]
-            for found in self._read(known, batch):
+            for found in self._read(known, batch, max_bytes - total):
+                if isinstance(found, Failed):  # OVER_BUDGET: spent on blocks after this one
+                    return self._served(known, keys, out, generation), True
                 if found is None:
                     return self._served(known, keys, out, generation), False
                 out.append(found)
                 total += len(found[0])
+                largest = max(largest, len(found[0]))
                 if total >= max_bytes:
                     more = len(out) < len(keys)
                     return self._served(known, keys, out, generation), more
             start += len(batch)
-            window = max(1, min(64, (max_bytes - total) // max(1, total // len(out))))
+            # Sized by the largest block yet, so blocks like those fit the budget; larger
+            # ones than announced are read past by `_read`, never taken in.
+            window = max(1, min(64, (max_bytes - total) // largest))
         return self._served(known, keys, out, generation), False
 
     def _served(
@@ -190,29 +209,44 @@ class ClusterTier:
         return [payload for payload, _ in found]
 
     def _read(
-        self, tenant: Tenant, keys: Sequence[StorageKey]
-    ) -> list[tuple[memoryview, ModelTag] | None]:
-        """Each block's payload (a view of the value) and model tag, or None: a miss."""
+        self, tenant: Tenant, keys: Sequence[StorageKey], budget_bytes: int
+    ) -> list[tuple[memoryview, ModelTag] | Failed | None]:
+        """Each block's payload (a view of the value) and model tag, None (a miss), or
+        OVER_BUDGET: `budget_bytes` went to other values of this read first, so it was
+        read past, not taken in. The budget, not what the first blocks' sizes promise,
+        bounds what a read holds: at most `budget_bytes` + one value. The first key's
+        node is read first, its value first, so the first block is never read past."""
         names = [self.keys.block(key) for key in keys]
-        out: list[tuple[memoryview, ModelTag] | None] = []
-        corrupt = []
-        for name, raw in zip(names, self.nodes.get(names, self.max_value_bytes), strict=True):
+        out: list[tuple[memoryview, ModelTag] | Failed | None] = []
+        corrupt, old = [], []
+        values = self.nodes.get(names, self.max_value_bytes, budget_bytes)
+        for name, raw in zip(names, values, strict=True):
+            if isinstance(raw, Failed) and raw.reason == OVER_BUDGET_REASON:
+                out.append(OVER_BUDGET)
+                continue
             if raw is None or isinstance(raw, Failed):
                 self.count(misses=1, failures=int(isinstance(raw, Failed)))
                 out.append(None)
                 continue
-            opened = open_value(raw, tenant.tag)
-            if opened is None:
-                corrupt.append(name)
-            else:
+            opened = open_value(self.mac, name, raw, tenant.tag)
+            if opened is not None:
                 self.count(hits=1, hit_bytes=len(opened[0]))
+            elif is_old_format(raw):
+                old.append(name)
+            else:
+                corrupt.append(name)
             out.append(opened)
+        if old:  # an older server's format: a miss, and room for a put to write it again
+            self.count(misses=len(old))
+            self.nodes.run([(name, ("DEL", name)) for name in old])
         if corrupt:
             self._drop_corrupt(corrupt)
         return out
 
     def _drop_corrupt(self, names: list[bytes]) -> None:
-        """Torn, corrupt or misplaced values: misses from now on (a put writes them again)."""
+        """Torn, corrupt, moved or forged values: misses from now on (a put writes them
+        again). The log says how many, never which: key names are keyed, but still
+        nothing an operator's log needs."""
         self.count(integrity_failures=len(names))
         log.warning("%d block(s) in the Redis Cluster failed their check; deleted", len(names))
         self.nodes.run([(name, ("DEL", name)) for name in names])
@@ -221,11 +255,12 @@ class ClusterTier:
         """Indexed blocks LMDB could not return (a corrupt local copy): any tenant's."""
         out: list[Payload | None] = []
         names = [self.keys.block(key) for key in keys]
-        for raw in self.nodes.get(names, self.max_value_bytes):
+        for name, raw in zip(names, self.nodes.get(names, self.max_value_bytes), strict=True):
             opened = None
             if isinstance(raw, bytearray) and (header := unpack_header(raw)) is not None:
                 owner = self.by_tag.get(header.tenant_tag)
-                opened = open_value(raw, owner.tag) if owner is not None else None
+                if owner is not None:
+                    opened = open_value(self.mac, name, raw, owner.tag)
             out.append(opened[0] if opened is not None else None)
         return out
 
@@ -315,4 +350,4 @@ def open_cluster_tier(
         Tenant(tenant, policy.cluster_tag(tenant), policy.epoch(tenant), quota)
         for tenant, quota in policy.quotas_bytes.items()
     ]
-    return ClusterTier(config, tenants, data_dir, max_block_bytes)
+    return ClusterTier(config, tenants, data_dir, max_block_bytes, policy.shared_value_mac())

@@ -20,6 +20,7 @@ description that never holds the input's bytes.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import tempfile
 from collections.abc import Callable
@@ -122,31 +123,42 @@ def sealing_target() -> Target:
 
 # -- config --------------------------------------------------------------------------
 
-KEYS = {
-    "": ["listen", "data_dir", "allow_insecure_listen", "audit_log", "secret_file"],
-    "storage": [
-        "memory_budget_bytes",
-        "disk_budget_bytes",
-        "lmdb_map_bytes",
-        "journal_bytes",
-        "journal_dir",
-        "drain_idle_ms",
-        "sync_writes",
-        "sync_interval_ms",
-        "max_pending_write_bytes",
-    ],
-    "limits": ["max_digests_per_call", "max_block_bytes", "requests_per_s"],
-    "tls": ["cert", "key", "client_ca"],
-    "telemetry": ["metrics_listen", "log_format", "per_tenant_labels", "health_interval_ms"],
-    "bulk": ["same_host", "arena_bytes", "max_arenas"],
-    "tenants": ["id", "quota_bytes", "epoch", "shared", "read_shared", "require_sealed"],
-    "principals": ["name", "token_sha256", "cert_identity", "tenants", "actions"],
-}
+
+@functools.cache
+def _keys() -> dict[str, list[str]]:
+    """Every key the parser reads, table by table, from the specs themselves: a key
+    added later is fuzzed too."""
+    from cacheserver.config.specs import (
+        BULK_SPECS,
+        LIMITS_SPECS,
+        STORAGE_SPECS,
+        TELEMETRY_SPECS,
+        TLS_SPECS,
+        TOP_SPECS,
+    )
+    from cacheserver.tiers.cluster.config import REDIS_CLUSTER_SPECS
+    from policy.config import PRINCIPAL_KEYS, TENANT_KEYS
+
+    tables = {
+        "": TOP_SPECS,
+        "storage": STORAGE_SPECS,
+        "limits": LIMITS_SPECS,
+        "tls": TLS_SPECS,
+        "telemetry": TELEMETRY_SPECS,
+        "bulk": BULK_SPECS,
+        "redis_cluster": REDIS_CLUSTER_SPECS,
+    }
+    keys = {table: sorted(specs) for table, specs in tables.items()}
+    return {**keys, "tenants": sorted(TENANT_KEYS), "principals": sorted(PRINCIPAL_KEYS)}
+
+
 VALUES = [
     "0",
     "-1",
     "1",
     "9223372036854775807",
+    "4611686018427387904",
+    '"127.0.0.1:99999"',
     "18446744073709551616",
     "true",
     '"x"',
@@ -170,14 +182,15 @@ def _config_text(fdp: atheris.FuzzedDataProvider) -> str:
     if fdp.ConsumeIntInRange(0, 7) == 0:
         return str(fdp.ConsumeUnicodeNoSurrogates(fdp.remaining_bytes()))
     lines = []
-    tables = list(KEYS)
+    keys_of = _keys()
+    tables = list(keys_of)
     for _ in range(fdp.ConsumeIntInRange(1, 8)):
         table = tables[fdp.ConsumeIntInRange(0, len(tables) - 1)]
         if table in ("tenants", "principals"):
             lines.append(f"[[{table}]]")
         elif table:
             lines.append(f"[{table}]")
-        keys = KEYS[table]
+        keys = keys_of[table]
         for _ in range(fdp.ConsumeIntInRange(0, 4)):
             key = keys[fdp.ConsumeIntInRange(0, len(keys) - 1)]
             if fdp.ConsumeIntInRange(0, 3) == 0:

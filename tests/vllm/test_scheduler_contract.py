@@ -285,6 +285,24 @@ def test_async_load_keeps_the_request_out_of_the_batch_until_it_is_in(store: Sto
     assert tuple(new.block_ids[0][:6]) == load.block_ids and metadata.loads == []
 
 
+def test_async_load_after_a_local_hit_fills_only_the_blocks_past_it(store: Store) -> None:
+    scheduler = make_scheduler(store, load_mode="async")
+    put_blocks(store, scheduler, TOKENS, 3)
+    first = TOKENS[:24] + [5] * 76  # shares vLLM block 0 (16 tokens) with TOKENS
+    scheduler.add_request(request("warm", first))
+    output, _ = step(scheduler)
+    finish_step(scheduler, output)
+    scheduler.add_request(request("r2", TOKENS))
+    output, metadata = step(scheduler)
+    (load,) = metadata.loads
+    assert load.skip_tokens == 16 and len(load.digests) == 3 and len(load.block_ids) == 5
+    finish_step(scheduler, output, kv=KVConnectorOutput(finished_recving={"r2"}))
+    output, _ = step(scheduler)
+    new = next(r for r in output.scheduled_new_reqs if r.req_id == "r2")
+    assert new.num_computed_tokens == 96
+    assert load.block_ids == tuple(new.block_ids[0][1:6])
+
+
 def test_async_load_errors_recompute_from_the_first_failed_block(store: Store) -> None:
     scheduler = make_scheduler(store, load_mode="async")
     put_blocks(store, scheduler, TOKENS, 3)

@@ -297,9 +297,10 @@ class KVShareConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return
         store, cache = self._store, self._cache
         for plan in metadata.loads:
-            if store is None or cache is None:
+            if store is None or cache is None:  # no cache registered: vLLM recomputes
                 self._load_errors.update(plan.block_ids)
-                self._loaded_early.add(plan.request_id)
+                if self.options.is_load_async:
+                    self._loaded_early.add(plan.request_id)
             elif self._loader is not None:
                 self._loader.submit(plan)
             else:

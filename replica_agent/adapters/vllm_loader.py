@@ -12,7 +12,8 @@ Invariants:
   step, so a failure is reported no later than its request's completion: the scheduler
   truncates the request's computed tokens before it admits the request again.
 - Every submitted load is reported done exactly once, failed or not, even when the
-  load raises: vLLM frees a request's blocks only after that report.
+  load raises: vLLM frees a request's blocks only after that report. (After `close`
+  nothing is reported: the engine is shutting down.)
 - Host memory stays bounded: the queue holds plans (ids and digests, no data) and the
   thread holds at most the one store block it is writing.
 - On CUDA the thread writes on its own stream and waits for it before reporting, so
@@ -42,6 +43,7 @@ class AsyncLoader:
         self._lock = threading.Lock()
         self._done: set[str] = set()
         self._failed_block_ids: set[int] = set()
+        self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvshare-vllm-load", daemon=True)
         self._thread.start()
 
@@ -60,8 +62,10 @@ class AsyncLoader:
         return failed
 
     def close(self, timeout_s: float) -> None:
-        """Stop after the loads already queued; a load still running past `timeout_s`
-        is abandoned (the thread is a daemon: the process may exit under it)."""
+        """Stop: loads still queued are dropped (the engine is going away, nobody waits
+        for them); the one in flight ends within the client's deadline, waited for up to
+        `timeout_s` (the thread is a daemon: the process may exit under it)."""
+        self._stopping.set()
         self._plans.put(_STOP)
         self._thread.join(timeout_s)
 
@@ -69,6 +73,8 @@ class AsyncLoader:
         is_cuda = self._device.type == "cuda"
         stream = torch.cuda.Stream(self._device) if is_cuda else None  # type: ignore[no-untyped-call]
         while (plan := self._plans.get()) is not _STOP:
+            if self._stopping.is_set():
+                continue
             try:
                 failed = self._placed(plan, stream)
             except Exception:  # a bug below the gate: recompute the request's blocks

@@ -33,6 +33,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "scripts/setup_vllm_venv.sh builds .venv-vllm)",
     )
     parser.add_argument(
+        "--conversations",
+        action="store_true",
+        help="with --engine vllm: multi-turn chats whose replies are the engine's own "
+        "(greedy), each turn on the next replica; compares saving the answers' blocks "
+        "with saving prompt blocks only (--requests counts turns)",
+    )
+    parser.add_argument(
         "--no-seal",
         action="store_true",
         help="store blocks unsealed (to measure what sealing costs)",
@@ -104,6 +111,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.engine == "vllm":
         return _run_vllm(args)
+    if args.conversations:
+        print("kvshare demo: error: --conversations needs --engine vllm", file=sys.stderr)
+        return 2
     options = DemoOptions(
         replicas=args.replicas, requests=args.requests, seed=args.seed, seal=not args.no_seal
     )
@@ -133,6 +143,17 @@ def _run_vllm(args: argparse.Namespace) -> int:
         "(small random-weight Llama, vLLM's CPU backend)...",
         file=sys.stderr,
     )
+    if args.conversations:
+        from kvshare.demo.vllm_conversation import (
+            format_conversation_table,
+            run_conversation_demo,
+        )
+
+        chats = run_conversation_demo(
+            args.replicas, args.requests, args.seed, seal=not args.no_seal, progress=_Progress()
+        )
+        print(json.dumps(chats) if args.json else format_conversation_table(chats))
+        return 0
     report = run_vllm_demo(
         args.replicas, args.requests, args.seed, seal=not args.no_seal, progress=_Progress()
     )

@@ -157,6 +157,27 @@ class EngineProcess:
     def stats(self) -> dict[str, Any]:
         return dict(self._ask(op="stats")["stats"])
 
+    def interleave(
+        self,
+        running: Prompt,
+        running_tokens: int,
+        arriving: Prompt | None = None,
+        *,
+        arrive_after: int = 0,
+        arriving_tokens: int = 1,
+    ) -> dict[str, Any]:
+        """`running` decodes while `arriving` is added after `arrive_after` of its
+        tokens; the per-token times and both outputs (kvshare.demo.vllm_timeline)."""
+        reply = self._ask(
+            op="interleave",
+            running=asdict(running),
+            running_tokens=running_tokens,
+            arriving=asdict(arriving) if arriving is not None else None,
+            arrive_after=arrive_after,
+            arriving_tokens=arriving_tokens,
+        )
+        return dict(reply["timeline"])
+
     def reset_prefix_cache(self) -> None:
         self._ask(op="reset_prefix_cache")
 
@@ -270,6 +291,10 @@ def main(argv: Sequence[str]) -> int:
             _send(outputs=_generate(llm, message))
         elif op == "stats":
             _send(stats=_connector_stats(llm))
+        elif op == "interleave":
+            from kvshare.demo.vllm_timeline import interleave
+
+            _send(timeline=interleave(llm, message))
         elif op == "reset_prefix_cache":
             _send(ok=llm.reset_prefix_cache())
         elif op == "shutdown":

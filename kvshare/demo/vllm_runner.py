@@ -37,7 +37,7 @@ def vllm_available() -> bool:
     return spec is not None and spec.origin is not None
 
 
-def _serve(
+def serve(
     engine: EngineProcess, replica: int, request: DemoRequest, *, with_tenant: bool
 ) -> RequestResult:
     before = engine.stats().get("scheduler", {}).get("tokens_planned", 0)
@@ -68,11 +68,39 @@ def _run(
         engine.reset_prefix_cache()
     for request in requests:
         replica = request.index % len(engines)  # round robin
-        result = _serve(engines[replica], replica, request, with_tenant=name == "shared_store")
+        result = serve(engines[replica], replica, request, with_tenant=name == "shared_store")
         report.results.append(result)
         if progress is not None:
             progress(name, request.index + 1, len(requests))
     return report
+
+
+def start_store(
+    directory: Path, tenants: list[str], *, seal: bool
+) -> tuple[EmbeddedServer, dict[str, Any]]:
+    """An embedded store for the demo's tenants, and the engines' connector config."""
+    token = secrets.token_urlsafe(24)
+    token_file = directory / "replicas.token"
+    token_file.write_text(token)
+    token_file.chmod(0o600)
+    server = EmbeddedServer(
+        ServerConfig(
+            listen="127.0.0.1:0",
+            data_dir=directory / "data",
+            storage=StorageConfig(memory_budget_bytes=2 << 30, disk_budget_bytes=4 << 30),
+            access=demo_access(tenants, token, require_sealed=seal),
+        )
+    )
+    connector: dict[str, Any] = {
+        "target": server.start(),
+        "token_file": str(token_file),
+        "tenant": tenants[0],
+        "require_request_tenant": True,
+        "block_tokens": STORE_BLOCK_TOKENS,
+    }
+    if seal:
+        connector["keyring_file"] = str(write_keyring(directory, tenants))
+    return server, connector
 
 
 def run_vllm_demo(
@@ -84,27 +112,7 @@ def run_vllm_demo(
     tenants = demo_tenants(shape)
     with tempfile.TemporaryDirectory(prefix="kvshare-vllm-demo-") as tmp:
         directory = Path(tmp)
-        token = secrets.token_urlsafe(24)
-        token_file = directory / "replicas.token"
-        token_file.write_text(token)
-        token_file.chmod(0o600)
-        server = EmbeddedServer(
-            ServerConfig(
-                listen="127.0.0.1:0",
-                data_dir=directory / "data",
-                storage=StorageConfig(memory_budget_bytes=2 << 30, disk_budget_bytes=4 << 30),
-                access=demo_access(tenants, token, require_sealed=seal),
-            )
-        )
-        connector: dict[str, Any] = {
-            "target": server.start(),
-            "token_file": str(token_file),
-            "tenant": tenants[0],
-            "require_request_tenant": True,
-            "block_tokens": STORE_BLOCK_TOKENS,
-        }
-        if seal:
-            connector["keyring_file"] = str(write_keyring(directory, tenants))
+        server, connector = start_store(directory, tenants, seal=seal)
         model_dir = write_tiny_llama(directory / "model", seed, DEMO_MODEL)
         engines = [EngineProcess(model_dir, connector) for _ in range(replicas)]
         try:

@@ -9,10 +9,17 @@ vLLM builds one instance in its scheduler and one in each worker. The scheduler 
 (`replica_agent.adapters.vllm_plan`) hashes prompts with kvshare's digest chain, asks
 the store once per request how many leading blocks it holds, and puts the step's load
 and save plans in the connector metadata. The worker side (`vllm_store`) fills vLLM's
-paged cache from the store before the forward pass and copies new blocks out after it
-for the write-behind saver; a block that fails to open or decode is reported through
+paged cache from the store and copies new blocks out after each forward pass for the
+write-behind saver; a block that fails to open or decode is reported through
 `get_block_ids_with_load_errors` and recomputed by vLLM. The store down or slow opens
 a breaker: requests are served by recompute, none fails.
+
+Loads are asynchronous by default (`"load_mode": "async"`): vLLM keeps a loading
+request out of the batch while a worker thread (`vllm_loader`) places its blocks, and
+`get_finished` reports it, so a slow store never stalls the requests already decoding.
+`"load_mode": "sync"` loads before the forward pass instead (the whole batch waits).
+Saves cover the model's output too (`"save_generated"`, default true): the next turn of
+a conversation, whose prompt holds the answer, finds those blocks on any replica.
 
 This module imports vLLM; nothing else in kvshare imports it, so the agent installs and
 runs without vLLM. Block namespace: the served model (or the `model` key), its revision,
@@ -37,6 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvcommon.errors import ConfigError
 from replica_agent.adapters.settings import parse_store_settings
 from replica_agent.adapters.vllm_layout import PagedLayout, detect_layout, learn_page_layout
+from replica_agent.adapters.vllm_loader import AsyncLoader
 from replica_agent.adapters.vllm_plan import (
     ENGINE_KEYS,
     LoadPlan,
@@ -122,6 +130,8 @@ class KVShareConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._store: WorkerStore | None = None
         self._cache: PagedCache | None = None
         self._load_errors: set[int] = set()
+        self._loader: AsyncLoader | None = None
+        self._loaded_early: set[str] = set()  # async loads with no cache to fill: done
         if role == KVConnectorRole.SCHEDULER:
             self._adopt_recompute_policy()
             self._planner = SchedulerPlanner(
@@ -150,7 +160,7 @@ class KVShareConnector(KVConnectorBase_V1):  # type: ignore[misc]
         tokens = self._planner.new_matched_tokens(
             request.request_id, num_computed_tokens, lambda: self._request_key(request)
         )
-        return tokens, False
+        return tokens, self.options.is_load_async and tokens > 0
 
     def _request_key(self, request: Any) -> RequestKey | None:
         tenant = request_tenant(
@@ -165,14 +175,20 @@ class KVShareConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return None
         salt = request.cache_salt.encode("utf-8") if request.cache_salt else b""
         lora = request.lora_request.lora_name if request.lora_request is not None else None
-        return RequestKey(tenant, request.prompt_token_ids, salt, lora)
+        # vLLM appends each sampled token to this list: saves of the output read it live.
+        live = request.all_token_ids if self.options.save_generated else None
+        return RequestKey(tenant, request.prompt_token_ids, salt, lora, live)
 
     def _lookup(self, tenant: str, digests: Any) -> int:
         return self._gate.leading(self._client, tenant, self.namespace, digests)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         assert self._planner is not None
-        self._planner.after_alloc(request.request_id, num_external_tokens)
+        is_async = self.options.is_load_async and num_external_tokens > 0
+        block_ids = blocks.get_block_ids()[0] if is_async else ()
+        self._planner.after_alloc(
+            request.request_id, num_external_tokens, block_ids, is_async=is_async
+        )
 
     def build_connector_meta(self, scheduler_output: Any) -> KVShareMetadata:
         assert self._planner is not None
@@ -233,6 +249,9 @@ class KVShareConnector(KVConnectorBase_V1):  # type: ignore[misc]
             gate=self._gate,
             save_queue_bytes=self.options.save_queue_bytes,
         )
+        if self.options.is_load_async:
+            store, cache = self._store, self._cache
+            self._loader = AsyncLoader(lambda plan: store.load(cache, plan), cache.device)
 
     def _layout(self, layer_name: str, kv: torch.Tensor) -> PagedLayout:
         """Learnt from the attention backend's own cache writer where it has one (the CPU
@@ -270,15 +289,35 @@ class KVShareConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return int(get_tensor_model_parallel_rank())
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        """Synchronous: every planned block is in the cache (or reported) on return."""
+        """Synchronous mode: every planned block is in the cache (or reported) on return.
+        Asynchronous: the loads are queued for the loader thread, reported by
+        `get_finished`."""
         metadata = self._get_connector_metadata()
-        if self._store is None or self._cache is None or not isinstance(metadata, KVShareMetadata):
+        if not isinstance(metadata, KVShareMetadata):
             return
+        store, cache = self._store, self._cache
         for plan in metadata.loads:
-            self._load_errors.update(self._store.load(self._cache, plan))
+            if store is None or cache is None:  # no cache registered: vLLM recomputes
+                self._load_errors.update(plan.block_ids)
+                if self.options.is_load_async:
+                    self._loaded_early.add(plan.request_id)
+            elif self._loader is not None:
+                self._loader.submit(plan)
+            else:
+                self._load_errors.update(store.load(cache, plan))
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if not self.options.is_load_async:
+            return None, None
+        done, self._loaded_early = self._loaded_early, set()
+        if self._loader is not None:
+            done |= self._loader.take_finished()
+        return None, done or None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads finish in start_load_kv (a store block carries every layer)
+        # Nothing to wait for: a synchronous load is complete before the forward pass, and
+        # an asynchronous one keeps its request out of the batch until it is complete.
+        return
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
@@ -297,9 +336,14 @@ class KVShareConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
+        if self._loader is not None:
+            errors |= self._loader.take_failed_block_ids()
         return errors
 
     def shutdown(self) -> None:
+        if self._loader is not None:
+            self._loader.close(self.options.flush_timeout_s)
+            self._loader = None
         if self._store is not None:
             self._store.close(self.options.flush_timeout_s)
             self._store = None

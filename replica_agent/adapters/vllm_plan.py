@@ -14,7 +14,14 @@ tokens it scheduled. `SchedulerPlanner` answers from kvshare's digest chain:
   are a multiple of vLLM's block size, so the count is block-aligned for vLLM too.
 - Each step's plans: a `LoadPlan` for a request whose external tokens were allocated
   (the store blocks and the vLLM blocks they go to) and a `SavePlan` for each request
-  whose prefill completed new full store blocks that the store does not already hold.
+  whose step completed new full store blocks that the store does not already hold.
+- An asynchronous load is planned when vLLM allocates the request's blocks (the request
+  then waits outside the batch, so no step schedules it first); after it vLLM asks no
+  more of that request, and if it asks again (a failed load, a preemption) the answer
+  is 0: what loaded is in vLLM's own cache, the rest is recomputed, never re-fetched.
+- Saves follow the request's tokens as they grow: prompt blocks during prefill, then
+  each block the model's output fills, hashed on the same chain (tenant, salt, LoRA),
+  so a later prompt that holds the answer computes the same digests.
 
 Tenancy: a request's tenant comes from `kv_transfer_params["kvshare_tenant"]`, set by
 the deployer's gateway after it authenticated the end user; without one the request
@@ -43,8 +50,16 @@ DEFAULT_FLUSH_TIMEOUT_S = 10.0
 # vLLM normally reports every finished request; the bound only stops a leak if not.
 MAX_TRACKED_REQUESTS = 65536
 ENGINE_KEYS = frozenset(
-    {"block_tokens", "require_request_tenant", "save_queue_bytes", "flush_timeout_s"}
+    {
+        "block_tokens",
+        "require_request_tenant",
+        "save_queue_bytes",
+        "flush_timeout_s",
+        "load_mode",
+        "save_generated",
+    }
 )
+LOAD_MODES = ("async", "sync")
 
 
 @dataclass(frozen=True)
@@ -55,6 +70,8 @@ class VllmOptions:
     require_request_tenant: bool = False
     save_queue_bytes: int = DEFAULT_SAVE_QUEUE_BYTES
     flush_timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S
+    is_load_async: bool = True  # "load_mode": loads off the forward path, or before it
+    save_generated: bool = True  # save the blocks the model's output fills, not only the prompt's
 
 
 def parse_vllm_options(raw: Mapping[str, Any], *, source: str) -> VllmOptions:
@@ -72,7 +89,13 @@ def parse_vllm_options(raw: Mapping[str, Any], *, source: str) -> VllmOptions:
     flush = raw.get("flush_timeout_s", DEFAULT_FLUSH_TIMEOUT_S)
     if isinstance(flush, bool) or not isinstance(flush, int | float) or flush < 0:
         raise ConfigError(f"{source}: flush_timeout_s must be a number of seconds >= 0")
-    return VllmOptions(block_tokens, require, queue_bytes, float(flush))
+    mode = raw.get("load_mode", "async")
+    if mode not in LOAD_MODES:
+        raise ConfigError(f"{source}: load_mode must be one of {list(LOAD_MODES)}")
+    generated = raw.get("save_generated", True)
+    if not isinstance(generated, bool):
+        raise ConfigError(f"{source}: save_generated must be true or false")
+    return VllmOptions(block_tokens, require, queue_bytes, float(flush), mode == "async", generated)
 
 
 def store_block_tokens(vllm_block_tokens: int, configured: int | None) -> int:
@@ -107,9 +130,12 @@ class RequestKey:
     """What names a request's blocks besides the model: tenant, prompt, salt, adapter."""
 
     tenant: str
-    token_ids: Sequence[int]
+    token_ids: Sequence[int]  # the prompt
     salt: bytes = b""
     lora_id: str | None = None
+    # vLLM's live list of prompt plus output tokens (it grows as the model decodes):
+    # what a save of generated blocks hashes. None: the prompt's blocks only.
+    all_token_ids: Sequence[int] | None = None
 
 
 # Plans cross into vLLM's metadata, which vLLM may log: digests stay out of every repr.
@@ -133,12 +159,22 @@ class SavePlan:
 @dataclass
 class RequestState:
     tenant: str
-    digests: tuple[bytes, ...] = field(repr=False)  # every full store block of the prompt
+    hasher: BlockHasher = field(repr=False)
+    tokens: Sequence[int] = field(repr=False)  # what saves may cover (see RequestKey)
+    digests: tuple[bytes, ...] = field(repr=False)  # full store blocks of `tokens` so far
     prompt_tokens: int
     store_blocks: int  # leading blocks the store held when asked
     saved_blocks: int  # blocks before this one are in the store or planned for it
     block_ids: list[int] = field(default_factory=list)
     pending_load_tokens: int = 0
+    load_issued: bool = False  # an asynchronous load was planned: never plan another
+
+    def digests_upto(self, blocks: int) -> tuple[bytes, ...]:
+        """The first `blocks` digests, extending the chain over tokens decoded since."""
+        if blocks > len(self.digests):
+            block_tokens = self.hasher.block_tokens
+            self.digests = tuple(self.hasher.digests(self.tokens[: blocks * block_tokens]))
+        return self.digests[:blocks]
 
 
 @dataclass(frozen=True)
@@ -184,6 +220,7 @@ class SchedulerPlanner:
         self._lookup = lookup
         self._hashers: dict[tuple[bytes, str | None], BlockHasher] = {}
         self._states: dict[str, RequestState | None] = {}
+        self._async_loads: list[LoadPlan] = []  # planned at allocation, sent next step
         self.stats = PlannerStats()
 
     @property
@@ -199,7 +236,10 @@ class SchedulerPlanner:
                 self._states.pop(next(iter(self._states)))
             self._states[request_id] = self._first_look(describe())
         state = self._states[request_id]
-        if state is None:
+        if state is None or state.load_issued:
+            # After an asynchronous load vLLM caches the blocks that arrived; a request
+            # asked again (its load failed, or it was preempted) recomputes the rest, so a
+            # block that keeps failing cannot bounce the request between load and retry.
             return 0
         loadable = min(state.store_blocks, (state.prompt_tokens - 1) // self.block_tokens)
         return max(0, loadable * self.block_tokens - num_computed_tokens)
@@ -213,17 +253,36 @@ class SchedulerPlanner:
             hasher = BlockHasher(self.chain_model, self.block_tokens, key.salt, key.lora_id)
             self._hashers[(key.salt, key.lora_id)] = hasher
         digests = tuple(hasher.digests(key.token_ids))
-        if not digests:
+        saves_output = key.all_token_ids is not None
+        if not digests and not saves_output:
             return None
-        found = self._lookup(key.tenant, digests)
-        self.stats.lookups += 1
-        self.stats.blocks_matched += found
-        return RequestState(key.tenant, digests, len(key.token_ids), found, found)
+        found = 0
+        if digests:
+            found = self._lookup(key.tenant, digests)
+            self.stats.lookups += 1
+            self.stats.blocks_matched += found
+        tokens = key.all_token_ids if key.all_token_ids is not None else key.token_ids
+        return RequestState(key.tenant, hasher, tokens, digests, len(key.token_ids), found, found)
 
-    def after_alloc(self, request_id: str, num_external_tokens: int) -> None:
+    def after_alloc(
+        self,
+        request_id: str,
+        num_external_tokens: int,
+        block_ids: Sequence[int] = (),
+        *,
+        is_async: bool = False,
+    ) -> None:
+        """vLLM allocated the request's blocks. An asynchronous load is planned now: the
+        request waits for it outside the batch, so no later step schedules it first."""
         state = self._states.get(request_id)
-        if state is not None:
-            state.pending_load_tokens = num_external_tokens
+        if state is None:
+            return
+        state.pending_load_tokens = num_external_tokens
+        if is_async and num_external_tokens > 0:
+            state.block_ids = list(block_ids)
+            state.load_issued = True
+            end = min(state.store_blocks, (state.prompt_tokens - 1) // self.block_tokens)
+            self._plan(request_id, state, end * self.block_tokens, self._async_loads)
 
     def finished(self, request_id: str) -> None:
         self._states.pop(request_id, None)
@@ -232,7 +291,7 @@ class SchedulerPlanner:
         self, new: Iterable[NewStep], running: Iterable[RunningStep]
     ) -> tuple[list[LoadPlan], list[SavePlan]]:
         """This step's plans; vLLM calls it once per step, after scheduling."""
-        loads: list[LoadPlan] = []
+        loads, self._async_loads = self._async_loads, []
         saves: list[SavePlan] = []
         for step in new:
             state = self._states.get(step.request_id)
@@ -276,8 +335,11 @@ class SchedulerPlanner:
     def _plan_save(
         self, step: NewStep | RunningStep, state: RequestState, saves: list[SavePlan]
     ) -> None:
-        computed = min(step.num_computed_tokens + step.num_scheduled_tokens, state.prompt_tokens)
-        upto = min(computed // self.block_tokens, len(state.digests))
+        """A save of the full store blocks this step completes. Blocks past the prompt
+        hold the model's output; their KV exists once a step has fed their tokens, and
+        their digests are the chain a later prompt holding those tokens computes."""
+        computed = min(step.num_computed_tokens + step.num_scheduled_tokens, len(state.tokens))
+        upto = computed // self.block_tokens
         per = self.vllm_blocks_per_block
         if upto <= state.saved_blocks or len(state.block_ids) < upto * per:
             return
@@ -286,7 +348,7 @@ class SchedulerPlanner:
             SavePlan(
                 step.request_id,
                 state.tenant,
-                state.digests[first:upto],
+                state.digests_upto(upto)[first:upto],
                 tuple(state.block_ids[first * per : upto * per]),
             )
         )

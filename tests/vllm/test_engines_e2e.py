@@ -79,8 +79,10 @@ class Cluster:
                 time.sleep(0.2)
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+@pytest.fixture(scope="module", params=["async", "sync"])
+def cluster(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[Cluster]:
     directory = tmp_path_factory.mktemp("cluster")
     server, store = start_store(directory, require_sealed=True)
     model_dir = write_tiny_llama(directory / "model")
@@ -91,6 +93,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         "keyring_file": str(store.keyring_file),
         "require_request_tenant": True,
         "timeout_s": 2.0,
+        "load_mode": request.param,
     }
     a, b = EngineProcess(model_dir, connector), EngineProcess(model_dir, connector)
     cluster = Cluster(server, store, model_dir, a, b)
@@ -188,6 +191,24 @@ def test_a_tampered_block_is_refused_and_recomputed(cluster: Cluster) -> None:
     assert out.token_ids == expected  # vLLM recomputed the refused block
     assert after["open_failures"] - before["open_failures"] == 1
     assert after["blocks_loaded"] - before["blocks_loaded"] == 1  # block 0 was fine
+
+
+def test_the_next_turn_loads_the_blocks_that_hold_the_answer(cluster: Cluster) -> None:
+    """Turn one on A: a 300-token prompt and a 250-token answer, so store block 1
+    (tokens 256-511) is mostly answer. Turn two (prompt, answer, a new message) on B,
+    whose cache is empty: both blocks come from the store, and the tokens are those of
+    a run without the connector."""
+    first = tokens(300)
+    (answer,) = cluster.a.generate([Prompt(first, "alpha")], max_tokens=250)
+    conversation = first + list(answer.token_ids)
+    cluster.wait_stored("alpha", cluster.digests(conversation))
+    second = conversation + tokens(30)
+    expected = baseline(cluster.b, second)[0]
+    served_before = cluster.tenant_stats("alpha").blocks_served
+    out = run(cluster.b, second, "alpha")
+    assert out.token_ids == expected
+    assert out.num_cached_tokens == 2 * BLOCK
+    assert cluster.tenant_stats("alpha").blocks_served - served_before == 2
 
 
 def test_an_engine_that_exits_leaves_its_blocks(cluster: Cluster) -> None:

@@ -28,7 +28,7 @@ from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
@@ -55,6 +55,7 @@ def make_scheduler(store: Store | Path, **extra: Any) -> Scheduler:
         "tenant": "alpha",
         "block_tokens": STORE_BLOCK,
         "timeout_s": 1.0,
+        "load_mode": "sync",  # the async protocol has its own tests below
         **extra,
     }
     model = ModelConfig(
@@ -99,9 +100,9 @@ init_none_hash(sha256)
 HASHER = get_request_block_hasher(BLOCK, sha256)
 
 
-def request(request_id: str, tokens: list[int], **params: Any) -> Request:
+def request(request_id: str, tokens: list[int], max_tokens: int = 1, **params: Any) -> Request:
     extra = {"kv_transfer_params": params} if params else None
-    sampling = SamplingParams(max_tokens=1, temperature=0.0, extra_args=extra)
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, extra_args=extra)
     return Request(request_id, tokens, sampling, None, block_hasher=HASHER)
 
 
@@ -134,12 +135,15 @@ def step(scheduler: Scheduler) -> tuple[Any, KVShareMetadata]:
     return output, metadata
 
 
-def finish_step(scheduler: Scheduler, output: Any, token: int = 7) -> None:
+def finish_step(
+    scheduler: Scheduler, output: Any, token: int = 7, kv: KVConnectorOutput | None = None
+) -> None:
     ids = list(output.num_scheduled_tokens)
     result = ModelRunnerOutput(
         req_ids=ids,
         req_id_to_index={r: i for i, r in enumerate(ids)},
         sampled_token_ids=[[token] for _ in ids],
+        kv_connector_output=kv,
     )
     scheduler.update_from_output(output, result)
 
@@ -263,7 +267,92 @@ def test_finished_and_aborted_requests_leave_no_state(store: Store) -> None:
     assert connector(scheduler).tracked_requests == 0
 
 
-@pytest.mark.parametrize("bad", [{"block_tokens": 40}, {"keyring": "x"}])
+def test_async_load_keeps_the_request_out_of_the_batch_until_it_is_in(store: Store) -> None:
+    scheduler = make_scheduler(store, load_mode="async")
+    digests = put_blocks(store, scheduler, TOKENS, 3)
+    scheduler.add_request(request("r1", TOKENS))
+    output, metadata = step(scheduler)
+    assert "r1" not in output.num_scheduled_tokens  # waiting for its blocks
+    (load,) = metadata.loads
+    assert load.digests == tuple(digests) and load.skip_tokens == 0 and len(load.block_ids) == 6
+    finish_step(scheduler, output)
+    output, metadata = step(scheduler)
+    assert "r1" not in output.num_scheduled_tokens and metadata.loads == []
+    finish_step(scheduler, output, kv=KVConnectorOutput(finished_recving={"r1"}))
+    output, metadata = step(scheduler)
+    (new,) = output.scheduled_new_reqs
+    assert new.num_computed_tokens == 96 and output.num_scheduled_tokens["r1"] == PROMPT - 96
+    assert tuple(new.block_ids[0][:6]) == load.block_ids and metadata.loads == []
+
+
+def test_async_load_after_a_local_hit_fills_only_the_blocks_past_it(store: Store) -> None:
+    scheduler = make_scheduler(store, load_mode="async")
+    put_blocks(store, scheduler, TOKENS, 3)
+    first = TOKENS[:24] + [5] * 76  # shares vLLM block 0 (16 tokens) with TOKENS
+    scheduler.add_request(request("warm", first))
+    output, _ = step(scheduler)
+    finish_step(scheduler, output)
+    scheduler.add_request(request("r2", TOKENS))
+    output, metadata = step(scheduler)
+    (load,) = metadata.loads
+    assert load.skip_tokens == 16 and len(load.digests) == 3 and len(load.block_ids) == 5
+    finish_step(scheduler, output, kv=KVConnectorOutput(finished_recving={"r2"}))
+    output, _ = step(scheduler)
+    new = next(r for r in output.scheduled_new_reqs if r.req_id == "r2")
+    assert new.num_computed_tokens == 96
+    assert load.block_ids == tuple(new.block_ids[0][1:6])
+
+
+def test_async_load_errors_recompute_from_the_first_failed_block(store: Store) -> None:
+    scheduler = make_scheduler(store, load_mode="async")
+    put_blocks(store, scheduler, TOKENS, 3)
+    scheduler.add_request(request("r1", TOKENS))
+    output, metadata = step(scheduler)
+    (load,) = metadata.loads
+    failed = KVConnectorOutput(finished_recving={"r1"}, invalid_block_ids=set(load.block_ids[2:]))
+    finish_step(scheduler, output, kv=failed)
+    output, metadata = step(scheduler)
+    (new,) = output.scheduled_new_reqs
+    assert new.num_computed_tokens == 32 and metadata.loads == []  # no second load
+    assert output.num_scheduled_tokens["r1"] == PROMPT - 32
+
+
+def test_async_load_that_failed_entirely_is_recomputed_not_retried(store: Store) -> None:
+    scheduler = make_scheduler(store, load_mode="async")
+    put_blocks(store, scheduler, TOKENS, 3)
+    scheduler.add_request(request("r1", TOKENS))
+    output, metadata = step(scheduler)
+    (load,) = metadata.loads
+    failed = KVConnectorOutput(finished_recving={"r1"}, invalid_block_ids=set(load.block_ids))
+    finish_step(scheduler, output, kv=failed)
+    output, metadata = step(scheduler)
+    assert output.num_scheduled_tokens["r1"] == PROMPT and metadata.loads == []
+
+
+@pytest.mark.parametrize("save_generated", [True, False])
+def test_generated_blocks_are_saved_under_the_prompt_chain(
+    store: Store, save_generated: bool
+) -> None:
+    """Decoding past a store-block boundary saves the block holding the output, under
+    the digest a later prompt with the same tokens computes."""
+    scheduler = make_scheduler(store, save_generated=save_generated)
+    scheduler.add_request(request("r1", TOKENS, max_tokens=40))
+    saves, outputs = [], list[int]()
+    for index in range(40):
+        output, metadata = step(scheduler)
+        saves.extend(metadata.saves)
+        finish_step(scheduler, output, token=500 + index)
+        outputs.append(500 + index)
+    conversation = TOKENS + outputs
+    digests = BlockHasher(connector(scheduler).namespace, STORE_BLOCK).digests(conversation)
+    saved = [digest for save in saves for digest in save.digests]
+    assert saved == (digests[:4] if save_generated else digests[:3])  # 128 tokens computed
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"block_tokens": 40}, {"keyring": "x"}, {"load_mode": "later"}, {"save_generated": 1}],
+)
 def test_bad_extra_config_fails_at_start_naming_the_key(store: Store, bad: dict[str, Any]) -> None:
     from kvcommon.errors import ConfigError
 

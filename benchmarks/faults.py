@@ -15,6 +15,7 @@ Scenarios (benchmarks/reliability/fault_scenarios*.py; each docstring says what 
   descriptor_flood  idle connections exhaust the server's descriptors; the bulk
                  listener says so and serves again once they end
   refused_put_memory  gRPC Puts refused after a 14 MiB frame give their memory back
+  dripped_reply  a relay drips the bulk replies: the client's call ends at its deadline
 A scenario that needs root or a tool it does not find is skipped with the reason
 ("passed": null). `--json` prints {"scenarios": [{"name", "passed", "detail"}],
 "kill9_cycles", "acknowledged_lost", "torn_served"}.
@@ -48,6 +49,7 @@ SCENARIOS = {
     "clock_jumps": f2.clock_jumps,
     "descriptor_flood": f3.descriptor_flood,
     "refused_put_memory": f3.refused_put_memory,
+    "dripped_reply": f3.dripped_reply,
 }
 
 

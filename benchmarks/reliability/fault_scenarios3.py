@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import socket
+import threading
 import time
 
 import grpc
@@ -27,6 +30,7 @@ from benchmarks.reliability.harness import (
 from kvcommon.v1 import kvshare_pb2 as pb
 from kvcommon.v1 import kvshare_pb2_grpc as pb_grpc
 from replica_agent.client import BlockClient
+from replica_agent.errors import BlockStoreError
 
 FLOOD_CONNECTIONS = 400  # well past the server's descriptor limit below
 SERVER_DESCRIPTORS = 256
@@ -146,4 +150,85 @@ def refused_put_memory(env: Env) -> Outcome:
         f"{refused} of 64 refused; server memory +{(after_16 - start) / MiB:.0f} MiB after "
         f"16, +{(after_64 - start) / MiB:.0f} MiB after 64; serves on: {served}"
     )
+    return Outcome(passed, detail)
+
+
+class _DrippingRelay:
+    """A TCP relay in front of the bulk listener; once `drip` is set, the server's
+    bytes reach the client one at a time, `every_s` apart (a hostile store, or an
+    on-path attacker, that never quite stops answering)."""
+
+    def __init__(self) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self._listener.getsockname()[1])
+        self.target: tuple[str, int] | None = None
+        self.every_s = 0.0
+
+    def start(self, target: tuple[str, int]) -> None:
+        self.target = target
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                client, _ = self._listener.accept()
+                assert self.target is not None
+                server = socket.create_connection(self.target)
+                threading.Thread(
+                    target=self._pipe, args=(client, server, False), daemon=True
+                ).start()
+                threading.Thread(
+                    target=self._pipe, args=(server, client, True), daemon=True
+                ).start()
+
+    def _pipe(self, source: socket.socket, sink: socket.socket, from_server: bool) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                if from_server and self.every_s:
+                    for i in range(len(data)):
+                        sink.sendall(data[i : i + 1])
+                        time.sleep(self.every_s)
+                else:
+                    sink.sendall(data)
+        for sock in (source, sink):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+def dripped_reply(env: Env) -> Outcome:
+    """The bulk listener's replies reach the client through a relay that drips them a
+    byte every 50 ms. Passes when a GET with `timeout_s = 1` ends (DEADLINE_EXCEEDED or
+    a miss) within 3 s instead of the minutes the drip would take, and once the drip
+    stops the block is served exactly."""
+    relay = _DrippingRelay()
+    tenancy = env.config()
+    with tenancy.path.open("a") as config:
+        config.write(f'[bulk]\nadvertise = "127.0.0.1:{relay.port}"\n')
+    server = env.start(tenancy)
+    assert server.proc.stdout is not None
+    bulk = re.search(r"bulk on (\S+):(\d+)", server.proc.stdout.readline())
+    if bulk is None:
+        return Outcome(False, "the server did not say where its bulk listener is")
+    relay.start((bulk.group(1), int(bulk.group(2))))
+    digest, payload = os.urandom(32), os.urandom(MiB)
+    try:
+        with BlockClient(server.address, tenancy.tokens["b"], same_host=False, timeout_s=1.0) as c:
+            c.put("beta", MODEL, [digest], [payload])
+            relay.every_s = 0.05
+            started = time.monotonic()
+            try:
+                ended = "miss" if c.get("beta", MODEL, [digest]) == [] else "served"
+            except BlockStoreError as error:
+                ended = error.code().name
+            took_s = time.monotonic() - started
+            relay.every_s = 0.0
+        with BlockClient(server.address, tenancy.tokens["b"], same_host=False) as c:
+            served = c.get("beta", MODEL, [digest]) == [payload]
+    finally:
+        relay.close()
+    passed = took_s < 3.0 and ended in ("DEADLINE_EXCEEDED", "miss") and served
+    detail = f"dripped GET ended {ended} after {took_s:.1f} s; served after the drip: {served}"
     return Outcome(passed, detail)

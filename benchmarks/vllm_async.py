@@ -30,7 +30,6 @@ import contextlib
 import itertools
 import json
 import random
-import secrets
 import socket
 import statistics
 import sys
@@ -41,10 +40,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cacheserver.config import ServerConfig, StorageConfig
-from cacheserver.embedded import EmbeddedServer
-from kvshare.demo.runner import demo_access, write_keyring
 from kvshare.demo.vllm_engine import DEMO_MODEL, EngineProcess, Prompt, write_tiny_llama
+from kvshare.demo.vllm_runner import start_store
 from replica_agent.client import BlockClient
 from replica_agent.hashing import BlockHasher
 
@@ -120,23 +117,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def start_store(directory: Path) -> tuple[EmbeddedServer, str, Path, Path]:
-    token = secrets.token_urlsafe(24)
-    token_file = directory / "engine.token"
-    token_file.write_text(token)
-    token_file.chmod(0o600)
-    server = EmbeddedServer(
-        ServerConfig(
-            listen="127.0.0.1:0",
-            data_dir=directory / "data",
-            storage=StorageConfig(memory_budget_bytes=1 << 30, disk_budget_bytes=2 << 30),
-            access=demo_access([TENANT], token, require_sealed=True),
-        )
-    )
-    server.start()
-    return server, token, token_file, write_keyring(directory, [TENANT])
-
-
 def wait_stored(address: str, token: str, namespace: str, prompt: list[int], blocks: int) -> None:
     digests = BlockHasher(namespace, STORE_BLOCK_TOKENS).digests(prompt)[:blocks]
     deadline = time.monotonic() + 120
@@ -154,19 +134,16 @@ def measure(args: argparse.Namespace, directory: Path) -> dict[str, dict[str, An
     prefix_tokens = args.prefix_blocks * STORE_BLOCK_TOKENS
     arriving = Prompt([rng.randrange(vocab) for _ in range(prefix_tokens + 40)], TENANT)
     running_tokens = 200 if args.quick else 400  # decodes past the end of the load
-    server, token, token_file, keyring = start_store(directory)
+    server, connector = start_store(directory, [TENANT], seal=True)
+    token = Path(connector["token_file"]).read_text()
     relay = SlowRelay(server.address, args.store_mib_s * (1 << 20))
     model_dir = write_tiny_llama(directory / "model", 0, DEMO_MODEL)
     base = {
+        **connector,
         "target": relay.address,
-        "token_file": str(token_file),
-        "tenant": TENANT,
-        "keyring_file": str(keyring),
-        "block_tokens": STORE_BLOCK_TOKENS,
         "bulk": False,  # one gRPC connection, so every reply crosses the relay
         "same_host": False,
         "timeout_s": 60.0,
-        "require_request_tenant": True,
     }
     engines = {
         mode: EngineProcess(model_dir, {**base, "load_mode": mode}) for mode in ("sync", "async")

@@ -8,6 +8,8 @@ import sys
 import time
 from typing import Any
 
+from kvshare.demo.table import side_by_side
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -91,9 +93,8 @@ def format_table(report: dict[str, Any]) -> str:
         f"kvshare demo: {report['replicas']}{engine} replicas behind round robin, "
         f"{report['requests']} requests",
         "",
-        f"{'':<22}{'local caches only':>20}{'with shared store':>20}",
+        *side_by_side("local caches only", "with shared store", rows),
     ]
-    lines += [f"{name:<22}{a:>20}{b:>20}" for name, a, b in rows]
     speedup = local["ttft_p50_s"] / shared["ttft_p50_s"] if shared["ttft_p50_s"] else 0.0
     lines += [
         "",

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -34,7 +34,7 @@ from replica_agent.codec import encode_block
 from replica_agent.gate import OUTCOMES, BreakerEffect, Outcome, StoreGate, StoreStats
 from replica_agent.spec import ModelSpec
 from replica_agent.telemetry import AgentTelemetry
-from tests.conftest import Running, ServerProcess, free_port, launch, write_config
+from tests.conftest import Running, ServerProcess, free_port
 
 LAYERS, HEADS, DIM, BLOCK_TOKENS, CACHE_BLOCKS = 2, 2, 8, 16, 4
 SPEC = ModelSpec("parity/m", "r1", LAYERS, HEADS, DIM, "float32", BLOCK_TOKENS)
@@ -211,19 +211,6 @@ def lookup_load_save(engine: Engine, tenant: str, count: int = 2) -> Seen:
     loaded = engine.load(tenant, digests)
     saved = engine.save(tenant, digests)
     return seen(engine, matched, loaded, saved)
-
-
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[Running]:
-    tenancy = write_config(
-        tmp_path,
-        principals={
-            "engine": (["alpha", "beta"], ["read", "write"]),
-            "only-alpha": (["alpha"], ["read", "write"]),
-        },
-    )
-    with launch(tenancy) as running:
-        yield running
 
 
 def each_engine(

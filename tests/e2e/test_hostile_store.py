@@ -28,7 +28,24 @@ HOSTILE_SIZES = [2**63 + 5, 2**62, 2**40 + 3, (1 << 30) + 1]
 MODEL = "m;fp32"
 
 
-class FakeStore(pb_grpc.BlockStoreServicer):
+class AnsweringStore(pb_grpc.BlockStoreServicer):
+    """Says every block is present and takes every write; subclasses choose what a read
+    returns."""
+
+    def Lookup(self, request: Any, context: Any) -> pb.LookupResponse:
+        return pb.LookupResponse(present=len(request.digests))
+
+    def Put(self, request_iterator: Any, context: Any) -> pb.PutResponse:
+        return pb.PutResponse()
+
+    def Delete(self, request: Any, context: Any) -> pb.DeleteResponse:
+        return pb.DeleteResponse()
+
+    def Stats(self, request: Any, context: Any) -> pb.StatsResponse:
+        return pb.StatsResponse()
+
+
+class FakeStore(AnsweringStore):
     """Answers every Get and bulk GET with one block of `size` bytes (announced)."""
 
     def __init__(self, size: int) -> None:
@@ -43,18 +60,6 @@ class FakeStore(pb_grpc.BlockStoreServicer):
     def Get(self, request: Any, context: Any) -> Iterator[pb.GetFrame]:
         chunk = pb.BlockChunk(index=0, block_bytes=self.size, offset=0, data=b"x")
         yield pb.GetFrame(chunks=[chunk])
-
-    def Lookup(self, request: Any, context: Any) -> pb.LookupResponse:
-        return pb.LookupResponse(present=len(request.digests))
-
-    def Put(self, request_iterator: Any, context: Any) -> pb.PutResponse:
-        return pb.PutResponse()
-
-    def Delete(self, request: Any, context: Any) -> pb.DeleteResponse:
-        return pb.DeleteResponse()
-
-    def Stats(self, request: Any, context: Any) -> pb.StatsResponse:
-        return pb.StatsResponse()
 
     def _serve_bulk(self) -> None:
         while True:

@@ -8,8 +8,6 @@ The host buffers have the shapes SGLang allocates (tests/unit/test_sglang_pages.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,25 +21,12 @@ from replica_agent.client import BlockClient
 from replica_agent.gate import StoreGate, StoreStats
 from replica_agent.spec import ModelSpec
 from replica_agent.telemetry import AgentTelemetry
-from tests.conftest import Running, launch, read_allocated, write_config
+from tests.conftest import Running, read_allocated
 
 LAYERS, HEADS, DIM, PAGE, TOKENS = 2, 2, 8, 16, 128
 SPEC = ModelSpec("sglang/test", "sglang:mha:pp0/1:cp0/1", LAYERS, HEADS, DIM, "float32", PAGE)
 SPEC_BYTES = SPEC.block_payload_bytes
 DIGESTS = [page_digest(hashlib.sha256(f"page {i}".encode()).hexdigest()) for i in range(4)]
-
-
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[Running]:
-    tenancy = write_config(
-        tmp_path,
-        principals={
-            "engine": (["alpha", "beta"], ["read", "write"]),
-            "only-alpha": (["alpha"], ["read", "write"]),
-        },
-    )
-    with launch(tenancy) as running:
-        yield running
 
 
 def pool(fill: bool) -> HostPages:

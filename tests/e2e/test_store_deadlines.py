@@ -38,6 +38,7 @@ from replica_agent.spec import ModelSpec
 from tests.certs import Certs
 from tests.conftest import Running
 from tests.e2e.mitm import Mitm
+from tests.e2e.test_hostile_store import AnsweringStore
 from tests.e2e.test_sealed_channel import require_sealed, start_behind
 from tests.isolation.conftest import isolation_config
 from tests.isolation.test_tamper import MODEL as SEALED_MODEL
@@ -53,7 +54,7 @@ ARENA_BYTES = 1 << 20
 SPEC = ModelSpec("m", "r1", num_layers=1, num_kv_heads=1, head_dim=8, dtype="float32")
 
 
-class DrippingStore(pb_grpc.BlockStoreServicer):
+class DrippingStore(AnsweringStore):
     """Answers every Get and bulk GET correctly, but one byte (or one byte's frame)
     every DRIP_S: on TCP 33 bytes (16.5 s), in the arena's reply 30 bytes (15 s), over
     gRPC 16 frames (8 s)."""
@@ -89,18 +90,6 @@ class DrippingStore(pb_grpc.BlockStoreServicer):
                 return
             chunk = pb.BlockChunk(index=0, block_bytes=BLOCK_BYTES, offset=offset, data=b"x")
             yield pb.GetFrame(chunks=[chunk])
-
-    def Lookup(self, request: Any, context: Any) -> pb.LookupResponse:
-        return pb.LookupResponse(present=len(request.digests))
-
-    def Put(self, request_iterator: Any, context: Any) -> pb.PutResponse:
-        return pb.PutResponse()
-
-    def Delete(self, request: Any, context: Any) -> pb.DeleteResponse:
-        return pb.DeleteResponse()
-
-    def Stats(self, request: Any, context: Any) -> pb.StatsResponse:
-        return pb.StatsResponse()
 
     def _accept(self, listener: socket.socket) -> None:
         while True:

@@ -1,0 +1,24 @@
+"""Fixtures the engine-side e2e tests share."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import Running, launch, write_config
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[Running]:
+    """Tenants alpha and beta; principal `engine` on both, `only-alpha` on alpha."""
+    tenancy = write_config(
+        tmp_path,
+        principals={
+            "engine": (["alpha", "beta"], ["read", "write"]),
+            "only-alpha": (["alpha"], ["read", "write"]),
+        },
+    )
+    with launch(tenancy) as running:
+        yield running

@@ -8,6 +8,7 @@ MemoryError), which would escape into inference.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 from collections.abc import Iterator
@@ -79,10 +80,10 @@ class FakeStore(AnsweringStore):
                     pass
 
 
-@pytest.fixture(params=HOSTILE_SIZES)
-def fake_store(request: pytest.FixtureRequest) -> Iterator[str]:
-    store = FakeStore(int(request.param))
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+@contextlib.contextmanager
+def serving(store: pb_grpc.BlockStoreServicer, workers: int = 4) -> Iterator[str]:
+    """`store` as a gRPC server on loopback; its address."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers))
     pb_grpc.add_BlockStoreServicer_to_server(store, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
@@ -90,6 +91,15 @@ def fake_store(request: pytest.FixtureRequest) -> Iterator[str]:
         yield f"127.0.0.1:{port}"
     finally:
         server.stop(0)
+
+
+@pytest.fixture(params=HOSTILE_SIZES)
+def fake_store(request: pytest.FixtureRequest) -> Iterator[str]:
+    store = FakeStore(int(request.param))
+    try:
+        with serving(store) as address:
+            yield address
+    finally:
         store.bulk.close()
 
 

@@ -19,7 +19,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent import futures
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,6 @@ import pytest
 
 from kvcommon import bulkwire as w
 from kvcommon.v1 import kvshare_pb2 as pb
-from kvcommon.v1 import kvshare_pb2_grpc as pb_grpc
 from policy.tickets import local_binding
 from replica_agent.agent import PrefixMatch, ReplicaAgent
 from replica_agent.breaker import BreakerState, CircuitBreaker
@@ -38,7 +36,7 @@ from replica_agent.spec import ModelSpec
 from tests.certs import Certs
 from tests.conftest import Running
 from tests.e2e.mitm import Mitm
-from tests.e2e.test_hostile_store import AnsweringStore
+from tests.e2e.test_hostile_store import AnsweringStore, serving
 from tests.e2e.test_sealed_channel import require_sealed, start_behind
 from tests.isolation.conftest import isolation_config
 from tests.isolation.test_tamper import MODEL as SEALED_MODEL
@@ -139,14 +137,10 @@ def _send_arena(conn: socket.socket) -> None:
 @pytest.fixture
 def dripping() -> Iterator[str]:
     store = DrippingStore()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-    pb_grpc.add_BlockStoreServicer_to_server(store, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
     try:
-        yield f"127.0.0.1:{port}"
+        with serving(store, workers=8) as address:
+            yield address
     finally:
-        server.stop(0)
         store.close()
 
 

@@ -195,8 +195,10 @@ def test_a_miss_loads_nothing_and_saves_what_prefill_completes(store: Store) -> 
     assert save.block_ids == tuple(output.scheduled_new_reqs[0].block_ids[0][:6])
 
 
-def test_local_hits_come_first_and_the_store_supplies_the_rest(store: Store) -> None:
-    scheduler = make_scheduler(store)
+def after_a_local_hit(store: Store, **extra: Any) -> tuple[Any, Any, Any]:
+    """A scheduler whose vLLM cache holds block 0 of TOKENS (a request that shared its
+    first 24 tokens ran), and the step that schedules TOKENS: (scheduler, output, load)."""
+    scheduler = make_scheduler(store, **extra)
     put_blocks(store, scheduler, TOKENS, 3)
     first = TOKENS[:24] + [5] * 76  # shares vLLM block 0 (16 tokens) with TOKENS
     scheduler.add_request(request("warm", first))
@@ -205,6 +207,11 @@ def test_local_hits_come_first_and_the_store_supplies_the_rest(store: Store) -> 
     scheduler.add_request(request("r2", TOKENS))
     output, metadata = step(scheduler)
     (load,) = metadata.loads
+    return scheduler, output, load
+
+
+def test_local_hits_come_first_and_the_store_supplies_the_rest(store: Store) -> None:
+    _, output, load = after_a_local_hit(store)
     new = next(r for r in output.scheduled_new_reqs if r.req_id == "r2")
     assert new.num_computed_tokens == 96
     # Store block 0 is half in vLLM's cache: only its second vLLM block is filled.
@@ -286,15 +293,7 @@ def test_async_load_keeps_the_request_out_of_the_batch_until_it_is_in(store: Sto
 
 
 def test_async_load_after_a_local_hit_fills_only_the_blocks_past_it(store: Store) -> None:
-    scheduler = make_scheduler(store, load_mode="async")
-    put_blocks(store, scheduler, TOKENS, 3)
-    first = TOKENS[:24] + [5] * 76  # shares vLLM block 0 (16 tokens) with TOKENS
-    scheduler.add_request(request("warm", first))
-    output, _ = step(scheduler)
-    finish_step(scheduler, output)
-    scheduler.add_request(request("r2", TOKENS))
-    output, metadata = step(scheduler)
-    (load,) = metadata.loads
+    scheduler, output, load = after_a_local_hit(store, load_mode="async")
     assert load.skip_tokens == 16 and len(load.digests) == 3 and len(load.block_ids) == 5
     finish_step(scheduler, output, kv=KVConnectorOutput(finished_recving={"r2"}))
     output, _ = step(scheduler)

@@ -70,6 +70,13 @@ def test_a_killed_node_gives_misses_and_no_failed_request_then_local_tiers_serve
         # Not the node with alpha's accounting (every write of alpha is admitted there:
         # with it down none is, which the whole-cluster-gone part below covers).
         dead = next(n for n in cluster.nodes if n.address != _accounting_node(servers))
+        # The blocks put after the kill, named now: the slot map is read while every node
+        # answers (after the kill a refreshed map no longer names the dead node), and
+        # some of them must land on the dead node for the drops below to be seen.
+        new_digests, new_payloads = blocks(12)
+        while dead.address not in _nodes_of(servers, new_digests):
+            new_digests, new_payloads = blocks(12)
+        new_lost = [w == dead.address for w in _nodes_of(servers, new_digests)]
         cluster.kill(dead)
         lost = [w == dead.address for w in where]
         # B never held these: each is found in the cluster unless its node is dead.
@@ -81,10 +88,8 @@ def test_a_killed_node_gives_misses_and_no_failed_request_then_local_tiers_serve
         assert b.get("alpha", MODEL, digests) == payloads[:leading]
         assert a.get("alpha", MODEL, digests) == payloads  # A's local copies: all of them
         # Puts still succeed; the cluster takes those whose slots are alive.
-        new_digests, new_payloads = blocks(12)
         assert b.put("alpha", MODEL, new_digests, new_payloads) == [True] * 12
         servers.settle()
-        new_lost = [w == dead.address for w in _nodes_of(servers, new_digests)]
         for digest, gone in zip(new_digests, new_lost, strict=True):
             assert a.lookup("alpha", MODEL, [digest]) == (0 if gone else 1)
         assert eventually(lambda: health(servers[1].address, "kvshare.cluster") == NOT_SERVING)

@@ -23,6 +23,7 @@ from cacheserver.config.bulk import (
     bulk_announced_address,
     bulk_listen_address,
 )
+from cacheserver.config.specs import GRPC_SLACK_BYTES
 from cacheserver.core.requests import RequestCore
 from cacheserver.core.values import BulkEndpoint
 from cacheserver.events import FanOut, TenantCounters
@@ -51,7 +52,6 @@ SERVICE_NAME = kvshare_pb2.DESCRIPTOR.services_by_name["BlockStore"].full_name
 SHUTDOWN_GRACE_S = 10.0
 CLUSTER_HEALTH_SERVICE = "kvshare.cluster"  # SERVING while every Redis node answers
 BULK_HEALTH_SERVICE = "kvshare.bulk"  # SERVING while the bulk listeners can accept
-GRPC_SLACK_BYTES = 1 << 20  # room for protobuf framing around max_message_bytes of payload
 
 __all__ = ["Server", "TlsFiles", "serve"]
 

@@ -129,7 +129,7 @@ class ServerProc:
             text=True,
             cwd=REPO,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-            preexec_fn=_descriptor_limit(max_descriptors) if max_descriptors else None,
+            preexec_fn=descriptor_limit(max_descriptors) if max_descriptors else None,
         )
         self.address = self._wait_ready(startup_timeout_s)
 
@@ -190,7 +190,7 @@ class ServerProc:
         return owned_rss_bytes(self.pid)
 
 
-def _descriptor_limit(count: int) -> Callable[[], None]:
+def descriptor_limit(count: int) -> Callable[[], None]:
     def limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (count, count))
 

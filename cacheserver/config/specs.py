@@ -36,7 +36,7 @@ LOG_FORMATS = ("text", "json")
 # Bounds that come from elsewhere in the server (config cannot import those modules:
 # they import this one). tests/unit/test_config.py checks that they still agree.
 JOURNAL_MIN_BYTES = 16 * MiB  # the put journal's smallest ring (store/journal/ring.py)
-GRPC_SLACK_BYTES = 1 * MiB  # what the server adds to max_message_bytes (server.py)
+GRPC_SLACK_BYTES = 1 * MiB  # protobuf framing the server (server.py) adds to max_message_bytes
 GRPC_MAX_MESSAGE = (1 << 31) - 1  # gRPC's message sizes are signed 32-bit integers
 MAX_CONFIG_BYTES = 16 * MiB
 LMDB_MAX_VALUE = (1 << 32) - 1  # LMDB's largest value: a block is one value

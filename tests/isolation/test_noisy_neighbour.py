@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import resource
 import socket
 import subprocess
 import sys
@@ -33,6 +32,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from benchmarks.reliability.harness import descriptor_limit, owned_rss_bytes, wait_until
 from kvcommon import bulkwire as w
 from kvcommon.v1 import kvshare_pb2 as pb
 from kvcommon.v1 import kvshare_pb2_grpc as pb_grpc
@@ -82,7 +82,7 @@ class Served:
             text=True,
             cwd=REPO,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            preexec_fn=_limit_descriptors(max_descriptors) if max_descriptors else None,
+            preexec_fn=descriptor_limit(max_descriptors) if max_descriptors else None,
         )
         self.log = tmp_path / "server.log"
         assert self.proc.stdout is not None
@@ -105,13 +105,6 @@ class Served:
         self.proc.terminate()
         self.proc.wait(30)
         self._log.close()
-
-
-def _limit_descriptors(count: int) -> Any:
-    def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (count, count))
-
-    return limit
 
 
 @pytest.fixture
@@ -264,15 +257,6 @@ def bulk_health(channel: grpc.Channel) -> int:
     return int(check(health_pb2.HealthCheckRequest(service="kvshare.bulk"), timeout=10).status)
 
 
-def wait_for(condition: Any, seconds: float = 20.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.1)
-    return False
-
-
 @pytest.mark.slow
 def test_after_a_descriptor_flood_the_bulk_channel_serves_again(tmp_path: Path) -> None:
     """Idle connections to the gRPC port (no credentials needed) exhaust the server's
@@ -303,14 +287,14 @@ def test_after_a_descriptor_flood_the_bulk_channel_serves_again(tmp_path: Path) 
         bulk_host, _, bulk_port = bulk.rpartition(":")
         knock = socket.create_connection((bulk_host, int(bulk_port)), timeout=10)
         flood.append(knock)  # accepted by the kernel; the server's accept() fails
-        assert wait_for(lambda: "cannot accept connections" in served.log.read_text())
+        assert wait_until(lambda: "cannot accept connections" in served.log.read_text(), 20)
         not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
-        assert wait_for(lambda: bulk_health(health) == not_serving)
+        assert wait_until(lambda: bulk_health(health) == not_serving, 20)
     finally:
         for sock in flood:
             sock.close()
     try:
-        assert wait_for(lambda: bulk_health(health) == serving)
+        assert wait_until(lambda: bulk_health(health) == serving, 20)
         with BlockClient(served.address, served.tokens["b"], same_host=False) as b:
             assert b.get("beta", MODEL, [digest]) == [payload]
             assert b.transport_stats.bulk_fallbacks == 0  # the bulk channel, not gRPC
@@ -342,8 +326,6 @@ def refused_puts(served: Served, count: int) -> None:
 
 
 def owned(served: Served) -> int:
-    from benchmarks.reliability.harness import owned_rss_bytes
-
     return owned_rss_bytes(served.proc.pid)
 
 

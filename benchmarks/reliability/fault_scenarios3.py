@@ -39,7 +39,8 @@ SERVER_DESCRIPTORS = 256
 def _bulk_serving(channel: grpc.Channel) -> bool:
     check = health_pb2_grpc.HealthStub(channel).Check
     request = health_pb2.HealthCheckRequest(service="kvshare.bulk")
-    return check(request, timeout=10).status == health_pb2.HealthCheckResponse.SERVING
+    status = check(request, timeout=10).status
+    return bool(status == health_pb2.HealthCheckResponse.SERVING)
 
 
 def descriptor_flood(env: Env) -> Outcome:
@@ -91,9 +92,11 @@ def _bulk_port(client: BlockClient) -> int:
 REFUSED_FRAME_BYTES = 14 * MiB
 
 
-def _refuse_puts(address: str, tokens: dict[str, str], count: int) -> int:
+def refuse_puts(address: str, tokens: dict[str, str], count: int) -> int:
     """`count` gRPC Puts whose first frame (14 MiB) is refused: half by a read-only
-    principal, half for a chunk at the wrong offset. Returns how many were refused."""
+    principal `r` (PERMISSION_DENIED), half of principal `a` for a chunk at the wrong
+    offset (INVALID_ARGUMENT), both of tenant alpha. Returns how many got that refusal."""
+    refusals = (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT)
     options = [("grpc.max_send_message_length", 64 * MiB)]
     refused = 0
     with grpc.insecure_channel(address, options=options) as channel:
@@ -108,13 +111,10 @@ def _refuse_puts(address: str, tokens: dict[str, str], count: int) -> int:
             )
             frame = pb.PutFrame(header=pb.PutHeader(tenant="alpha", model=MODEL), chunks=[chunk])
             try:
-                put(
-                    iter([frame]),
-                    timeout=60,
-                    metadata=(("authorization", f"Bearer {tokens[who]}"),),
-                )
-            except grpc.RpcError:
-                refused += 1
+                metadata = (("authorization", f"Bearer {tokens[who]}"),)
+                put(iter([frame]), timeout=60, metadata=metadata)
+            except grpc.RpcError as error:
+                refused += error.code() in refusals
     return refused
 
 
@@ -133,10 +133,10 @@ def refused_put_memory(env: Env) -> Outcome:
     )
     server = env.start(tenancy)
     start = owned_rss_bytes(server.pid)
-    refused = _refuse_puts(server.address, tenancy.tokens, 16)
+    refused = refuse_puts(server.address, tenancy.tokens, 16)
     time.sleep(1.0)
     after_16 = owned_rss_bytes(server.pid)
-    refused += _refuse_puts(server.address, tenancy.tokens, 48)
+    refused += refuse_puts(server.address, tenancy.tokens, 48)
     time.sleep(1.0)
     after_64 = owned_rss_bytes(server.pid)
     digest, payload = os.urandom(32), os.urandom(MiB)

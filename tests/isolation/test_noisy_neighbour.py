@@ -32,6 +32,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from benchmarks.reliability.fault_scenarios3 import refuse_puts
 from benchmarks.reliability.harness import descriptor_limit, owned_rss_bytes, wait_until
 from kvcommon import bulkwire as w
 from kvcommon.v1 import kvshare_pb2 as pb
@@ -304,27 +305,6 @@ def test_after_a_descriptor_flood_the_bulk_channel_serves_again(tmp_path: Path) 
         served.stop()
 
 
-def refused_puts(served: Served, count: int) -> None:
-    """`count` gRPC Puts whose first frame carries 14 MiB and is refused: half by a
-    read-only principal (PERMISSION_DENIED), half for a chunk at the wrong offset."""
-    options = [("grpc.max_send_message_length", 64 * MiB)]
-    with grpc.insecure_channel(served.address, options=options) as channel:
-        put = pb_grpc.BlockStoreStub(channel).Put
-        for i in range(count):
-            who, offset = ("r", 0) if i % 2 else ("a", 5)
-            chunk = pb.PutChunk(
-                digest=os.urandom(32), block_bytes=16 * MiB, offset=offset, data=bytes(14 * MiB)
-            )
-            header = pb.PutHeader(tenant="alpha", model=MODEL)
-            with pytest.raises(grpc.RpcError) as refused:
-                put(iter([pb.PutFrame(header=header, chunks=[chunk])]), timeout=60,
-                    metadata=served.metadata(who))  # fmt: skip
-            assert refused.value.code() in (
-                grpc.StatusCode.PERMISSION_DENIED,
-                grpc.StatusCode.INVALID_ARGUMENT,
-            )
-
-
 def owned(served: Served) -> int:
     return owned_rss_bytes(served.proc.pid)
 
@@ -336,10 +316,10 @@ def test_refused_puts_give_their_memory_back(served: Served) -> None:
     rarely runs: every refused call grew the server for good. After the first few, more
     refusals must not grow it — the rest stays within the server's memory budget."""
     start = owned(served)
-    refused_puts(served, 16)
+    assert refuse_puts(served.address, served.tokens, 16) == 16
     time.sleep(1.0)
     after_16 = owned(served)
-    refused_puts(served, 32)
+    assert refuse_puts(served.address, served.tokens, 32) == 32
     time.sleep(1.0)
     after_48 = owned(served)
     print(

@@ -18,7 +18,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from cacheserver.config import ServerConfig, StorageConfig
+from cacheserver.config import BulkConfig, ServerConfig, StorageConfig
 from cacheserver.embedded import EmbeddedServer
 from kvshare.demo.replica import (
     ReplicaSettings,
@@ -219,6 +219,9 @@ def run_demo(
                         memory_budget_bytes=2 << 30, disk_budget_bytes=4 << 30, sync_writes=False
                     ),
                     access=demo_access(tenants, token, require_sealed=options.seal),
+                    # Every demo replica runs as one principal, so it gets every arena a
+                    # production server shares out per principal.
+                    bulk=BulkConfig(max_arenas_per_principal=BulkConfig().max_arenas),
                 )
             )
             store = StoreHandle(

@@ -27,6 +27,7 @@ from kvcommon.errors import ConfigError
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+    from replica_agent.agent import ReplicaAgent
     from replica_agent.spec import ModelSpec
 
 
@@ -54,7 +55,6 @@ def run_publish(args: argparse.Namespace) -> dict[str, Any]:
     from policy.types import PUBLIC
     from replica_agent.agent import ReplicaAgent
     from replica_agent.client import ClientTls
-    from replica_agent.public import write_catalogue
 
     model, spec, token_ids = _load(args)
     sealer = None
@@ -70,37 +70,50 @@ def run_publish(args: argparse.Namespace) -> dict[str, Any]:
     tls = ClientTls(root_ca=args.tls_ca) if args.tls_ca else None
     agent = ReplicaAgent.connect(args.target, token, spec, tls=tls, sealer=sealer)
     try:
-        digests = agent.digests(token_ids)
-        if not digests:
-            raise ConfigError(
-                f"{len(token_ids)} tokens make no full block of {spec.block_tokens}; "
-                "publish a longer prefix or pass a smaller --block-tokens"
-            )
-        present = _checked(lambda: agent.client.lookup(PUBLIC, agent.model, digests))
-        if present < len(digests):
-            blocks = _compute(model, spec, token_ids, present, len(digests) - present)
-            agent.save(PUBLIC, digests[present:], blocks)
-            agent.flush()
-        stored = _checked(lambda: agent.client.lookup(PUBLIC, agent.model, digests))
-        if stored < len(digests):
-            raise ConfigError(
-                f"the store kept {stored} of {len(digests)} blocks; check the [public] "
-                "quota_bytes, and that the keyring has the public key"
-            )
-        listed = _checked(
-            lambda: write_catalogue(agent.client, agent.model, digests, sealer=sealer)
-        )
+        report = publish_prefix(agent, model, token_ids)
     finally:
         agent.close()
-    report = {
+    print(json.dumps(report))
+    return {"action": "publish", "blocks": report["blocks"], "new_blocks": report["new_blocks"]}
+
+
+def publish_prefix(
+    agent: ReplicaAgent, model: PreTrainedModel, token_ids: list[int]
+) -> dict[str, Any]:
+    """Publish `token_ids`' full blocks through `agent` (whose principal has `publish`),
+    computing only those not yet published, and list them in the catalogue. Raises
+    ConfigError saying what to change when the store refuses."""
+    from policy.types import PUBLIC
+    from replica_agent.public import write_catalogue
+
+    spec = agent.spec
+    digests = agent.digests(token_ids)
+    if not digests:
+        raise ConfigError(
+            f"{len(token_ids)} tokens make no full block of {spec.block_tokens}; "
+            "publish a longer prefix or pass a smaller --block-tokens"
+        )
+    present = _checked(lambda: agent.client.lookup(PUBLIC, agent.model, digests))
+    if present < len(digests):
+        blocks = _compute(model, spec, token_ids, present, len(digests) - present)
+        agent.save(PUBLIC, digests[present:], blocks)
+        agent.flush()
+    stored = _checked(lambda: agent.client.lookup(PUBLIC, agent.model, digests))
+    if stored < len(digests):
+        raise ConfigError(
+            f"the store kept {stored} of {len(digests)} blocks; check the [public] "
+            "quota_bytes, and that the keyring has the public key"
+        )
+    listed = _checked(
+        lambda: write_catalogue(agent.client, agent.model, digests, sealer=agent.sealer)
+    )
+    return {
         "model": agent.model,
         "blocks": len(digests),
         "new_blocks": len(digests) - present,
         "tokens": len(digests) * spec.block_tokens,
         "catalogue_blocks": listed,
     }
-    print(json.dumps(report))
-    return {"action": "publish", "blocks": len(digests), "new_blocks": len(digests) - present}
 
 
 def _checked(call: Any) -> Any:

@@ -42,6 +42,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "with saving prompt blocks only (--requests counts turns)",
     )
     parser.add_argument(
+        "--public-prefix",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="every tenant's prompts begin with one TOKENS-token framework prompt; a "
+        "third run publishes it into the public scope (stored once for all tenants)",
+    )
+    parser.add_argument(
         "--no-seal",
         action="store_true",
         help="store blocks unsealed (to measure what sealing costs)",
@@ -88,6 +96,17 @@ def format_table(report: dict[str, Any]) -> str:
         ),
         ("prefill tokens", f"{local['prefill_tokens']:,}", f"{shared['prefill_tokens']:,}"),
     ]
+    public = report["runs"].get("public_scope")
+    if public is not None:
+        stored = report["public_prefix"]["stored_bytes"]
+        rows += [
+            ("", "", ""),
+            ("public framework prompt", f"{report['public_prefix']['tokens']} tokens", ""),
+            ("  stored, tenant-keyed", "-", f"{stored['shared_store'] / 2**20:,.0f} MiB"),
+            ("  stored, public scope", "-", f"{stored['public_scope'] / 2**20:,.0f} MiB"),
+            ("  prefill, public scope", "-", f"{public['prefill_tokens']:,}"),
+            ("  TTFT p50, public scope", "-", f"{public['ttft_p50_s'] * 1000:.0f} ms"),
+        ]
     engine = " vLLM" if report.get("engine") == "vllm" else ""
     lines = [
         f"kvshare demo: {report['replicas']}{engine} replicas behind round robin, "
@@ -115,8 +134,15 @@ def run(args: argparse.Namespace) -> int:
     if args.conversations:
         print("kvshare demo: error: --conversations needs --engine vllm", file=sys.stderr)
         return 2
+    if args.public_prefix < 0:
+        print("kvshare demo: error: --public-prefix must be >= 0", file=sys.stderr)
+        return 2
     options = DemoOptions(
-        replicas=args.replicas, requests=args.requests, seed=args.seed, seal=not args.no_seal
+        replicas=args.replicas,
+        requests=args.requests,
+        seed=args.seed,
+        seal=not args.no_seal,
+        public_prefix=args.public_prefix,
     )
     print(
         f"kvshare demo: starting a store and {args.replicas} replica processes "

@@ -19,6 +19,7 @@ import torch
 
 from kvshare.demo.workload import DemoRequest
 from policy.sealing import BlockSealer, Keyring
+from policy.types import PUBLIC
 from replica_agent.adapters.hf import (
     blocks_from_cache,
     cache_from_blocks,
@@ -29,6 +30,7 @@ from replica_agent.adapters.hf import (
 )
 from replica_agent.agent import ReplicaAgent
 from replica_agent.hashing import BlockHasher
+from replica_agent.public import ChainPlan, PublicCatalogue, plan_chain
 
 MODEL_ID = "kvshare/tiny-llama-demo"
 
@@ -51,6 +53,7 @@ class StoreSettings:
     token: str
     keyring_file: Path | None  # sealing keys for the demo tenants
     timeout_s: float = 5.0
+    public: bool = False  # read published prefixes from the public scope
 
 
 @dataclass(frozen=True)
@@ -70,20 +73,23 @@ class LocalPrefixCache:
         self.capacity_blocks = capacity_blocks
         self._blocks: OrderedDict[tuple[str, bytes], torch.Tensor] = OrderedDict()
 
-    def leading(self, tenant: str, digests: Sequence[bytes]) -> list[torch.Tensor]:
+    def leading(self, spaces: Sequence[str], digests: Sequence[bytes]) -> list[torch.Tensor]:
+        """The leading blocks held; block i is named in namespace `spaces[i]`."""
         found = []
-        for digest in digests:
-            block = self._blocks.get((tenant, digest))
+        for key in zip(spaces, digests, strict=True):
+            block = self._blocks.get(key)
             if block is None:
                 break
-            self._blocks.move_to_end((tenant, digest))
+            self._blocks.move_to_end(key)
             found.append(block)
         return found
 
-    def insert(self, tenant: str, digests: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> None:
-        for digest, block in zip(digests, blocks, strict=True):
-            self._blocks[(tenant, digest)] = block
-            self._blocks.move_to_end((tenant, digest))
+    def insert(
+        self, spaces: Sequence[str], digests: Sequence[bytes], blocks: Sequence[torch.Tensor]
+    ) -> None:
+        for key, block in zip(zip(spaces, digests, strict=True), blocks, strict=True):
+            self._blocks[key] = block
+            self._blocks.move_to_end(key)
         while len(self._blocks) > self.capacity_blocks:
             self._blocks.popitem(last=False)
 
@@ -103,10 +109,12 @@ class Replica:
         self.hasher = BlockHasher(self.spec.wire_model(), settings.block_tokens)
         self.local = LocalPrefixCache(settings.local_cache_blocks)
         self.agent: ReplicaAgent | None = None
+        self.catalogue: PublicCatalogue | None = None
 
     def configure(self, store: StoreSettings | None) -> None:
         """Start a run: empty local cache; connect to the store, or run local-only."""
         self.local = LocalPrefixCache(self.settings.local_cache_blocks)
+        self.catalogue = None
         if self.agent is not None:
             self.agent.close()
             self.agent = None
@@ -117,20 +125,39 @@ class Replica:
             self.agent = ReplicaAgent.connect(
                 store.address, store.token, self.spec, timeout_s=store.timeout_s, sealer=sealer
             )
+            if store.public:
+                agent = self.agent
+                self.catalogue = PublicCatalogue(
+                    agent.client, agent.gate, agent.model, sealer=agent.sealer
+                )
+
+    def plan(self, tokens: Sequence[int]) -> ChainPlan:
+        """The request's digests, the leading public ones first (replica_agent.public)."""
+        if self.catalogue is None:
+            return ChainPlan(tuple(self.hasher.digests(tokens)), 0)
+        catalogue = self.catalogue.digests()
+        return plan_chain(self.spec.wire_model(), self.spec.block_tokens, tokens, catalogue)
 
     def serve(self, request: DemoRequest) -> RequestResult:
         started = time.perf_counter()
         tokens = request.token_ids
-        digests = self.hasher.digests(tokens)
-        blocks = self.local.leading(request.tenant, digests)
+        plan = self.plan(tokens)
+        digests, public = plan.digests, plan.public_blocks
+        spaces = [PUBLIC if i < public else request.tenant for i in range(len(digests))]
+        blocks = self.local.leading(spaces, digests)
         local_blocks = len(blocks)
-        store_blocks = 0
         if self.agent is not None and local_blocks < len(digests):
-            match = self.agent.match(request.tenant, digests, first_block=local_blocks)
-            if match.blocks > local_blocks:
-                restored = self.agent.load(match, first_block=local_blocks)
-                store_blocks = len(restored)
-                blocks.extend(restored.unbind(0))
+            # The public blocks from the public scope, then the tenant's from there on.
+            for space, end in ((PUBLIC, public), (request.tenant, len(digests))):
+                start = len(blocks)
+                if start >= end:
+                    continue
+                match = self.agent.match(space, digests[:end], first_block=start)
+                if match.blocks > start:
+                    blocks.extend(self.agent.load(match, first_block=start).unbind(0))
+                if len(blocks) < end:
+                    break
+        store_blocks = len(blocks) - local_blocks
         prefix_tokens = len(blocks) * self.spec.block_tokens
         cache = cache_from_blocks(blocks, self.spec, self.model.config)
         logits, cache = prefill(
@@ -139,7 +166,7 @@ class Replica:
         first = int(torch.argmax(logits).item())
         ttft_s = time.perf_counter() - started
         computed = len(tokens) - min(prefix_tokens, len(tokens) - 1)
-        self._keep_new_blocks(request.tenant, digests, blocks, cache, local_blocks + store_blocks)
+        self._keep_new_blocks(request.tenant, plan, spaces, blocks, cache)
         rest = greedy_continue(self.model, logits, cache, request.max_new_tokens)
         assert rest[0] == first
         return RequestResult(
@@ -156,15 +183,19 @@ class Replica:
     def _keep_new_blocks(
         self,
         tenant: str,
-        digests: Sequence[bytes],
+        plan: ChainPlan,
+        spaces: Sequence[str],
         reused: Sequence[torch.Tensor],
         cache: object,
-        have: int,
     ) -> None:
+        """Keep every block locally; save the new ones after the public prefix to the
+        tenant (only a publisher writes the public scope)."""
+        have, digests = len(reused), plan.digests
         fresh = blocks_from_cache(cache, self.spec, have, len(digests) - have)  # type: ignore[arg-type]
-        self.local.insert(tenant, digests, [*reused, *fresh])
-        if self.agent is not None and fresh:
-            self.agent.save(tenant, digests[have:], fresh)
+        self.local.insert(spaces, digests, [*reused, *fresh])
+        first = max(have, plan.public_blocks)
+        if self.agent is not None and first < len(digests):
+            self.agent.save(tenant, digests[first:], fresh[first - have :])
 
     def flush(self) -> None:
         if self.agent is not None:

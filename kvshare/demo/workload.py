@@ -6,6 +6,11 @@ context plus the last tool output. The assistant's replies in the history are
 scripted (as when replaying a recorded trace), so both runs of the demo send exactly
 the same prompts and their outputs can be compared token for token.
 
+With `public_prompt_tokens`, every tenant's system prompt follows one public
+framework prompt (an agent framework's instructions and tool schemas): the text an
+operator publishes into the public scope (`kvshare demo --public-prefix`). It is
+drawn from its own seeded stream, so the rest of the workload is the same with it.
+
 Sessions are interleaved in a seeded random order, as arrivals are in practice: the
 next turn of a conversation lands on whichever replica round robin picks, which is
 the point of the demo.
@@ -29,6 +34,7 @@ class WorkloadShape:
     tool_output_tokens: int = 256
     max_new_tokens: int = 4
     vocab_size: int = 8192
+    public_prompt_tokens: int = 0  # a framework prompt before every system prompt
 
 
 @dataclass(frozen=True)
@@ -62,8 +68,9 @@ class _Session:
 def build_workload(num_requests: int, shape: WorkloadShape, seed: int = 0) -> list[DemoRequest]:
     rng = random.Random(seed)
     tenants = [f"tenant-{i}" for i in range(shape.tenants)]
+    public = public_prompt(shape, seed)
     system = {
-        t: [rng.randrange(shape.vocab_size) for _ in range(shape.system_prompt_tokens)]
+        t: public + [rng.randrange(shape.vocab_size) for _ in range(shape.system_prompt_tokens)]
         for t in tenants
     }
     counter = 0
@@ -94,3 +101,9 @@ def build_workload(num_requests: int, shape: WorkloadShape, seed: int = 0) -> li
         if session.steps_left == 0:
             sessions[sessions.index(session)] = new_session()
     return requests
+
+
+def public_prompt(shape: WorkloadShape, seed: int = 0) -> list[int]:
+    """The framework prompt every tenant's requests begin with (none by default)."""
+    rng = random.Random(f"public-prompt/{seed}")
+    return [rng.randrange(shape.vocab_size) for _ in range(shape.public_prompt_tokens)]

@@ -129,20 +129,23 @@ def turn_lengths(workload: PublicPrefixWorkload) -> dict[tuple[int, int], tuple[
 
 def arrival_order(workload: PublicPrefixWorkload) -> list[tuple[int, int, int]]:
     """(tenant, conversation, turn) in arrival order: conversations interleave at random,
-    each conversation's turns stay in order."""
+    each conversation's turns stay in order. O(1) per request."""
     rng = random.Random(workload.seed + 1)
-    next_turn = {
-        (tenant, conversation): 0
+    open_sessions = [
+        (tenant, conversation)
         for tenant in range(workload.tenants)
         for conversation in range(workload.conversations)
-    }
+    ]
+    next_turn = dict.fromkeys(open_sessions, 0)
     order = []
-    while next_turn:
-        session = rng.choice(sorted(next_turn))
+    while open_sessions:
+        index = rng.randrange(len(open_sessions))
+        session = open_sessions[index]
         order.append((*session, next_turn[session]))
         next_turn[session] += 1
         if next_turn[session] == workload.turns:
-            del next_turn[session]
+            open_sessions[index] = open_sessions[-1]
+            open_sessions.pop()
     return order
 
 

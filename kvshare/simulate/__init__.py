@@ -10,6 +10,8 @@ traffic (bursts, unique prompts) and plans replica joins and leaves; `engine` re
 one configuration (policy x replicas x store) over a `cluster` of replicas with their
 `caches`, the routing `policies` and the `timing` model (speeds from `presets`);
 `sweep` runs many configurations; `report` and `plot` present them; `cli` wires it to
-`kvshare simulate`. Pure Python: no numpy, no torch; matplotlib only inside `plot`.
+`kvshare simulate`. `public_prefix` is a second workload that needs no trace: tenants
+sharing a framework prompt, replayed without and with the public scope. Pure Python:
+no numpy, no torch; matplotlib only inside `plot`.
 The hit-rate semantics are docs/design.md §8's contract; docs/round-robin.md has the study.
 """

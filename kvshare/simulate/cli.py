@@ -12,10 +12,26 @@ import sys
 
 from kvshare.simulate.engine import SimConfig, ideal_token_hit_rate
 from kvshare.simulate.errors import SimulateInputError
-from kvshare.simulate.options import SimulateOptions, parse_options
-from kvshare.simulate.policies import POLICY_NAMES, PolicyParams
+from kvshare.simulate.options import (
+    PUBLIC_PREFIX_DEFAULTS,
+    PUBLIC_PREFIX_FLAGS,
+    TRACE_DEFAULTS,
+    WORKLOAD_NAMES,
+    PublicPrefixOptions,
+    SimulateOptions,
+    check_workload,
+    parse_options,
+    parse_public_prefix_options,
+)
+from kvshare.simulate.policies import PolicyParams
 from kvshare.simulate.presets import DEFAULT_PRESET, PRESETS
-from kvshare.simulate.report import build_report, format_table
+from kvshare.simulate.public_prefix import PublicPrefixWorkload, run_comparison
+from kvshare.simulate.report import (
+    build_public_prefix_report,
+    build_report,
+    format_public_prefix_table,
+    format_table,
+)
 from kvshare.simulate.scenarios import SCENARIO_NAMES, shape_traffic
 from kvshare.simulate.sweep import run_sweep
 from kvshare.simulate.trace import load_trace
@@ -25,7 +41,17 @@ _DEFAULTS = PolicyParams()
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the flags; values stay text so `options` can report bad ones in one line."""
-    parser.add_argument("--trace", metavar="FILE", help="Mooncake-format .jsonl trace (required)")
+    parser.add_argument(
+        "--workload",
+        default="trace",
+        metavar="NAME",
+        help=f"one of {', '.join(WORKLOAD_NAMES)} (default trace: replay --trace)",
+    )
+    parser.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="Mooncake-format .jsonl trace (required by --workload trace)",
+    )
     _add_sweep_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plot", metavar="FILE", help="write a PNG of hit rate and TTFT")
@@ -37,12 +63,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     _add_time_model_arguments(parser)
     _add_policy_arguments(parser)
+    _add_public_prefix_arguments(parser)
 
 
 def _add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--replicas", default="1,2,4,8,16", help="comma-separated replica counts")
     parser.add_argument(
-        "--policies", default=",".join(POLICY_NAMES), help="comma-separated routing policies"
+        "--replicas",
+        help=f"comma-separated replica counts (default {TRACE_DEFAULTS['replicas']}; "
+        f"public-prefix: one count, default {PUBLIC_PREFIX_DEFAULTS['replicas']})",
+    )
+    parser.add_argument(
+        "--policies",
+        help=f"comma-separated routing policies (default {TRACE_DEFAULTS['policies']}; "
+        f"public-prefix: one, default {PUBLIC_PREFIX_DEFAULTS['policies']})",
     )
     parser.add_argument(
         "--replica-capacity-tokens",
@@ -58,9 +91,8 @@ def _add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--shared-store",
-        default="both",
         metavar="both|on|off",
-        help="run each configuration with the store, without, or both (default)",
+        help="run each configuration with the store, without, or both (default; public-prefix: on)",
     )
     parser.add_argument(
         "--block-tokens",
@@ -136,6 +168,31 @@ def _add_policy_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_public_prefix_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "public-prefix workload",
+        "T tenants send a shared framework prompt, their system prompt, then turns; "
+        "compared without and with the public scope",
+    )
+    defaults = PublicPrefixWorkload()
+    for flag, dest in PUBLIC_PREFIX_FLAGS.items():
+        group.add_argument(
+            flag,
+            metavar="N",
+            help=f"{_PUBLIC_PREFIX_HELP[dest]} (default {getattr(defaults, dest):,})",
+        )
+
+
+_PUBLIC_PREFIX_HELP = {
+    "tenants": "tenants sharing the framework prompt",
+    "public_tokens": "tokens of the public framework prompt",
+    "system_tokens": "tokens of each tenant's system prompt",
+    "conversations": "conversations per tenant",
+    "turns": "turns per conversation",
+    "turn_tokens": "mean tokens a turn adds (uniform in [1/2, 3/2] of it)",
+}
+
+
 def _configs(options: SimulateOptions) -> list[SimConfig]:
     return [
         SimConfig(
@@ -159,6 +216,8 @@ def _configs(options: SimulateOptions) -> list[SimConfig]:
 def run(args: argparse.Namespace) -> int:
     """Exit 0 with results on stdout, or 2 with one line on stderr saying what to change."""
     try:
+        if check_workload(args.workload) == "public-prefix":
+            return _run_public_prefix(parse_public_prefix_options(args))
         options = parse_options(args)
         requests = shape_traffic(load_trace(options.trace), options.scenario, options.seed)
         ideal = ideal_token_hit_rate(requests, options.block_tokens)
@@ -175,4 +234,21 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(build_report(results, ideal, options), indent=2))
     else:
         print(format_table(results, ideal))
+    return 0
+
+
+def _run_public_prefix(options: PublicPrefixOptions) -> int:
+    comparison = run_comparison(
+        options.workload,
+        replicas=options.replicas,
+        policy=options.policy,
+        block_tokens=options.block_tokens,
+        replica_capacity_blocks=options.replica_capacity_blocks,
+        time_model=options.time_model,
+        policy_params=options.policy_params,
+    )
+    if options.json_output:
+        print(json.dumps(build_public_prefix_report(comparison, options), indent=2))
+    else:
+        print(format_public_prefix_table(comparison, options))
     return 0

@@ -7,6 +7,10 @@ replica's local cache or, with the store enabled, in the store — the larger; a
 serving, all of its blocks go into that local cache and into the store. The local
 share of the reuse is what the local cache alone covers; the store share is the rest.
 The time model (`timing`) runs alongside and never changes what is hit.
+
+A replay may start with blocks already in the store (`published_block_ids`: what a
+publisher put there before any request, e.g. a public prefix); they count as stored
+but not as any request's input or prefill.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ class SimResult:
     restore_s: float
     load_imbalance: float
     replicas_started: int
+    store_blocks: int = 0  # distinct blocks the store holds at the end; 0 without a store
 
     @property
     def reused_tokens(self) -> int:
@@ -89,8 +94,18 @@ class _Tally:
     ttfts_s: list[float] = field(default_factory=list)
 
 
-def simulate(requests: Sequence[Request], config: SimConfig) -> SimResult:
-    """Replay `requests` in order under `config` and return its counters."""
+def simulate(
+    requests: Sequence[Request],
+    config: SimConfig,
+    published_block_ids: Sequence[int] = (),
+) -> SimResult:
+    """Replay `requests` in order under `config` and return its counters.
+
+    `published_block_ids` go into the store before the first request; they need the
+    store (`config.shared_store`), and local caches still start cold.
+    """
+    if published_block_ids and not config.shared_store:
+        raise ValueError("published_block_ids need a shared store (config.shared_store)")
     start_s = min((r.arrival_s for r in requests), default=0.0)
     end_s = max((r.arrival_s for r in requests), default=0.0)
     plan = plan_replicas(config.scenario, config.replicas, start_s, end_s)
@@ -98,6 +113,8 @@ def simulate(requests: Sequence[Request], config: SimConfig) -> SimResult:
     for _ in range(plan.initial_replicas):
         cluster.add_replica()
     store = make_block_cache(config.store_capacity_blocks) if config.shared_store else None
+    if store is not None:
+        store.insert(published_block_ids)
     policy = make_policy(config.policy, config.policy_params, config.seed)
     events = plan.events
     next_event = 0
@@ -122,6 +139,7 @@ def simulate(requests: Sequence[Request], config: SimConfig) -> SimResult:
         restore_s=tally.restore_s,
         load_imbalance=cluster.load_imbalance(),
         replicas_started=len(cluster.replicas),
+        store_blocks=0 if store is None else len(store),
     )
 
 

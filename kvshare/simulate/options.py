@@ -3,18 +3,25 @@
 argparse keeps every value as text so that this module, not argparse, reports bad
 input: each problem becomes one `SimulateInputError` line naming the flag and what to
 change, and the CLI exits 2.
+
+Two workloads, each with its own options value: `trace` (the default) replays a trace
+over a sweep of configurations (`SimulateOptions`); `public-prefix` generates a
+multi-tenant workload and compares it without and with the public scope
+(`PublicPrefixOptions`). A flag that only one workload reads is an error with the other,
+so nothing given is silently ignored; flags they share default per workload.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvshare.simulate.errors import SimulateInputError
 from kvshare.simulate.policies import POLICY_NAMES, PolicyParams
 from kvshare.simulate.presets import PRESETS
+from kvshare.simulate.public_prefix import PublicPrefixWorkload
 from kvshare.simulate.scenarios import check_scenario
 from kvshare.simulate.timing import TimeModel
 
@@ -22,6 +29,18 @@ STORE_SETTINGS: dict[str, tuple[bool, ...]] = {
     "both": (False, True),
     "on": (True,),
     "off": (False,),
+}
+WORKLOAD_NAMES: tuple[str, ...] = ("trace", "public-prefix")
+TRACE_DEFAULTS = {"replicas": "1,2,4,8,16", "policies": ",".join(POLICY_NAMES), "store": "both"}
+PUBLIC_PREFIX_DEFAULTS = {"replicas": "4", "policies": "round_robin"}
+# Flag -> argparse destination of the flags only `--workload public-prefix` reads.
+PUBLIC_PREFIX_FLAGS = {
+    "--tenants": "tenants",
+    "--public-tokens": "public_tokens",
+    "--system-tokens": "system_tokens",
+    "--conversations": "conversations",
+    "--turns": "turns",
+    "--turn-tokens": "turn_tokens",
 }
 
 
@@ -46,18 +65,45 @@ class SimulateOptions:
     progress: bool | None
 
 
+@dataclass(frozen=True)
+class PublicPrefixOptions:
+    """Everything a `kvshare simulate --workload public-prefix` run needs, validated."""
+
+    workload: PublicPrefixWorkload
+    replicas: int
+    policy: str
+    block_tokens: int
+    replica_capacity_blocks: int | None
+    time_model: TimeModel
+    preset: str
+    policy_params: PolicyParams
+    json_output: bool
+
+
+def check_workload(name: str) -> str:
+    """Return `name` if it is a workload, else raise with the list to choose from."""
+    if name not in WORKLOAD_NAMES:
+        raise SimulateInputError(
+            f"--workload {name!r} is unknown; choose one of {', '.join(WORKLOAD_NAMES)}"
+        )
+    return name
+
+
 def parse_options(args: argparse.Namespace) -> SimulateOptions:
     """Validate the parsed flags; raise `SimulateInputError` on the first bad one."""
+    for flag, dest in PUBLIC_PREFIX_FLAGS.items():
+        if getattr(args, dest) is not None:
+            raise SimulateInputError(f"{flag} applies to --workload public-prefix only; drop it")
     if args.trace is None:
         raise SimulateInputError("--trace is required; pass a Mooncake-format .jsonl file")
     block_tokens = parse_int(args.block_tokens, "--block-tokens", minimum=1)
-    store = args.shared_store
+    store = TRACE_DEFAULTS["store"] if args.shared_store is None else args.shared_store
     if store not in STORE_SETTINGS:
         raise SimulateInputError(f"--shared-store {store!r}: use one of both, on, off")
     return SimulateOptions(
         trace=Path(args.trace),
-        replica_counts=parse_replica_counts(args.replicas),
-        policies=parse_policies(args.policies),
+        replica_counts=parse_replica_counts(_or_default(args.replicas, TRACE_DEFAULTS, "replicas")),
+        policies=parse_policies(_or_default(args.policies, TRACE_DEFAULTS, "policies")),
         store_settings=STORE_SETTINGS[store],
         block_tokens=block_tokens,
         replica_capacity_blocks=capacity_blocks(
@@ -75,6 +121,64 @@ def parse_options(args: argparse.Namespace) -> SimulateOptions:
         plot=None if args.plot is None else Path(args.plot),
         progress=args.progress,
     )
+
+
+def parse_public_prefix_options(args: argparse.Namespace) -> PublicPrefixOptions:
+    """Validate the flags of `--workload public-prefix`; raise on the first bad one.
+
+    It runs one pool (one replica count, one policy) with an unbounded shared store in
+    both runs, so the trace, sweep, scenario, store and plot flags are refused.
+    """
+    _refuse_trace_only_flags(args)
+    block_tokens = parse_int(args.block_tokens, "--block-tokens", minimum=1)
+    replicas = _or_default(args.replicas, PUBLIC_PREFIX_DEFAULTS, "replicas")
+    policies = parse_policies(_or_default(args.policies, PUBLIC_PREFIX_DEFAULTS, "policies"))
+    if len(policies) != 1:
+        raise SimulateInputError(
+            f"--policies {args.policies!r}: --workload public-prefix runs one policy; give one"
+        )
+    return PublicPrefixOptions(
+        workload=parse_public_prefix_workload(args),
+        replicas=parse_int(replicas, "--replicas", minimum=1),
+        policy=policies[0],
+        block_tokens=block_tokens,
+        replica_capacity_blocks=capacity_blocks(
+            args.replica_capacity_tokens, "--replica-capacity-tokens", block_tokens
+        ),
+        time_model=parse_time_model(args),
+        preset=args.preset,
+        policy_params=parse_policy_params(args),
+        json_output=args.json,
+    )
+
+
+def _refuse_trace_only_flags(args: argparse.Namespace) -> None:
+    refusals = [
+        (args.trace is not None, "--trace"),
+        (args.plot is not None, "--plot"),
+        (args.scenario != "static", "--scenario"),
+        (args.store_capacity_tokens != "0", "--store-capacity-tokens (the store is unbounded)"),
+        (args.shared_store not in (None, "on"), "--shared-store (both runs use the store)"),
+    ]
+    for refused, flag in refusals:
+        if refused:
+            raise SimulateInputError(f"{flag} does not apply to --workload public-prefix; drop it")
+
+
+def parse_public_prefix_workload(args: argparse.Namespace) -> PublicPrefixWorkload:
+    """The workload's shape from its flags, each defaulting to `PublicPrefixWorkload`'s."""
+    minimums = {"system_tokens": 0, "public_tokens": 0}
+    values = {
+        dest: parse_int(getattr(args, dest), flag, minimum=minimums.get(dest, 1))
+        for flag, dest in PUBLIC_PREFIX_FLAGS.items()
+        if getattr(args, dest) is not None
+    }
+    seed = parse_int(args.seed, "--seed", minimum=0)
+    return replace(PublicPrefixWorkload(), **values, seed=seed)
+
+
+def _or_default(text: str | None, defaults: dict[str, str], key: str) -> str:
+    return defaults[key] if text is None else text
 
 
 def parse_int(text: str, flag: str, minimum: int) -> int:

@@ -206,3 +206,77 @@ def test_progress_bar_counts_configurations() -> None:
     quiet = io.StringIO()
     run_sweep([Request(0.0, 4, 0, (1,))], configs, show_progress=False, stream=quiet)
     assert quiet.getvalue() == ""
+
+
+SMALL_PUBLIC_PREFIX = [
+    "--workload", "public-prefix", "--tenants", "3", "--public-tokens", "42",
+    "--system-tokens", "10", "--conversations", "2", "--turns", "3", "--turn-tokens", "8",
+    "--replicas", "2", "--block-tokens", "4", "--kv-bytes-per-token", "1000",
+]  # fmt: skip
+
+
+def test_public_prefix_json_compares_without_and_with_the_public_scope(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, err = _simulate(capsys, *SMALL_PUBLIC_PREFIX, "--json")
+    assert (code, err) == (0, "")
+    report = json.loads(out)
+    without, with_public = report["without_public"], report["with_public"]
+    for run in (without, with_public):
+        assert {"stored_bytes", "prefill_tokens", "hit_rate"} <= run.keys()
+        assert run["stored_bytes"] == run["stored_blocks"] * 4 * 1000
+        assert run["hit_rate"] == run["token_hit_rate"]
+    # 10 whole 4-token blocks of P, stored by each of 3 tenants or once in @public.
+    assert (without["public_prefix_blocks"], with_public["public_prefix_blocks"]) == (30, 10)
+    assert without["private_blocks"] == with_public["private_blocks"]
+    assert report["stored_bytes_saved"] == 2 * 10 * 4 * 1000
+    assert report["stored_bytes_ratio"] == with_public["stored_bytes"] / without["stored_bytes"]
+    assert report["prefill_tokens_ratio"] == pytest.approx(
+        with_public["prefill_tokens"] / without["prefill_tokens"]
+    )
+    assert (with_public["published_blocks"], with_public["publish_prefill_tokens"]) == (10, 40)
+    assert (report["policy"], report["replicas"], report["tenants"]) == ("round_robin", 2, 3)
+    assert report["time_model"]["kv_bytes_per_token"] == 1000
+
+
+def test_public_prefix_table_shows_the_json_figures(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _simulate(capsys, *SMALL_PUBLIC_PREFIX)
+    assert code == 0
+    report = json.loads(_simulate(capsys, *SMALL_PUBLIC_PREFIX, "--json")[1])
+    rows = {line.split("  ")[0]: line.split() for line in out.splitlines()}
+    for name, key in (("without public", "without_public"), ("with public", "with_public")):
+        run = report[key]
+        keys = ("stored_blocks", "public_prefix_blocks", "private_blocks")
+        assert rows[name][2:5] == [str(run[k]) for k in keys]
+        assert rows[name][6] == f"{run['prefill_tokens']:,}"
+    assert "publisher prefilled P's 10 blocks once (40 tokens" in out
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--workload", "public"], "--workload 'public' is unknown; choose one of trace"),
+        (["--trace", "t.jsonl"], "--trace does not apply to --workload public-prefix"),
+        (["--replicas", "2,4"], "--replicas '2,4' is not an integer"),
+        (["--policies", "random,round_robin"], "runs one policy; give one"),
+        (["--shared-store", "both"], "--shared-store (both runs use the store) does not apply"),
+        (["--store-capacity-tokens", "400"], "--store-capacity-tokens (the store is unbounded)"),
+        (["--scenario", "churn"], "--scenario does not apply"),
+        (["--tenants", "0"], "--tenants 0 is below 1"),
+    ],
+)
+def test_public_prefix_bad_input_is_one_line_and_exit_2(
+    capsys: pytest.CaptureFixture[str], flags: list[str], message: str
+) -> None:
+    code, out, err = _simulate(capsys, *SMALL_PUBLIC_PREFIX, *flags)
+    assert (code, out) == (2, "")
+    assert err.count("\n") == 1
+    assert message in err
+
+
+def test_public_prefix_flags_are_refused_when_replaying_a_trace(
+    trace: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = _simulate(capsys, "--trace", str(trace), "--tenants", "4")
+    assert code == 2
+    assert "--tenants applies to --workload public-prefix only" in err

@@ -164,3 +164,24 @@ def test_autoscale_adds_a_cold_replica_then_removes_it() -> None:
     assert result.replicas_started == 2
     assert result.local_hit_tokens == 26
     assert result.load_imbalance == pytest.approx(2.0)
+
+
+def test_store_blocks_counts_distinct_blocks_and_none_without_a_store() -> None:
+    # The trace writes blocks 1..6 once each.
+    assert _run(shared_store=True).store_blocks == 6
+    assert _run().store_blocks == 0
+
+
+def test_published_blocks_are_in_the_store_before_the_first_request() -> None:
+    config = SimConfig("round_robin", 2, True, BLOCK_TOKENS, None, None, SLOW)
+    # Blocks 1, 2 published: r0 restores them from the store (8 tokens), r1 then finds
+    # [1, 2, 3] (10 tokens); r2 (replica 0) has [1, 2] locally, r3 finds [1, 2] on
+    # replica 1 and r4 nothing. Published blocks are stored, not prefilled by anyone.
+    result = simulate(TRACE, config, published_block_ids=(1, 2))
+    assert (result.local_hit_tokens, result.store_hit_tokens) == (16, 18)
+    assert result.prefill_tokens == INPUT_TOKENS - 34
+    assert result.store_blocks == 6
+    assert simulate(TRACE, config, published_block_ids=(7,)).store_blocks == 7
+    local_only = SimConfig("round_robin", 2, False, BLOCK_TOKENS, None, None, SLOW)
+    with pytest.raises(ValueError, match="need a shared store"):
+        simulate(TRACE, local_only, published_block_ids=(1,))

@@ -13,11 +13,12 @@ import pytest
 
 from cacheserver.tiers import PendingWrite
 from cacheserver.tiers.lmdb import LmdbTier
-from kvshare.demo.replica import Replica, ReplicaSettings, StoreSettings
+from kvshare.demo.replica import MODEL_ID, Replica, ReplicaSettings, StoreSettings
 from kvshare.demo.runner import DemoOptions, StoreHandle, run_demo, write_keyring
 from kvshare.demo.workload import DemoRequest, WorkloadShape, build_workload
 from policy.sealing import BlockSealer, Keyring
 from policy.types import StorageKey, TenantId
+from replica_agent.adapters.hf import spec_for, tiny_llama
 from tests.conftest import REPO, ServerProcess
 
 pytestmark = pytest.mark.slow
@@ -172,3 +173,31 @@ def test_sealed_demo_blocks_open_only_for_their_tenant(tmp_path: Path) -> None:
     assert sealer.open("tenant-0", "m", b"d" * 32, sealed) == b"kv bytes"
     with pytest.raises(Exception, match="cannot be opened"):
         sealer.open("tenant-1", "m", b"d" * 32, sealed)
+
+
+def test_a_published_framework_prompt_is_stored_once_and_outputs_stay_identical() -> None:
+    """`--public-prefix`: the third run publishes the prompt every tenant's requests
+    begin with; its store holds it once instead of once per tenant, every tenant's
+    first request finds it, and every output is the same as without any store."""
+    options = DemoOptions(replicas=2, requests=12, public_prefix=128)
+    result = run_demo(options)
+    report = result.report()
+    assert report["outputs_identical"] is True
+    shared, public = report["runs"]["shared_store"], report["runs"]["public_scope"]
+    stored = report["public_prefix"]["stored_bytes"]
+    tenants_seen = len({r.tenant for r in build_workload(12, options.shape)})
+    settings = ReplicaSettings()
+    spec = spec_for(
+        tiny_llama(settings.seed, num_kv_heads=settings.num_kv_heads),
+        model_id=MODEL_ID,
+        revision="seed0",
+        block_tokens=settings.block_tokens,
+    )
+    # The prompt's 4 blocks: stored by each tenant that sent a request, vs once.
+    copies_saved = (tenants_seen - 1) * (128 // settings.block_tokens)
+    assert tenants_seen > 1
+    assert (
+        stored["shared_store"] - stored["public_scope"] >= copies_saved * spec.block_payload_bytes
+    )
+    assert public["prefill_tokens"] < shared["prefill_tokens"]  # first turns hit it too
+    assert report["public_prefix"]["tokens"] == 128

@@ -15,9 +15,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvcommon.errors import PermissionDenied
+from kvcommon.errors import InvalidArgument, PermissionDenied
+from policy.sealing import BlockSealer, Keyring, new_key_entry
 from policy.types import PUBLIC
-from tests.conftest import TRANSPORTS, write_config
+from tests.conftest import TRANSPORTS, launch, write_config
 from tests.isolation.conftest import MODEL, Served, serve
 
 KiB = 1024
@@ -183,3 +184,34 @@ def test_public_reads_show_in_no_tenant_stats(public_server: Served) -> None:
         a.put("alpha", MODEL, [digest], [b"own"])
         a.get("alpha", MODEL, [digest])
         assert seen_by_a() != before
+
+
+@pytest.mark.parametrize("bulk", [True, False], ids=["bulk", "grpc"])
+def test_a_tenant_requiring_sealed_blocks_refuses_plaintext(tmp_path: Path, bulk: bool) -> None:
+    """`require_sealed` (a tenant's, or the public scope's in [public])."""
+    tenancy = write_config(
+        tmp_path,
+        principals=PRINCIPALS,
+        extra=f"[public]\nquota_bytes = {PUBLIC_QUOTA}\nrequire_sealed = true\n",
+    )
+    text = tenancy.path.read_text().replace(
+        'id = "alpha"', 'id = "alpha"\nrequire_sealed = true', 1
+    )
+    tenancy.path.write_text(text + '[[tenants]]\nid = "gamma"\n')
+    keys = new_key_entry("alpha", 1) + new_key_entry(PUBLIC, 1)
+    sealer = BlockSealer(Keyring.parse_toml(keys, "test"))
+    digest, plain = b"q" * 32, b"kv bytes" * 100
+    with (
+        launch(tenancy) as running,
+        running.client("a", bulk=bulk) as a,
+        running.client("b", bulk=bulk) as b,
+        running.client("publisher", bulk=bulk) as publisher,
+    ):
+        for client, scope in ((a, "alpha"), (publisher, PUBLIC)):
+            with pytest.raises(InvalidArgument, match="requires sealed blocks"):
+                client.put(scope, "m", [digest], [plain])
+            assert client.lookup(scope, "m", [digest]) == 0  # nothing of it was stored
+            sealed = sealer.seal(scope, "m", digest, plain)
+            assert client.put(scope, "m", [digest], [sealed]) == [True]  # positive control
+            assert client.get(scope, "m", [digest]) == [sealed]
+        assert b.put("beta", "m", [digest], [b"plain"]) == [True]  # beta does not require it

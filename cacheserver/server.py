@@ -42,7 +42,7 @@ from policy.devmode import dev_access
 from policy.naming import load_or_create_server_secret
 from policy.ratelimit import RequestRateLimiter
 from policy.tickets import TicketBook
-from policy.types import TenantId
+from policy.types import PUBLIC, TenantId
 
 if TYPE_CHECKING:
     from cacheserver.tiers.cluster.tier import ClusterTier
@@ -79,7 +79,7 @@ class Server:
             audit=self.audit,
             accept_certificates=tls is not None and tls.client_ca is not None,
         )
-        epochs = {t.id: t.epoch for t in access.tenants}
+        epochs = access.epochs()
         self.counters = TenantCounters()  # the Stats RPC's figures, from the same events
         self.cluster = _open_cluster(config, self.policy)
         self.store = BlockStore(
@@ -90,6 +90,7 @@ class Server:
             on_integrity_failure=self.policy.record_integrity_failure,
             events=FanOut(self.telemetry, self.counters),
             lower_tiers=[self.cluster] if self.cluster is not None else (),
+            fixed_order=frozenset({PUBLIC}) if access.public is not None else frozenset(),
         )
         self.telemetry.watch(self.store.tier_usage, self._tenant_usage)
         if self.store.reclaimed_at_start:

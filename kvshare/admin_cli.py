@@ -5,6 +5,11 @@
     kvshare admin cert --name replica-b --identity uri:spiffe://org/replica-b \\
         --tenant acme --actions read,write                        >> kvshare.toml
     kvshare admin keyring --tenant acme --version 1               >> keyring.toml
+    kvshare admin public --quota-bytes 268435456                  >> kvshare.toml
+    kvshare admin token --name publisher --actions publish        >> kvshare.toml
+    kvshare admin keyring --public --version 1                    >> keyring.toml
+    kvshare admin publish --target HOST:PORT --token-file F --keyring K \
+        --text-file framework-prompt.txt [--model ...]   # blocks into @public
 
 Stanzas go to stdout, so they can be appended to a file. A new bearer token is shown
 once, on stderr (or written to `--token-file`, mode 0600); the stanza holds only its
@@ -20,6 +25,8 @@ import sys
 from pathlib import Path
 
 from kvcommon.errors import ConfigError
+from kvshare.publish import add_publish_arguments, run_publish
+from policy.types import PUBLIC
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,11 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tenant.add_argument("--id", required=True, help="tenant id, [a-z0-9][a-z0-9._-]{0,62}")
     tenant.add_argument("--quota-bytes", type=int, default=0, metavar="N", help="0: no quota")
     tenant.add_argument(
-        "--shared", action="store_true", help="a read-only namespace for public prefixes"
+        "--read-public", action="store_true", help="its principals may read the public scope"
     )
-    tenant.add_argument(
-        "--read-shared", default="", metavar="T,...", help="shared namespaces this tenant reads"
-    )
+    public = sub.add_parser("public", help="print the [public] table (the public scope)")
+    public.add_argument("--quota-bytes", type=int, required=True, metavar="N")
+    public.add_argument("--epoch", type=int, default=0, help="bump to retire every publication")
     token = sub.add_parser("token", help="issue a bearer token; print its [[principals]] stanza")
     _principal_arguments(token)
     token.add_argument(
@@ -47,14 +54,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--identity", required=True, help="uri:<URI SAN>, dns:<DNS SAN> or cn:<common name>"
     )
     keyring = sub.add_parser("keyring", help="print a [[keys]] stanza with a new data key")
-    keyring.add_argument("--tenant", required=True)
+    scope = keyring.add_mutually_exclusive_group(required=True)
+    scope.add_argument("--tenant", help="a tenant's data key")
+    scope.add_argument(
+        "--public",
+        action="store_true",
+        help="the public scope's data key (every reading replica holds it)",
+    )
     keyring.add_argument("--version", type=int, default=1, help="key version (>= 1)")
+    publish = sub.add_parser(
+        "publish", help="compute a public prefix's KV blocks and publish them into @public"
+    )
+    add_publish_arguments(publish)
 
 
 def _principal_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--name", required=True, help="principal name (unique)")
     parser.add_argument(
-        "--tenant", action="append", required=True, help="a tenant it may act for (repeatable)"
+        "--tenant",
+        action="append",
+        default=[],
+        help="a tenant it may act for (repeatable; a publish-only principal needs none)",
     )
     parser.add_argument(
         "--actions", default="read,write", help="comma list of read, write, admin, publish"
@@ -83,25 +103,26 @@ def _perform(args: argparse.Namespace) -> dict[str, str | int | list[str]]:
 
     command: str = args.admin_command
     if command == "tenant":
-        shared_list = [t.strip() for t in args.read_shared.split(",") if t.strip()]
-        print(
-            admin.tenant_stanza(
-                args.id, args.quota_bytes, shared=args.shared, read_shared=shared_list
-            ),
-            end="",
-        )
+        print(admin.tenant_stanza(args.id, args.quota_bytes, read_public=args.read_public), end="")
         return {"action": "add_tenant", "tenant": args.id}
+    if command == "public":
+        print(admin.public_stanza(args.quota_bytes, args.epoch), end="")
+        return {"action": "add_public_scope", "quota_bytes": args.quota_bytes}
+    if command == "publish":
+        return run_publish(args)
     if command == "keyring":
-        admin.check_tenant_ids([args.tenant])
+        tenant = PUBLIC if args.public else args.tenant
+        if not args.public:
+            admin.check_tenant_ids([tenant])
         if not 1 <= args.version < 2**32:
             raise ConfigError("--version must be from 1 to 2^32-1")
-        print(new_key_entry(args.tenant, args.version), end="")
+        print(new_key_entry(tenant, args.version), end="")
         print(
             "# a secret data key: add it to the agents' keyring file (chmod 600); "
             "the server must never see it",
             file=sys.stderr,
         )
-        return {"action": "new_data_key", "tenant": args.tenant, "key_version": args.version}
+        return {"action": "new_data_key", "tenant": tenant, "key_version": args.version}
     actions = admin.parse_actions(args.actions)
     if command == "cert":
         print(

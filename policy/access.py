@@ -7,17 +7,17 @@ Authorization answers PERMISSION_DENIED with one fixed message whether or not th
 named tenant exists, so a principal cannot enumerate tenants. Failures, denials,
 rate-limit episodes and admin actions go to the audit log from here.
 
-Shared namespaces. A tenant with `shared = true` holds public prefixes (for example a
-common system prompt) for many tenants:
-- read: by a principal with `read` that lists the shared tenant itself, or that lists
-  a tenant whose `read_shared` names it (the tenant opts in);
-- write (put, delete by digest): only with `publish` (or `admin`) and the shared
-  tenant listed, so a replica of one tenant cannot poison what others read;
-- side channel, accepted on purpose: any reader can learn by lookup or timing
-  whether a prefix exists in the shared namespace. That reveals only what was
-  published there; a tenant's own namespace stays a separate keyed namespace, so
-  nothing about its private prefixes is learnt. Publish only prefixes that are
-  public, and seal them under a data key every reading tenant holds.
+The public scope (`@public`, policy.types.PUBLIC; `[public]` in the config) holds
+prefixes published for every tenant, such as an agent framework's instructions:
+- write (put, delete by digest): only principals with the `publish` action, which
+  need no tenants, so no tenant's replica can poison what the others read;
+- read (lookup, get): principals with `publish`, and principals with `read` of any
+  tenant with `read_public = true`; everyone else gets the one denial;
+- nothing else (namespace deletes, stats) is done to it through a tenant's grants.
+Side channel, accepted on purpose: a reader learns by lookup or timing whether a
+prefix was published. That is the catalogue every reader holds anyway. What another
+tenant read is not observable: reads leave the scope as they found it (the store keeps
+it in put order and never promotes it on a read; docs/isolation.md).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from kvcommon.errors import InvalidArgument, PermissionDenied, Unauthenticated
 from policy.audit import AuditLog, Field
-from policy.config import AccessConfig, TenantConfig
+from policy.config import AccessConfig, PublicConfig, TenantConfig
 from policy.identity import (
     Action,
     Authenticator,
@@ -41,6 +41,7 @@ from policy.ratelimit import RateLimited, RequestRateLimiter
 from policy.sealing import looks_sealed
 from policy.shared_values import ValueMac
 from policy.types import (
+    PUBLIC,
     BlockDigest,
     ModelName,
     ModelTag,
@@ -93,6 +94,7 @@ class AccessPolicy:
         quotas_bytes: Mapping[TenantId, int],
         *,
         tenants: Sequence[TenantConfig] = (),
+        public: PublicConfig | None = None,
         limiter: RequestRateLimiter | None = None,
         audit: AuditLog | None = None,
         accept_certificates: bool = False,
@@ -101,12 +103,11 @@ class AccessPolicy:
         self._authenticator = authenticator
         self._namer = namer
         self.quotas_bytes = dict(quotas_bytes)
-        self._shared = {t.id for t in tenants if t.shared}
+        self.has_public = public is not None
+        self._public_readers = frozenset(t.id for t in tenants if t.read_public)
         self._sealed_only = {t.id for t in tenants if t.require_sealed}
-        self._readers: dict[TenantId, frozenset[TenantId]] = {
-            shared: frozenset(t.id for t in tenants if shared in t.read_shared)
-            for shared in self._shared
-        }
+        if public is not None and public.require_sealed:
+            self._sealed_only.add(PUBLIC)
         self._limiter = limiter or RequestRateLimiter(0)
         self.audit = audit or AuditLog.disabled()
         self._accept_certificates = accept_certificates
@@ -124,9 +125,10 @@ class AccessPolicy:
     ) -> AccessPolicy:
         return cls(
             Authenticator(access.credentials, access.cert_credentials),
-            BlockNamer(server_secret, {t.id: t.epoch for t in access.tenants}),
-            {t.id: t.quota_bytes for t in access.tenants},
+            BlockNamer(server_secret, access.epochs()),
+            access.quotas_bytes(),
             tenants=access.tenants,
+            public=access.public,
             limiter=limiter,
             audit=audit,
             accept_certificates=accept_certificates,
@@ -200,26 +202,24 @@ class AccessPolicy:
         return tenant_id
 
     def _allows(self, principal: Principal, tenant: TenantId, action: Action) -> bool:
-        if tenant in self._shared:
-            if action is Action.READ:
-                return Action.READ in principal.actions and (
-                    tenant in principal.tenants
-                    or not principal.tenants.isdisjoint(self._readers[tenant])
-                )
-            if action is Action.WRITE:
-                return tenant in principal.tenants and not principal.actions.isdisjoint(
-                    {Action.PUBLISH, Action.ADMIN}
-                )
+        if tenant == PUBLIC:
+            return self.has_public and self._allows_public(principal, action)
         return tenant in principal.tenants and action in principal.actions
+
+    def _allows_public(self, principal: Principal, action: Action) -> bool:
+        publisher = Action.PUBLISH in principal.actions
+        if action is Action.READ:
+            return publisher or (
+                Action.READ in principal.actions
+                and not principal.tenants.isdisjoint(self._public_readers)
+            )
+        return publisher and action is Action.WRITE
 
     def visible_tenants(self, principal: Principal) -> frozenset[TenantId]:
         return principal.tenants
 
     def is_admin(self, principal: Principal) -> bool:
         return Action.ADMIN in principal.actions
-
-    def is_shared(self, tenant: TenantId) -> bool:
-        return tenant in self._shared
 
     def requires_sealed(self, tenant: TenantId) -> bool:
         """Whether `tenant` accepts only sealed blocks (`require_sealed`)."""

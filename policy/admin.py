@@ -43,18 +43,25 @@ def parse_actions(text: str) -> list[str]:
     return actions
 
 
-def tenant_stanza(
-    tenant: str, quota_bytes: int = 0, *, shared: bool = False, read_shared: Sequence[str] = ()
-) -> str:
-    check_tenant_ids([tenant, *read_shared])
+def tenant_stanza(tenant: str, quota_bytes: int = 0, *, read_public: bool = False) -> str:
+    check_tenant_ids([tenant])
     if quota_bytes < 0:
         raise ConfigError("quota bytes must be >= 0 (0: bounded only by the global budget)")
     lines = ["[[tenants]]", f"id = {json.dumps(tenant)}", f"quota_bytes = {quota_bytes}"]
-    if shared:
-        lines.append("shared = true")
-    if read_shared:
-        lines.append(f"read_shared = {_quoted(read_shared)}")
+    if read_public:
+        lines.append("read_public = true")
     return "\n".join(lines) + "\n"
+
+
+def public_stanza(quota_bytes: int, epoch: int = 0) -> str:
+    """The `[public]` table: the public scope and its own quota."""
+    if quota_bytes < 1:
+        raise ConfigError(
+            "the public scope needs a quota of at least 1 byte; it is charged to nobody else"
+        )
+    if epoch < 0:
+        raise ConfigError("epoch must be >= 0")
+    return f"[public]\nquota_bytes = {quota_bytes}\nepoch = {epoch}\n"
 
 
 def principal_stanza(
@@ -68,6 +75,10 @@ def principal_stanza(
     if not name:
         raise ConfigError("principal name is empty; give --name")
     check_tenant_ids(tenants)
+    if not tenants and Action.PUBLISH.value not in actions:
+        raise ConfigError(
+            "give at least one --tenant (only a principal with the publish action needs none)"
+        )
     lines = ["[[principals]]", f"name = {json.dumps(name)}"]
     if token_sha256_hex is not None:
         lines.append(f'token_sha256 = "{token_sha256_hex}"')

@@ -8,12 +8,15 @@ may list only tenants that are defined. Unknown keys are errors, so a misspelt
     id = "acme"                     name = "replica-a"
     quota_bytes = 1073741824        token_sha256 = "<hex>"    # or cert_identity = "uri:..."
     epoch = 0                       tenants = ["acme"]
-    shared = false                  actions = ["read", "write"]
-    read_shared = ["public"]        requests_per_s = 500      # optional; 0: unlimited
+    read_public = true              actions = ["read", "write"]
+                                    requests_per_s = 500      # optional; 0: unlimited
+    [public]
+    quota_bytes = 268435456         # the public scope `@public`; absent: no public scope
+    epoch = 0
 
-A `shared = true` tenant is a read-only namespace for public prefixes: principals
-write to it only with the `publish` action, and principals of every tenant that
-lists it in `read_shared` may read it (see `policy.access`).
+The public scope holds prefixes published for every tenant (policy.access): written
+only by principals with the `publish` action (which need no tenants), read by
+principals of tenants with `read_public = true`, charged to `[public] quota_bytes`.
 
 Every config table uses the spec types of `policy.config_text` (`int_in`, `Flag`,
 `Text`, `PathText`, `Address`, `Choice`: a key's type and range, stated once) and
@@ -42,9 +45,13 @@ from policy.identity import (
     Principal,
     TokenCredential,
 )
-from policy.types import TenantId, is_valid_tenant_id
+from policy.types import PUBLIC, TenantId, is_valid_tenant_id
 
-TENANT_KEYS = frozenset({"id", "quota_bytes", "epoch", "shared", "read_shared", "require_sealed"})
+TENANT_KEYS = frozenset({"id", "quota_bytes", "epoch", "read_public", "require_sealed"})
+PUBLIC_KEYS = frozenset({"quota_bytes", "epoch", "require_sealed"})
+# Keys of an earlier shared-namespace design, replaced by the public scope: named in the
+# error so that an old config says what to write instead.
+RETIRED_TENANT_KEYS = frozenset({"shared", "read_shared"})
 PRINCIPAL_KEYS = frozenset(
     {"name", "token_sha256", "cert_identity", "tenants", "actions", "requests_per_s"}
 )
@@ -60,10 +67,18 @@ class TenantConfig:
     id: TenantId
     quota_bytes: int = 0  # 0: bounded only by the global budget
     epoch: int = 0  # bump to make every block of the tenant unreachable (off-boarding)
-    shared: bool = False  # a read-only namespace for public prefixes (writes need `publish`)
-    read_shared: tuple[TenantId, ...] = ()  # shared namespaces this tenant's principals read
+    read_public: bool = False  # this tenant's principals may read the public scope
     # Refuse puts whose payload is not a sealed block (an agent without its keyring would
     # otherwise store plaintext KV, which the server cannot tell from ciphertext later).
+    require_sealed: bool = False
+
+
+@dataclass(frozen=True)
+class PublicConfig:
+    """`[public]`: the public scope `@public` (policy.types.PUBLIC)."""
+
+    quota_bytes: int  # the scope's own budget: it is evicted by nothing else
+    epoch: int = 0  # bump to retire every published block at once
     require_sealed: bool = False
 
 
@@ -72,6 +87,21 @@ class AccessConfig:
     tenants: tuple[TenantConfig, ...]
     credentials: tuple[TokenCredential, ...]
     cert_credentials: tuple[CertCredential, ...] = ()
+    public: PublicConfig | None = None  # None: no public scope; `@public` is refused
+
+    def quotas_bytes(self) -> dict[TenantId, int]:
+        """Each namespace's quota, the public scope's among them."""
+        quotas = {t.id: t.quota_bytes for t in self.tenants}
+        if self.public is not None:
+            quotas[PUBLIC] = self.public.quota_bytes
+        return quotas
+
+    def epochs(self) -> dict[TenantId, int]:
+        """Each namespace's epoch, the public scope's among them."""
+        epochs = {t.id: t.epoch for t in self.tenants}
+        if self.public is not None:
+            epochs[PUBLIC] = self.public.epoch
+        return epochs
 
     def principals(self) -> list[Principal]:
         return [c.principal for c in self.credentials] + [
@@ -84,6 +114,7 @@ TENANT_NUMBERS = {
     "epoch": int_in(0, EPOCH_MAX),
 }
 REQUESTS_PER_S = int_in(1, MAX_REQUESTS_PER_S, zero="unlimited")
+PUBLIC_QUOTA = int_in(1, MAX_BUDGET_BYTES, "bytes")
 
 
 def _check_keys(
@@ -107,44 +138,72 @@ def _parse_str_list(raw: Any, key: str, err: ConfigText) -> list[str]:
     return list(raw)
 
 
+def _flag(raw: Mapping[str, Any], key: str, table: str, err: ConfigText) -> bool:
+    value = raw.get(key, False)
+    if not isinstance(value, bool):
+        raise err.error(f"{table}.{key}", "must be true or false")
+    return value
+
+
 def _parse_tenant(raw: Mapping[str, Any], index: int, err: ConfigText) -> TenantConfig:
     table = f"tenants[{index}]"
+    for key in RETIRED_TENANT_KEYS & raw.keys():
+        raise err.error(
+            f"{table}.{key}",
+            "shared tenants are replaced by the public scope: publish into `@public` "
+            "(a [public] table with quota_bytes) and give its readers' tenants "
+            "read_public = true",
+        )
     _check_keys(raw, TENANT_KEYS, table, err)
     tenant_id = raw.get("id")
     if not isinstance(tenant_id, str) or not is_valid_tenant_id(tenant_id):
-        raise err.error(f"{table}.id", "must match [a-z0-9][a-z0-9._-]{0,62}")
-    shared = raw.get("shared", False)
-    if not isinstance(shared, bool):
-        raise err.error(f"{table}.shared", "must be true or false")
-    read_shared = _parse_str_list(raw.get("read_shared", []), f"{table}.read_shared", err)
-    require_sealed = raw.get("require_sealed", False)
-    if not isinstance(require_sealed, bool):
-        raise err.error(f"{table}.require_sealed", "must be true or false")
+        raise err.error(
+            f"{table}.id",
+            f"must match [a-z0-9][a-z0-9._-]{{0,62}} ({PUBLIC!r} is the public scope, [public])",
+        )
     return TenantConfig(
         TenantId(tenant_id),
         quota_bytes=_number(raw, "quota_bytes", table, err, TENANT_NUMBERS["quota_bytes"]),
         epoch=_number(raw, "epoch", table, err, TENANT_NUMBERS["epoch"]),
-        shared=shared,
-        read_shared=tuple(TenantId(t) for t in read_shared),
-        require_sealed=require_sealed,
+        read_public=_flag(raw, "read_public", table, err),
+        require_sealed=_flag(raw, "require_sealed", table, err),
+    )
+
+
+def _parse_public(
+    raw: Any, tenants: Sequence[TenantConfig], err: ConfigText
+) -> PublicConfig | None:
+    """`[public]`, or None when absent (then no tenant may say `read_public`)."""
+    if raw is None:
+        for i, tenant in enumerate(tenants):
+            if tenant.read_public:
+                raise err.error(
+                    f"tenants[{i}].read_public",
+                    "there is no public scope to read; add a [public] table with quota_bytes",
+                )
+        return None
+    if not isinstance(raw, Mapping):
+        raise err.error(("public",), "must be a table: write [public] and its keys")
+    _check_keys(raw, PUBLIC_KEYS, "public", err)
+    if "quota_bytes" not in raw:
+        raise err.error(
+            ("public",),
+            "needs quota_bytes: the public scope is charged to it, never to a tenant",
+        )
+    return PublicConfig(
+        quota_bytes=_number(raw, "quota_bytes", "public", err, PUBLIC_QUOTA),
+        epoch=_number(raw, "epoch", "public", err, TENANT_NUMBERS["epoch"]),
+        require_sealed=_flag(raw, "require_sealed", "public", err),
     )
 
 
 def _check_tenants(tenants: Sequence[TenantConfig], err: ConfigText) -> None:
-    """Unique ids; `read_shared` names only shared tenants."""
+    """Unique ids."""
     seen: set[str] = set()
     for i, tenant in enumerate(tenants):
         if tenant.id in seen:
             raise err.error(f"tenants[{i}].id", f"tenant {tenant.id!r} is defined twice")
         seen.add(tenant.id)
-    shared = {t.id for t in tenants if t.shared}
-    for i, tenant in enumerate(tenants):
-        for name in tenant.read_shared:
-            if name not in shared:
-                raise err.error(
-                    f"tenants[{i}].read_shared",
-                    f"names {name!r}, which is not a tenant with shared = true",
-                )
 
 
 def _parse_credential(
@@ -221,6 +280,7 @@ def parse_access(
     *,
     source: str,
     text: str,
+    public_raw: Any = None,
 ) -> AccessConfig:
     err = ConfigText(source, text)
     for array, entries in (("tenants", tenants_raw), ("principals", principals_raw)):
@@ -229,6 +289,7 @@ def parse_access(
                 raise err.error((array, i), f"must be a table: write [[{array}]] and its keys")
     tenants = tuple(_parse_tenant(raw, i, err) for i, raw in enumerate(tenants_raw))
     _check_tenants(tenants, err)
+    public = _parse_public(public_raw, tenants, err)
     tenant_ids = frozenset(t.id for t in tenants)
     parsed = [_parse_principal(raw, i, tenant_ids, err) for i, raw in enumerate(principals_raw)]
     seen_names: set[str] = set()
@@ -256,4 +317,5 @@ def parse_access(
         tenants,
         tuple(c for c in parsed if isinstance(c, TokenCredential)),
         tuple(c for c in parsed if isinstance(c, CertCredential)),
+        public,
     )

@@ -46,7 +46,7 @@ class Action(StrEnum):
     READ = "read"
     WRITE = "write"
     ADMIN = "admin"
-    PUBLISH = "publish"  # write to a shared (public, read-only) namespace
+    PUBLISH = "publish"  # write the public scope `@public` (needs no tenants)
 
 
 @dataclass(frozen=True)

@@ -23,16 +23,24 @@ ModelTag = NewType("ModelTag", bytes)
 DIGEST_BYTES = 32
 MAX_MODEL_CHARS = 512  # a model id plus its layout string; longer is a client bug
 _TENANT_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
+# The public scope's id on the wire and in BlockClient (policy.access, `[public]`): a
+# configured tenant id cannot start with "@", so no tenant can take it.
+PUBLIC = TenantId("@public")
 
 
 def is_valid_tenant_id(value: str) -> bool:
+    """Whether `value` may name a configured tenant (never the public scope)."""
     return _TENANT_RE.fullmatch(value) is not None
 
 
 def parse_tenant_id(value: str) -> TenantId:
+    """A request's tenant: a configured tenant's id, or the public scope `@public`."""
+    if value == PUBLIC:
+        return PUBLIC
     if not is_valid_tenant_id(value):
         raise InvalidArgument(
-            "tenant must match [a-z0-9][a-z0-9._-]{0,62}; set `tenant` to a configured tenant id"
+            "tenant must match [a-z0-9][a-z0-9._-]{0,62} or be the public scope "
+            f"{PUBLIC!r}; set `tenant` to a configured tenant id"
         )
     return TenantId(value)
 

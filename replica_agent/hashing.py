@@ -154,12 +154,23 @@ class BlockHasher:
         A span applies to every block its placeholder tokens overlap; spans are hashed
         in order of offset, so the caller's order does not matter.
         """
+        return self.digests_from(self._root, 0, token_ids, mm_spans)
+
+    def digests_from(
+        self,
+        previous: bytes,
+        first_block: int,
+        token_ids: Sequence[int],
+        mm_spans: Sequence[MultimodalSpan] = (),
+    ) -> list[bytes]:
+        """The digests of full blocks `first_block ..` of `token_ids`, chained from
+        `previous` instead of this hasher's root (a private chain after a public
+        prefix: replica_agent.public)."""
         ordered_spans = sorted(
             mm_spans, key=lambda span: (span.offset, span.length, span.content_hash)
         )
         digests: list[bytes] = []
-        previous = self._root
-        for block in range(self.num_full_blocks(len(token_ids))):
+        for block in range(first_block, self.num_full_blocks(len(token_ids))):
             start, end = block * self.block_tokens, (block + 1) * self.block_tokens
             keys = self._lora_keys + tuple(
                 span.extra_key() for span in ordered_spans if span.overlaps(start, end)

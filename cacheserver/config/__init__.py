@@ -295,7 +295,11 @@ def load_config(path: Path) -> ServerConfig:
         if not isinstance(raw.get(key, []), list):
             raise cfg.error((key,), f"must be an array of tables: write [[{key}]], not [{key}]")
     access = parse_access(
-        raw.get("tenants", []), raw.get("principals", []), source=str(path), text=text
+        raw.get("tenants", []),
+        raw.get("principals", []),
+        source=str(path),
+        text=text,
+        public_raw=raw.get("public"),
     )
     top = cfg.check_table({k: v for k, v in raw.items() if k in TOP_SPECS}, TOP_SPECS, ())
     audit_log = top.get("audit_log")

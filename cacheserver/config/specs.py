@@ -145,6 +145,7 @@ TOP_SPECS: dict[str, Spec] = {
 TOP_KEYS = frozenset(TOP_SPECS) | {
     "tenants",
     "principals",
+    "public",
     "storage",
     "limits",
     "tls",

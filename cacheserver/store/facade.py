@@ -56,9 +56,12 @@ class BlockStore:
         on_integrity_failure: Callable[[TenantId, int], None] | None = None,
         events: StoreEvents | None = None,
         lower_tiers: Sequence[Tier] = (),
+        fixed_order: frozenset[TenantId] = frozenset(),
     ) -> None:
         """`lower_tiers`: tiers behind LMDB, in order (see the package docstring). The
-        store starts them once it exists (`Tier.start`), and stops and closes them."""
+        store starts them once it exists (`Tier.start`), and stops and closes them.
+        `fixed_order`: namespaces that reads leave as they found them (the public
+        scope: cacheserver.tiers.index)."""
         self.events: StoreEvents = events or NoEvents()
         self._on_integrity_failure = on_integrity_failure
         disk = LmdbTier(
@@ -69,10 +72,16 @@ class BlockStore:
         )
         memory = MemoryTier(
             storage.memory_budget_bytes,
-            memory_quotas(quotas_bytes, storage.memory_budget_bytes, storage.disk_budget_bytes),
+            memory_quotas(
+                quotas_bytes,
+                storage.memory_budget_bytes,
+                storage.disk_budget_bytes,
+                fixed_order,
+            ),
             on_evict=lambda reason, nbytes: self.events.evicted("memory", reason, nbytes),
+            fixed_order=fixed_order,
         )
-        index = BlockIndex(storage.disk_budget_bytes, quotas_bytes)
+        index = BlockIndex(storage.disk_budget_bytes, quotas_bytes, fixed_order)
         self._lineup = Lineup(memory, disk, lower_tiers)
         self._tiers = Tiers(index, self._lineup, self.events)
         self._journaled: JournaledPuts | None = None

@@ -249,9 +249,12 @@ class Tiers:
                     return out, False
                 # A view of a journal record is not promoted: the record may have been
                 # drained and its space reclaimed since it was taken above, and the
-                # memory tier must never keep such a view past the reclaim.
+                # memory tier must never keep such a view past the reclaim. Nor is a
+                # fixed-order block (the public scope): what is hot must not depend on
+                # who read what.
                 touched = self.index.touch(key)
-                if touched and key not in held and self.memory.admit(key, tenant, payload):
+                promote = key not in held and tenant not in self.memory.fixed_order
+                if touched and promote and self.memory.admit(key, tenant, payload):
                     self.events.stored(tenant, "memory", len(payload))
                 out.append(payload)
             return out, self._more(keys, len(out))

@@ -11,6 +11,10 @@ of tenant T, in order:
 
 A tenant within its quota is never evicted for another tenant's block.
 
+Fixed-order namespaces (`fixed_order`; the public scope) keep their put order: a read
+never reorders their blocks (`touch` leaves them), so which of them the tier keeps
+depends on what was put, never on who read what (docs/isolation.md, public scope).
+
 It lives among the tiers, not in the store, because both use it: the memory tier keeps
 its LRU with it, and the store's authoritative index (`cacheserver.store.tiering`) is
 one too. Tiers import nothing of the store.
@@ -44,10 +48,14 @@ class NoRoom(Exception):
 
 class BlockIndex:
     def __init__(
-        self, budget_bytes: int, quotas_bytes: Mapping[TenantId, int] | None = None
+        self,
+        budget_bytes: int,
+        quotas_bytes: Mapping[TenantId, int] | None = None,
+        fixed_order: frozenset[TenantId] = frozenset(),
     ) -> None:
         self.budget_bytes = budget_bytes
         self.quotas_bytes = dict(quotas_bytes or {})
+        self.fixed_order = fixed_order
         self.used_bytes = 0
         self._entries: dict[StorageKey, Entry] = {}
         self._by_tenant: dict[TenantId, OrderedDict[StorageKey, Entry]] = {}
@@ -90,9 +98,13 @@ class BlockIndex:
         return self._clock
 
     def touch(self, key: StorageKey) -> bool:
+        """Whether `key` is listed; it becomes the most recently used unless its
+        namespace keeps a fixed order."""
         entry = self._entries.get(key)
         if entry is None:
             return False
+        if entry.tenant in self.fixed_order:
+            return True
         entry.clock = self._tick()
         self._by_tenant[entry.tenant].move_to_end(key)
         return True

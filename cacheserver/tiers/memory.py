@@ -30,10 +30,17 @@ class MemoryTier:
         budget_bytes: int,
         quotas_bytes: Mapping[TenantId, int] | None = None,
         on_evict: OnEvict | None = None,
+        fixed_order: frozenset[TenantId] = frozenset(),
     ) -> None:
-        self._index = BlockIndex(budget_bytes, quotas_bytes)
+        """`fixed_order`: namespaces whose blocks a read neither reorders nor promotes
+        (BlockIndex); the store admits them here only when they are put."""
+        self._index = BlockIndex(budget_bytes, quotas_bytes, fixed_order)
         self._payloads: dict[StorageKey, Payload] = {}
         self._on_evict = on_evict
+
+    @property
+    def fixed_order(self) -> frozenset[TenantId]:
+        return self._index.fixed_order
 
     @property
     def used_bytes(self) -> int:
@@ -118,14 +125,25 @@ class MemoryTier:
 
 
 def memory_quotas(
-    quotas_bytes: Mapping[TenantId, int], memory_budget_bytes: int, disk_budget_bytes: int
+    quotas_bytes: Mapping[TenantId, int],
+    memory_budget_bytes: int,
+    disk_budget_bytes: int,
+    fixed_order: frozenset[TenantId] = frozenset(),
 ) -> dict[TenantId, int]:
     """Each tenant's quota scaled to the memory tier, so the hot tier follows the same
-    rule as the disk tier: a flooding tenant evicts its own hot blocks, not others'."""
+    rule as the disk tier: a flooding tenant evicts its own hot blocks, not others'.
+
+    A fixed-order namespace (the public scope) keeps its whole quota here, up to half
+    the tier: a read never promotes it (BlockIndex), so only what fits at put time is
+    ever hot, and the more of it fits, the fewer of its reads wait on the disk."""
     if disk_budget_bytes <= 0:
         return {}
     return {
-        tenant: max(1, quota * memory_budget_bytes // disk_budget_bytes)
+        tenant: (
+            min(quota, max(1, memory_budget_bytes // 2))
+            if tenant in fixed_order
+            else max(1, quota * memory_budget_bytes // disk_budget_bytes)
+        )
         for tenant, quota in quotas_bytes.items()
         if quota
     }

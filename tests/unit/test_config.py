@@ -151,7 +151,7 @@ def test_every_field_of_every_table_has_a_spec() -> None:
     assert {f.name for f in fields(RedisClusterConfig)} == set(REDIS_CLUSTER_SPECS)
     assert {f.name for f in fields(TlsFiles)} == {"cert_chain", "private_key", "client_ca"}
     assert set(TLS_SPECS) == {"cert", "key", "client_ca"}
-    assert set(TENANT_NUMBERS) | {"id", "shared", "read_shared", "require_sealed"} == TENANT_KEYS
+    assert set(TENANT_NUMBERS) | {"id", "read_public", "require_sealed"} == TENANT_KEYS
     assert "requests_per_s" in PRINCIPAL_KEYS
     # Each default is within its own spec.
     for cls, specs in SECTION_SPECS.items():

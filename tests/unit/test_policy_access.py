@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from cacheserver.config import load_config
-from kvcommon.errors import ConfigError, PermissionDenied, Unauthenticated
+from kvcommon.errors import ConfigError, InvalidArgument, PermissionDenied, Unauthenticated
 from policy.access import AccessPolicy
-from policy.config import AccessConfig, TenantConfig
+from policy.config import AccessConfig, PublicConfig, TenantConfig
 from policy.identity import (
     Action,
     Authenticator,
@@ -20,18 +20,18 @@ from policy.identity import (
     certificate_identities,
     hash_token,
 )
-from policy.types import TenantId
+from policy.types import PUBLIC, TenantId
 
 TOKEN_HEX = hashlib.sha256(b"t").hexdigest()
 BASE = f"""listen = "127.0.0.1:0"
 
 [[tenants]]
 id = "acme"
-read_shared = ["public"]
+read_public = true
 
 [[tenants]]
-id = "public"
-shared = true
+id = "other"
+quota_bytes = 0
 
 [[principals]]
 name = "token-principal"
@@ -43,8 +43,11 @@ requests_per_s = 50
 [[principals]]
 name = "cert-principal"
 cert_identity = "uri:spiffe://org/replica"
-tenants = ["acme", "public"]
+tenants = ["acme", "other"]
 actions = ["read", "publish"]
+
+[public]
+quota_bytes = 1048576
 """
 
 
@@ -58,7 +61,9 @@ def load(tmp_path: Path, text: str) -> AccessConfig:
 
 def test_new_keys_parse(tmp_path: Path) -> None:
     access = load(tmp_path, BASE)
-    assert access.tenants[0].read_shared == ("public",) and access.tenants[1].shared
+    assert access.tenants[0].read_public and not access.tenants[1].read_public
+    assert access.public is not None and access.public.quota_bytes == 1 << 20
+    assert access.quotas_bytes()[PUBLIC] == 1 << 20 and access.epochs()[PUBLIC] == 0
     assert access.credentials[0].principal.requests_per_s == 50
     cert = access.cert_credentials[0]
     assert cert.identity == "uri:spiffe://org/replica"
@@ -77,8 +82,15 @@ def test_new_keys_parse(tmp_path: Path) -> None:
             r"c.toml:20: principals\[1\].token_sha256: give exactly one of",
         ),
         (("uri:spiffe", "spiffe"), r"c.toml:20: principals\[1\].cert_identity: must be 'uri:"),
-        (("shared = true", "shared = 1"), r"c.toml:9: tenants\[1\].shared: must be true or false"),
-        (("shared = true", ""), r"c.toml:5: tenants\[0\].read_shared: names 'public', which"),
+        (("read_public = true", "read_public = 1"), r"c.toml:5: tenants\[0\].read_public: must"),
+        (
+            ("read_public = true", 'read_shared = ["x"]'),
+            r"c.toml:5: tenants\[0\].read_shared: shared tenants are replaced by the public scope",
+        ),
+        (('id = "other"', 'id = "@public"'), r"c.toml:8: tenants\[1\].id: must match"),
+        (("quota_bytes = 1048576", "quota = 1"), r"c.toml:\d+: public.quota: unknown key"),
+        (("quota_bytes = 1048576", "epoch = 1"), r"c.toml:\d+: public: needs quota_bytes"),
+        (("[public]\nquota_bytes = 1048576", ""), r"tenants\[0\].read_public: there is no"),
         (("requests_per_s = 50", "requests_per_s = -1"), r"c.toml:16: principals\[0\].requests"),
         (("requests_per_s = 50", "rate = 1"), r"c.toml:16: principals\[0\].rate: unknown key"),
     ],
@@ -89,7 +101,7 @@ def test_errors_name_the_key_and_line(tmp_path: Path, edit: tuple[str, str], mes
 
 
 def test_two_principals_with_one_cert_identity_is_an_error(tmp_path: Path) -> None:
-    extra = BASE.split("[[principals]]")[-1].replace("cert-principal", "twin")
+    extra = BASE.split("[[principals]]")[-1].split("[public]")[0].replace("cert-principal", "twin")
     with pytest.raises(ConfigError, match=r"c.toml:\d+: principals\[2\].cert_identity: two"):
         load(tmp_path, BASE + "[[principals]]" + extra)
 
@@ -146,25 +158,27 @@ def test_certificates_are_ignored_unless_the_server_verifies_them() -> None:
     assert on.authenticate(None, context).name == "crt"
 
 
-SHARED_TENANTS = (
-    TenantConfig(TenantId("acme"), read_shared=(TenantId("public"),)),
+PUBLIC_TENANTS = (
+    TenantConfig(TenantId("acme"), read_public=True),
     TenantConfig(TenantId("other")),
-    TenantConfig(TenantId("public"), shared=True),
 )
 
 
 @pytest.mark.parametrize(
     ("tenants", "actions", "tenant", "action", "allowed"),
     [
-        ({"acme"}, {Action.READ}, "public", Action.READ, True),  # acme opted in
-        ({"other"}, {Action.READ}, "public", Action.READ, False),  # other did not
-        ({"acme"}, {Action.WRITE}, "public", Action.READ, False),  # no read action
-        ({"acme"}, {Action.READ, Action.WRITE}, "public", Action.WRITE, False),
-        ({"public"}, {Action.READ, Action.WRITE}, "public", Action.WRITE, False),  # no publish
-        ({"public"}, {Action.PUBLISH}, "public", Action.WRITE, True),
-        ({"acme"}, {Action.PUBLISH}, "public", Action.WRITE, False),  # not listed
+        ({"acme"}, {Action.READ}, "@public", Action.READ, True),  # acme reads public
+        ({"other"}, {Action.READ}, "@public", Action.READ, False),  # other does not
+        ({"acme", "other"}, {Action.READ}, "@public", Action.READ, True),  # one tenant will do
+        ({"acme"}, {Action.WRITE}, "@public", Action.READ, False),  # no read action
+        ({"acme"}, {Action.READ, Action.WRITE}, "@public", Action.WRITE, False),  # no publish
+        ({"acme"}, {Action.ADMIN}, "@public", Action.WRITE, False),  # admin is not publish
+        ({"acme"}, {Action.ADMIN, Action.READ}, "@public", Action.ADMIN, False),
+        (set(), {Action.PUBLISH}, "@public", Action.WRITE, True),  # needs no tenants
+        (set(), {Action.PUBLISH}, "@public", Action.READ, True),  # and sees what it wrote
+        (set(), {Action.PUBLISH}, "@public", Action.ADMIN, False),  # no namespace delete
         ({"acme"}, {Action.PUBLISH}, "acme", Action.WRITE, False),  # publish is not write
-        ({"public"}, {Action.ADMIN}, "public", Action.WRITE, True),
+        ({"acme"}, {Action.READ}, "@Public", Action.READ, False),  # not the scope's id
         ({"acme"}, {Action.READ}, "acme", Action.READ, True),
         ({"acme"}, {Action.READ}, "other", Action.READ, False),
         ({"acme"}, {Action.READ}, "missing", Action.READ, False),
@@ -173,14 +187,22 @@ SHARED_TENANTS = (
 def test_admit_rules(
     tenants: set[str], actions: set[Action], tenant: str, action: Action, allowed: bool
 ) -> None:
-    policy = AccessPolicy.from_access(AccessConfig(SHARED_TENANTS, ()), bytes(32))
+    public = PublicConfig(quota_bytes=1 << 20)
+    policy = AccessPolicy.from_access(AccessConfig(PUBLIC_TENANTS, (), public=public), bytes(32))
     principal = _principal("p", tenants, actions)
     if allowed:
         assert policy.admit(principal, tenant, action) == tenant
     else:
-        with pytest.raises(PermissionDenied) as info:
+        with pytest.raises((PermissionDenied, InvalidArgument)) as info:
             policy.admit(principal, tenant, action)
         assert tenant not in str(info.value)
+
+
+def test_without_a_public_table_nobody_reaches_the_scope() -> None:
+    policy = AccessPolicy.from_access(AccessConfig(PUBLIC_TENANTS, ()), bytes(32))
+    for actions in ({Action.PUBLISH}, {Action.READ, Action.PUBLISH, Action.ADMIN}):
+        with pytest.raises(PermissionDenied):
+            policy.admit(_principal("p", {"acme"}, actions), "@public", Action.READ)
 
 
 def test_authn_failure_records_are_rate_limited_and_say_how_many_were_left_out() -> None:

@@ -17,7 +17,7 @@ from cacheserver.store.tiering import Tiers
 from cacheserver.tiers import Capability
 from cacheserver.tiers.index import BlockIndex
 from cacheserver.tiers.lmdb import LmdbTier
-from cacheserver.tiers.memory import MemoryTier
+from cacheserver.tiers.memory import MemoryTier, memory_quotas
 from kvcommon.errors import ResourceExhausted
 from policy.types import ModelTag, StorageKey, TenantId
 
@@ -112,3 +112,33 @@ def test_the_lineup_refuses_tiers_that_declare_what_they_cannot_be(tmp_path: Pat
     finally:
         claims.close()
         disk.close()
+
+
+def test_a_read_promotes_a_block_to_memory_unless_its_namespace_keeps_a_fixed_order(
+    tmp_path: Path,
+) -> None:
+    """The public scope's hot blocks must not depend on who read what: a read through
+    the disk promotes a tenant's block (control) but never a fixed-order one."""
+    fixed = frozenset({B})
+    disk = LmdbTier(tmp_path / "lmdb", map_bytes=64 * MiB, sync_writes=False)
+    memory = MemoryTier(BLOCK, {}, fixed_order=fixed)  # room for one block at a time
+    tiers = Tiers(BlockIndex(64 * MiB, {}, fixed), Lineup(memory, disk, ()), NoEvents())
+    try:
+        own, public, newest = jobs(A, 1)[0], jobs(B, 1)[0], jobs(A, 1)[0]
+        for job in (own, public, newest):  # each put takes memory from the one before
+            assert tiers.commit([job]) is None
+        assert tiers.memory.get(own.key) is None and tiers.memory.get(public.key) is None
+        for job in (own, public):
+            payloads, _ = tiers.read_through(job.tenant, [job.key], BLOCK)
+            assert payloads == [job.payload]
+        assert tiers.memory.get(own.key) == own.payload  # promoted by the read
+        assert tiers.memory.get(public.key) is None  # not promoted
+    finally:
+        tiers.close()
+
+
+def test_memory_keeps_a_fixed_order_namespace_whole_quota_up_to_half_the_tier() -> None:
+    quotas = {A: 8 * MiB, B: 8 * MiB}
+    scaled = memory_quotas(quotas, 4 * MiB, 16 * MiB, frozenset({B}))
+    assert scaled == {A: 2 * MiB, B: 2 * MiB}  # B: half the tier, not a quarter of it
+    assert memory_quotas({B: MiB}, 4 * MiB, 16 * MiB, frozenset({B})) == {B: MiB}

@@ -38,9 +38,11 @@ from typing import Any
 
 from kvcommon.errors import KvshareError, PermissionDenied
 from kvshare.audit.stats import auc, ks_2samp
+from policy.types import PUBLIC
 from replica_agent.client import BlockClient, ClientTls
 
-PUBLIC_TENANT = "@public"  # the reserved tenant id of the public scope
+PUBLIC_TENANT: str = PUBLIC  # the reserved tenant id of the public scope, "@public"
+PUBLIC_BLOCK_BYTES = 16 << 10  # one block per public trial: small, for a small [public] quota
 BLOCK_BYTES = 1 << 20  # a get's block: a 16-token KV block of a 7B-class model
 PLANTED = 16  # blocks of BLOCK_BYTES each party plants for the get arms
 LOOKUP_RUN = 1024  # digests per lookup (a 16k-token prompt): a hit walks the whole run
@@ -184,6 +186,11 @@ def _explain(error: KvshareError, setup: Setup, party: Party, doing: str) -> Aud
         return AuditError(
             f"the server refused the token in {party.flag} ({status}) while {doing}: "
             f"give the file of a valid token for tenant {party.tenant!r}"
+        )
+    if status == "PERMISSION_DENIED" and party.tenant == PUBLIC_TENANT:
+        return AuditError(
+            f"the principal of {party.flag} may not publish ({status}) while {doing}: "
+            "give a token whose principal has the `publish` action"
         )
     if status == "PERMISSION_DENIED":
         return AuditError(
@@ -506,9 +513,9 @@ def probe_public(setup: Setup, planted: Planted, rng: random.Random, cleanup: li
         _client(setup, setup.victim, grpc_only) as victim,
         _client(setup, setup.attacker, grpc_only) as attacker,
     ):
-        _plant(setup, pub, publisher, planted.model, planted.public, BLOCK_BYTES)
         try:
-            after_read, after_none = _time_public(attacker, victim, planted, trials, rng)
+            _plant(setup, pub, publisher, planted.model, planted.public, PUBLIC_BLOCK_BYTES)
+            after_read, after_none, misses = _time_public(attacker, victim, planted, trials, rng)
         except KvshareError as error:
             status = getattr(error, "status", type(error).__name__)
             return {
@@ -519,15 +526,22 @@ def probe_public(setup: Setup, planted: Planted, rng: random.Random, cleanup: li
             cleanup.append(_cleanup(pub, PUBLIC_TENANT, planted.model, planted.public))
     report: Report = compare(after_read, after_none)
     report["verdict"] = CHANNEL if leaks(report) else PASS
+    report["transport"] = grpc_only.name
+    if misses:  # the scope's quota evicted blocks before they were read: timings mixed
+        report["misses"] = misses
+        report["verdict"] = INCONCLUSIVE
     return report
 
 
 def _time_public(
     attacker: BlockClient, victim: BlockClient, planted: Planted, trials: int, rng: random.Random
-) -> tuple[list[int], list[int]]:
+) -> tuple[list[int], list[int], int]:
+    """Attacker timings after a victim read and after none (trials // 2 each, random
+    order, after WARMUP_CALLS discarded), and how many attacker reads missed."""
     model = planted.model
     after_read: list[int] = []
     after_none: list[int] = []
+    misses = 0
     reads = [True, False] * (trials // 2)
     rng.shuffle(reads)
     warmup = [rng.random() < 0.5 for _ in range(WARMUP_CALLS)]
@@ -539,13 +553,14 @@ def _time_public(
             if read:
                 victim.get(PUBLIC_TENANT, model, x)
             start = time.perf_counter_ns()
-            attacker.get(PUBLIC_TENANT, model, x)
+            found = attacker.get(PUBLIC_TENANT, model, x)
             elapsed = time.perf_counter_ns() - start
+            misses += len(found) != 1
             if i >= WARMUP_CALLS:
                 (after_read if read else after_none).append(elapsed)
     finally:
         gc.enable()
-    return after_read, after_none
+    return after_read, after_none, misses
 
 
 # -- the whole audit --------------------------------------------------------------------

@@ -35,6 +35,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("kvshare.bench.cli", "data-path benchmark of kvshare against its peers"),
     "admin": ("kvshare.admin_cli", "make tenants, tokens, mTLS principals and data keys"),
     "stats": ("kvshare.stats_cli", "per-tenant usage, hit rate and bytes of a running server"),
+    "audit": ("kvshare.audit.cli", "operator's checks of a running deployment (timing)"),
 }
 
 

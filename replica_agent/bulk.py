@@ -57,9 +57,11 @@ class BulkChannel:
         same_host: bool = True,
         local_allowed: Callable[[], bool] = lambda: True,
         local_failed: Callable[[], object] = lambda: None,
+        local_opened: Callable[[], object] = lambda: None,
     ) -> None:
         """`local_allowed`/`local_failed`: the client's backoff for the same-host
-        transport (after it failed, TCP is used for a while)."""
+        transport (after it failed, TCP is used for a while); `local_opened`: called for
+        each connection that got the same-host arena (the client counts them)."""
         self._open_ticket = open_ticket
         self._tls = tls
         self._server_name = server_name
@@ -67,6 +69,7 @@ class BulkChannel:
         self._same_host = same_host
         self._local_allowed = local_allowed
         self._local_failed = local_failed
+        self._local_opened = local_opened
         self._local = threading.local()
         self._all: list[Connection] = []
         self._lock = threading.Lock()
@@ -94,6 +97,7 @@ class BulkChannel:
         if not tcp and self._same_host and can_use_local(ticket) and self._local_allowed():
             conn, ticket_spent = connect_local(ticket, deadline)
             if conn is not None:
+                self._local_opened()
                 return conn
             self._local_failed()
             if ticket_spent:

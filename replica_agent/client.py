@@ -102,6 +102,8 @@ class ClientTls:
 @dataclass
 class ClientStats:
     bulk_fallbacks: int = 0  # calls sent over gRPC because the bulk channel failed
+    same_host_connections: int = 0  # bulk connections that got the same-host arena
+    same_host_fallbacks: int = 0  # same-host connections refused or failed: TCP instead
 
 
 class _Backoff:
@@ -200,7 +202,8 @@ class BlockClient:
                 timeout_s,
                 same_host=same_host,
                 local_allowed=self._local_backoff.allowed,
-                local_failed=self._local_backoff.failed,
+                local_failed=self._same_host_failed,
+                local_opened=self._same_host_opened,
             )
 
     @property
@@ -224,6 +227,13 @@ class BlockClient:
         self._channel.close()
 
     # -- the transport choice -----------------------------------------------------------
+
+    def _same_host_opened(self) -> None:
+        self.transport_stats.same_host_connections += 1
+
+    def _same_host_failed(self) -> None:
+        self.transport_stats.same_host_fallbacks += 1
+        self._local_backoff.failed()
 
     def _bulk_now(self) -> BulkChannel | None:
         bulk = self._bulk

@@ -1,0 +1,1 @@
+"""`kvshare audit`: an operator's checks of isolation against a live deployment."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -166,15 +166,28 @@ class BlockHasher:
         """The digests of full blocks `first_block ..` of `token_ids`, chained from
         `previous` instead of this hasher's root (a private chain after a public
         prefix: replica_agent.public)."""
+        return list(self.iter_digests_from(previous, first_block, token_ids, mm_spans))
+
+    def iter_digests(
+        self, token_ids: Sequence[int], mm_spans: Sequence[MultimodalSpan] = ()
+    ) -> Iterator[bytes]:
+        """`digests`, one at a time: a caller that stops early hashes no further."""
+        return self.iter_digests_from(self._root, 0, token_ids, mm_spans)
+
+    def iter_digests_from(
+        self,
+        previous: bytes,
+        first_block: int,
+        token_ids: Sequence[int],
+        mm_spans: Sequence[MultimodalSpan] = (),
+    ) -> Iterator[bytes]:
         ordered_spans = sorted(
             mm_spans, key=lambda span: (span.offset, span.length, span.content_hash)
         )
-        digests: list[bytes] = []
         for block in range(first_block, self.num_full_blocks(len(token_ids))):
             start, end = block * self.block_tokens, (block + 1) * self.block_tokens
             keys = self._lora_keys + tuple(
                 span.extra_key() for span in ordered_spans if span.overlaps(start, end)
             )
             previous = chain_step(previous, token_ids[start:end], keys)
-            digests.append(previous)
-        return digests
+            yield previous

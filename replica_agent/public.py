@@ -35,6 +35,7 @@ sealed like any block when the writer has a keyring (the public scope's data key
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import struct
 import threading
@@ -126,8 +127,15 @@ def plan_chain(
     """The digests of `token_ids`' full blocks (module docstring): the public chain for
     the leading blocks the catalogue lists, the private chain bound to them after."""
     if catalogue:
-        public = BlockHasher(model, block_tokens, b"", lora_id).digests(token_ids, mm_spans)
-        boundary = leading_public(public, catalogue)
+        # Hashed on the public chain only while the catalogue lists each block: a
+        # private prompt costs one block's hash more than without public prefixes.
+        public = list(
+            itertools.takewhile(
+                catalogue.__contains__,
+                BlockHasher(model, block_tokens, b"", lora_id).iter_digests(token_ids, mm_spans),
+            )
+        )
+        boundary = len(public)
         if boundary:
             root = hashlib.sha256(enc(AFTER_PUBLIC_LABEL, public[boundary - 1], salt)).digest()
             private = BlockHasher(model, block_tokens, salt, lora_id).digests_from(

@@ -20,6 +20,10 @@ request out of the batch while a worker thread (`vllm_loader`) places its blocks
 `"load_mode": "sync"` loads before the forward pass instead (the whole batch waits).
 Saves cover the model's output too (`"save_generated"`, default true): the next turn of
 a conversation, whose prompt holds the answer, finds those blocks on any replica.
+Public prefixes (`"public_prefixes"`, default true; replica_agent.public): the scheduler
+holds the public catalogue of its namespace, and a request's leading blocks listed
+there are read from `@public` (opened with the public scope's key), the rest from its
+tenant; saves go to the tenant only, after the public blocks.
 
 This module imports vLLM; nothing else in kvshare imports it, so the agent installs and
 runs without vLLM. Block namespace: the served model (or the `model` key), its revision,
@@ -60,6 +64,7 @@ from replica_agent.adapters.vllm_plan import (
 from replica_agent.adapters.vllm_store import PagedCache, WorkerStore
 from replica_agent.breaker import CircuitBreaker
 from replica_agent.gate import StoreGate, StoreStats
+from replica_agent.public import PUBLIC_SCOPE, PublicCatalogue
 from replica_agent.spec import ModelSpec
 from replica_agent.telemetry import AgentTelemetry
 
@@ -134,9 +139,29 @@ class KVShareConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._loaded_early: set[str] = set()  # async loads with no cache to fill: done
         if role == KVConnectorRole.SCHEDULER:
             self._adopt_recompute_policy()
+            catalogue = self._public_catalogue()
             self._planner = SchedulerPlanner(
-                self.namespace, self.block_tokens, self.vllm_block_tokens, self._lookup
+                self.namespace,
+                self.block_tokens,
+                self.vllm_block_tokens,
+                self._lookup,
+                catalogue.digests if catalogue is not None else None,
             )
+
+    def _public_catalogue(self) -> PublicCatalogue | None:
+        """The public scope's catalogue of this namespace (`"public_prefixes"`), read
+        through this side's gate; None when off, or when blocks are sealed and the
+        keyring has no key for the public scope (nothing there could be opened)."""
+        if not self.options.public_prefixes:
+            return None
+        if self._sealer is not None and PUBLIC_SCOPE not in self._sealer.keyring.tenants():
+            log.info(
+                "KVShareConnector: public prefixes off: the keyring has no key for the "
+                "public scope (kvshare admin keyring --public)"
+            )
+            return None
+        # Rank 0's namespace: the chain's model and where the publisher lists the digests.
+        return PublicCatalogue(self._client, self._gate, self.namespace, sealer=self._sealer)
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -23,6 +23,17 @@ tokens it scheduled. `SchedulerPlanner` answers from kvshare's digest chain:
   each block the model's output fills, hashed on the same chain (tenant, salt, LoRA),
   so a later prompt that holds the answer computes the same digests.
 
+Public prefixes (replica_agent.public; `"public_prefixes"`, default true): the digests
+come from `plan_chain` over the public catalogue the connector holds. The first
+`public_blocks` (P) are on the public chain and listed in the catalogue: they are
+looked up and loaded from the public scope `@public`, the rest from the request's
+tenant, and only when all P are there. Only listed digests are ever sent to `@public`,
+so a private prompt's digests never reach it. Saves go to the tenant and start at P
+at the earliest (an engine never writes `@public`); the output's blocks extend the
+same split chain, P fixed at the first look, so the next turn's plan (same catalogue)
+computes the digests those saves used. An empty or unreadable catalogue gives P = 0:
+the ordinary chain, exactly as without public prefixes.
+
 Tenancy: a request's tenant comes from `kv_transfer_params["kvshare_tenant"]`, set by
 the deployer's gateway after it authenticated the end user; without one the request
 uses the configured default tenant, or skips the cache (`require_request_tenant`). A
@@ -39,7 +50,7 @@ from typing import Any
 
 from kvcommon.errors import ConfigError
 from policy.types import is_valid_tenant_id
-from replica_agent.hashing import BlockHasher
+from replica_agent.public import PUBLIC_SCOPE, plan_chain
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +68,7 @@ ENGINE_KEYS = frozenset(
         "flush_timeout_s",
         "load_mode",
         "save_generated",
+        "public_prefixes",
     }
 )
 LOAD_MODES = ("async", "sync")
@@ -72,6 +84,7 @@ class VllmOptions:
     flush_timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S
     is_load_async: bool = True  # "load_mode": loads off the forward path, or before it
     save_generated: bool = True  # save the blocks the model's output fills, not only the prompt's
+    public_prefixes: bool = True  # read leading blocks listed in the public catalogue from @public
 
 
 def parse_vllm_options(raw: Mapping[str, Any], *, source: str) -> VllmOptions:
@@ -95,7 +108,12 @@ def parse_vllm_options(raw: Mapping[str, Any], *, source: str) -> VllmOptions:
     generated = raw.get("save_generated", True)
     if not isinstance(generated, bool):
         raise ConfigError(f"{source}: save_generated must be true or false")
-    return VllmOptions(block_tokens, require, queue_bytes, float(flush), mode == "async", generated)
+    public = raw.get("public_prefixes", True)
+    if not isinstance(public, bool):
+        raise ConfigError(f"{source}: public_prefixes must be true or false")
+    return VllmOptions(
+        block_tokens, require, queue_bytes, float(flush), mode == "async", generated, public
+    )
 
 
 def store_block_tokens(vllm_block_tokens: int, configured: int | None) -> int:
@@ -146,6 +164,7 @@ class LoadPlan:
     digests: tuple[bytes, ...] = field(repr=False)  # the store blocks to fetch, in order
     skip_tokens: int  # leading tokens of the first store block vLLM already holds
     block_ids: tuple[int, ...]  # the vLLM blocks that receive the tokens after those
+    public_blocks: int = 0  # leading `digests` read from @public; the rest from `tenant`
 
 
 @dataclass(frozen=True)
@@ -156,15 +175,40 @@ class SavePlan:
     block_ids: tuple[int, ...]  # the vLLM blocks that hold these store blocks' tokens
 
 
+@dataclass(frozen=True)
+class Chain:
+    """How one request's digests are computed: `plan_chain` with these arguments, the
+    catalogue narrowed to the request's own public digests once they are known, so an
+    extension over decoded tokens keeps the public boundary of the first look."""
+
+    model: str
+    block_tokens: int
+    salt: bytes = field(repr=False)
+    lora_id: str | None
+    public: frozenset[bytes] = field(default=frozenset(), repr=False)
+
+    def digests(self, token_ids: Sequence[int]) -> tuple[bytes, ...]:
+        plan = plan_chain(
+            self.model,
+            self.block_tokens,
+            token_ids,
+            self.public,
+            salt=self.salt,
+            lora_id=self.lora_id,
+        )
+        return plan.digests
+
+
 @dataclass
 class RequestState:
     tenant: str
-    hasher: BlockHasher = field(repr=False)
+    chain: Chain = field(repr=False)
     tokens: Sequence[int] = field(repr=False)  # what saves may cover (see RequestKey)
     digests: tuple[bytes, ...] = field(repr=False)  # full store blocks of `tokens` so far
     prompt_tokens: int
-    store_blocks: int  # leading blocks the store held when asked
+    store_blocks: int  # leading blocks the store held when asked (@public's, then the tenant's)
     saved_blocks: int  # blocks before this one are in the store or planned for it
+    public_blocks: int = 0  # leading blocks on the public chain: read from @public, never saved
     block_ids: list[int] = field(default_factory=list)
     pending_load_tokens: int = 0
     load_issued: bool = False  # an asynchronous load was planned: never plan another
@@ -172,8 +216,7 @@ class RequestState:
     def digests_upto(self, blocks: int) -> tuple[bytes, ...]:
         """The first `blocks` digests, extending the chain over tokens decoded since."""
         if blocks > len(self.digests):
-            block_tokens = self.hasher.block_tokens
-            self.digests = tuple(self.hasher.digests(self.tokens[: blocks * block_tokens]))
+            self.digests = self.chain.digests(self.tokens[: blocks * self.chain.block_tokens])
         return self.digests[:blocks]
 
 
@@ -199,18 +242,29 @@ class RunningStep:
 @dataclass
 class PlannerStats:
     lookups: int = 0
-    blocks_matched: int = 0
+    blocks_matched: int = 0  # leading blocks found, @public's and the tenant's
+    public_lookups: int = 0  # requests whose leading blocks were asked of @public
+    public_blocks_matched: int = 0  # of blocks_matched, those found in @public
     requests_skipped: int = 0  # no tenant, malformed tenant, or nothing hashable
     tokens_planned: int = 0  # tokens put in load plans (a failed load is recomputed)
 
 
-Lookup = Callable[[str, Sequence[bytes]], int]
+Lookup = Callable[[str, Sequence[bytes]], int]  # (tenant or @public, digests) -> leading held
+Catalogue = Callable[[], frozenset[bytes]]  # the public digests (PublicCatalogue.digests)
 
 
 class SchedulerPlanner:
     def __init__(
-        self, chain_model: str, store_block_tokens: int, vllm_block_tokens: int, lookup: Lookup
+        self,
+        chain_model: str,
+        store_block_tokens: int,
+        vllm_block_tokens: int,
+        lookup: Lookup,
+        catalogue: Catalogue | None = None,
     ) -> None:
+        """`chain_model` names the digest chain (the connector's rank-0 namespace);
+        `catalogue`, when given, the public digests it may read from @public (None:
+        public prefixes off, every chain the ordinary one)."""
         if store_block_tokens % vllm_block_tokens:
             raise ConfigError("store block tokens must be a multiple of vLLM's block size")
         self.chain_model = chain_model
@@ -218,7 +272,7 @@ class SchedulerPlanner:
         self.vllm_block_tokens = vllm_block_tokens
         self.vllm_blocks_per_block = store_block_tokens // vllm_block_tokens
         self._lookup = lookup
-        self._hashers: dict[tuple[bytes, str | None], BlockHasher] = {}
+        self._catalogue = catalogue
         self._states: dict[str, RequestState | None] = {}
         self._async_loads: list[LoadPlan] = []  # planned at allocation, sent next step
         self.stats = PlannerStats()
@@ -248,21 +302,43 @@ class SchedulerPlanner:
         if key is None:
             self.stats.requests_skipped += 1
             return None
-        hasher = self._hashers.get((key.salt, key.lora_id))
-        if hasher is None:
-            hasher = BlockHasher(self.chain_model, self.block_tokens, key.salt, key.lora_id)
-            self._hashers[(key.salt, key.lora_id)] = hasher
-        digests = tuple(hasher.digests(key.token_ids))
+        catalogue = self._catalogue() if self._catalogue is not None else frozenset()
+        plan = plan_chain(
+            self.chain_model,
+            self.block_tokens,
+            key.token_ids,
+            catalogue,
+            salt=key.salt,
+            lora_id=key.lora_id,
+        )
+        digests, public = plan.digests, plan.public_blocks
+        chain = Chain(
+            self.chain_model, self.block_tokens, key.salt, key.lora_id, frozenset(digests[:public])
+        )
         saves_output = key.all_token_ids is not None
         if not digests and not saves_output:
             return None
-        found = 0
-        if digests:
-            found = self._lookup(key.tenant, digests)
-            self.stats.lookups += 1
-            self.stats.blocks_matched += found
+        found = self._match(key.tenant, digests, public) if digests else 0
         tokens = key.all_token_ids if key.all_token_ids is not None else key.token_ids
-        return RequestState(key.tenant, hasher, tokens, digests, len(key.token_ids), found, found)
+        # Public blocks are never saved: none missing from @public goes to the tenant.
+        saved = max(found, public)
+        return RequestState(
+            key.tenant, chain, tokens, digests, len(key.token_ids), found, saved, public
+        )
+
+    def _match(self, tenant: str, digests: Sequence[bytes], public: int) -> int:
+        """Leading blocks held: the first `public` in @public (only those: they are
+        listed in the catalogue), then, if all of them are there, the tenant's."""
+        self.stats.lookups += 1
+        found = 0
+        if public:
+            self.stats.public_lookups += 1
+            found = self._lookup(PUBLIC_SCOPE, digests[:public])
+            self.stats.public_blocks_matched += found
+        if found == public and public < len(digests):
+            found += self._lookup(tenant, digests[public:])
+        self.stats.blocks_matched += found
+        return found
 
     def after_alloc(
         self,
@@ -329,6 +405,7 @@ class SchedulerPlanner:
                 state.digests[first:last],
                 start - first * self.block_tokens,
                 tuple(vllm_ids),
+                max(0, min(last, state.public_blocks) - first),
             )
         )
 

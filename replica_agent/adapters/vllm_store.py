@@ -9,6 +9,8 @@ Invariants:
 - Nothing unverified reaches the cache: with a keyring each payload is opened (AEAD,
   bound to tenant, model namespace and digest) and then decoded against the expected
   layout before a single element is written; the first block that fails ends the load.
+  A plan's public blocks are read from `@public` and opened as `@public`'s (its key),
+  never as the tenant's; saves go to the plan's tenant only.
 - Saves are write-behind: the new blocks are copied out of the paged cache when vLLM
   says the step is done (`wait_for_save`), and sealed and sent by the shared saver
   (replica_agent/saver.py) from a queue bounded in bytes; past the bound a save is
@@ -38,6 +40,7 @@ from replica_agent.adapters.vllm_plan import LoadPlan, SavePlan
 from replica_agent.client import BlockClient, Payload, View
 from replica_agent.codec import decode_block, encode_block
 from replica_agent.gate import StoreGate
+from replica_agent.public import PUBLIC_SCOPE
 from replica_agent.saver import SaveJob, Saver
 from replica_agent.spec import ModelSpec
 
@@ -83,32 +86,56 @@ class WorkerStore:
     # -- load --------------------------------------------------------------------------
 
     def load(self, cache: PagedCache, plan: LoadPlan) -> list[int]:
-        """Fill the plan's vLLM blocks from the store; the vLLM block ids not filled."""
+        """Fill the plan's vLLM blocks from the store; the vLLM block ids not filled.
+
+        The plan's first `public_blocks` come from @public (opened under the public
+        scope's key), the rest from its tenant, each range in one read; a range that
+        stops short ends the load there."""
+        public = min(plan.public_blocks, len(plan.digests))
+        done = 0
+        for tenant, first, last in (
+            (PUBLIC_SCOPE, 0, public),
+            (plan.tenant, public, len(plan.digests)),
+        ):
+            if first == last:
+                continue
+            if done < first:
+                break
+            done = first + self._load_range(cache, plan, tenant, first, last)
+        self.gate.count(blocks_loaded=done, blocks_failed=len(plan.digests) - done)
+        per_block = self.spec.block_tokens // cache.vllm_block_tokens
+        first_failed = max(0, done * per_block - plan.skip_tokens // cache.vllm_block_tokens)
+        return list(plan.block_ids[first_failed:])
+
+    def _load_range(
+        self, cache: PagedCache, plan: LoadPlan, tenant: str, first: int, last: int
+    ) -> int:
+        """Blocks `first..last` of the plan from `tenant`'s namespace; how many arrived."""
+        if not self.gate.allow():
+            return 0
         per_block = self.spec.block_tokens // cache.vllm_block_tokens
         skip_vllm_blocks = plan.skip_tokens // cache.vllm_block_tokens
         done = 0
-        if plan.digests and self.gate.allow():
-            read = self.gate.read(
-                self.client, plan.tenant, self.model, plan.digests, self._verified(plan)
-            )
-            with (
-                self.gate.telemetry.span("kvshare.agent.load", plan.tenant),
-                self.gate.settled("get"),  # a broken stream ends the load, never the step
-                closing(read) as blocks,
-            ):
-                for index, block in enumerate(blocks):
-                    skip = skip_vllm_blocks if index == 0 else 0
-                    start = max(0, index * per_block - skip_vllm_blocks)
-                    ids = plan.block_ids[start : start + per_block - skip]
-                    self._write(cache, block, ids, skip)
-                    done = index + 1
-        self.gate.count(blocks_loaded=done, blocks_failed=len(plan.digests) - done)
-        first_failed = max(0, done * per_block - skip_vllm_blocks)
-        return list(plan.block_ids[first_failed:])
+        read = self.gate.read(
+            self.client, tenant, self.model, plan.digests[first:last], self._verified(tenant)
+        )
+        with (
+            self.gate.telemetry.span("kvshare.agent.load", tenant),
+            self.gate.settled("get"),  # a broken stream ends the load, never the step
+            closing(read) as blocks,
+        ):
+            for offset, block in enumerate(blocks):
+                index = first + offset
+                skip = skip_vllm_blocks if index == 0 else 0
+                start = max(0, index * per_block - skip_vllm_blocks)
+                ids = plan.block_ids[start : start + per_block - skip]
+                self._write(cache, block, ids, skip)
+                done = offset + 1
+        return done
 
-    def _verified(self, plan: LoadPlan) -> Callable[[bytes, View], torch.Tensor | None]:
+    def _verified(self, tenant: str) -> Callable[[bytes, View], torch.Tensor | None]:
         def check(digest: bytes, payload: View) -> torch.Tensor | None:
-            where = (plan.tenant, self.model, digest)
+            where = (tenant, self.model, digest)
             return self.gate.verified(self.sealer, self.spec, where, payload, decode_block)
 
         return check

@@ -1,12 +1,16 @@
 """The vLLM connector's scheduler-side plans, without vLLM.
 
-The store is a counting stand-in here (a pure-arithmetic unit); the same planner runs
-against a real store and a real vLLM `Scheduler` in tests/vllm/test_scheduler_contract.py.
+The store is a counting stand-in here (a pure-arithmetic unit), except for the public
+prefix tests at the end, which run the planner against a real server with a public
+scope and record every call its real client makes; the same planner runs against a
+real store and a real vLLM `Scheduler` in tests/vllm/test_scheduler_contract.py.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
@@ -23,7 +27,19 @@ from replica_agent.adapters.vllm_plan import (
     request_tenant,
     store_block_tokens,
 )
+from replica_agent.breaker import CircuitBreaker
+from replica_agent.client import BlockClient, Payload, View
+from replica_agent.gate import StoreGate, StoreStats
 from replica_agent.hashing import BlockHasher
+from replica_agent.public import (
+    CATALOGUE_DIGEST,
+    PUBLIC_SCOPE,
+    PublicCatalogue,
+    plan_chain,
+    write_catalogue,
+)
+from replica_agent.telemetry import AgentTelemetry
+from tests.conftest import Running, launch, write_config
 
 MODEL = "m@r;fp32;L2;H2;D8;B32;tp0/1"
 BT, BS = 32, 16  # store block: 2 vLLM blocks
@@ -64,6 +80,7 @@ def test_store_block_tokens_are_a_multiple_of_vllms_block() -> None:
         ({"require_request_tenant": "yes"}, "require_request_tenant"),
         ({"save_queue_bytes": -1}, "save_queue_bytes"),
         ({"flush_timeout_s": "5"}, "flush_timeout_s"),
+        ({"public_prefixes": "no"}, "public_prefixes"),
     ],
 )
 def test_bad_vllm_options_name_the_key(raw: dict[str, object], message: str) -> None:
@@ -160,3 +177,197 @@ def test_plans_never_show_digests_in_their_repr() -> None:
     save = SavePlan("r", "alpha", (b"\x01" * 32,), (1, 2))
     for plan in (load, save):
         assert "digests" not in repr(plan) and "\\x01" not in repr(plan)
+
+
+# -- public prefixes, against a real server ---------------------------------------------
+
+
+@pytest.fixture
+def public_store(tmp_path: Path) -> Iterator[Running]:
+    """A real server with a public scope: tenants alpha and beta read it (read_public);
+    `engine` reads and writes both, `publisher` only publishes (it has no tenants)."""
+    tenancy = write_config(
+        tmp_path,
+        extra=f"[public]\nquota_bytes = {1 << 30}\n",
+        principals={
+            "engine": (["alpha", "beta"], ["read", "write"]),
+            "publisher": ([], ["publish"]),
+        },
+    )
+    text = tenancy.path.read_text()
+    tenancy.path.write_text(text.replace("quota_bytes = 0", "quota_bytes = 0\nread_public = true"))
+    running = launch(tenancy)
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+@dataclass
+class Recording:
+    """A real BlockClient whose every call is recorded as (verb, tenant, digests)."""
+
+    client: BlockClient
+    calls: list[tuple[str, str, tuple[bytes, ...]]] = field(default_factory=list)
+
+    def lookup(self, tenant: str, model: str, digests: Sequence[bytes]) -> int:
+        self.calls.append(("lookup", tenant, tuple(digests)))
+        return self.client.lookup(tenant, model, digests)
+
+    def iter_views(self, tenant: str, model: str, digests: Sequence[bytes]) -> Iterator[View]:
+        self.calls.append(("get", tenant, tuple(digests)))
+        return self.client.iter_views(tenant, model, digests)
+
+    def put(
+        self, tenant: str, model: str, digests: Sequence[bytes], payloads: Sequence[Payload]
+    ) -> list[bool]:
+        self.calls.append(("put", tenant, tuple(digests)))
+        return self.client.put(tenant, model, digests, payloads)
+
+    def sent_to(self, tenant: str) -> list[bytes]:
+        return [d for _, who, digests in self.calls if who == tenant for d in digests]
+
+    def lookups(self) -> list[tuple[str, tuple[bytes, ...]]]:
+        return [(who, digests) for verb, who, digests in self.calls if verb == "lookup"]
+
+
+PREFIX = list(range(500, 500 + 2 * BT))  # two blocks, published
+
+
+def publish(running: Running, tokens: Sequence[int], stored: int | None = None) -> list[bytes]:
+    """A publisher's act: the plain chain's blocks into @public (only the first `stored`
+    when given) and all of their digests into the catalogue."""
+    digests = BlockHasher(MODEL, BT).digests(tokens)
+    count = len(digests) if stored is None else stored
+    with running.client("publisher") as publisher:
+        assert publisher.put(PUBLIC_SCOPE, MODEL, digests[:count], [b"public"] * count)
+        write_catalogue(publisher, MODEL, digests)
+    return digests
+
+
+@pytest.fixture
+def public_planner(public_store: Running) -> Iterator[tuple[SchedulerPlanner, Recording]]:
+    """The connector's scheduler side: a real client through the gate, for lookups and
+    for the catalogue, every call recorded."""
+    with public_store.client("engine") as client:
+        recording = Recording(client)
+        gate = StoreGate(CircuitBreaker(), AgentTelemetry(), StoreStats())
+        catalogue = PublicCatalogue(recording, gate, MODEL)
+
+        def lookup(tenant: str, digests: Sequence[bytes]) -> int:
+            return gate.leading(recording, tenant, MODEL, digests)
+
+        yield SchedulerPlanner(MODEL, BT, BS, lookup, catalogue.digests), recording
+
+
+def test_public_blocks_are_asked_of_public_and_the_rest_of_the_tenant(
+    public_store: Running, public_planner: tuple[SchedulerPlanner, Recording]
+) -> None:
+    plan, recording = public_planner
+    published = publish(public_store, PREFIX)
+    prompt = [*PREFIX, *range(900, 940)]  # 104 tokens: 2 public blocks, 1 private
+    expected = plan_chain(MODEL, BT, prompt, frozenset(published), salt=b"user-1")
+    assert expected.public_blocks == 2 and expected.digests[:2] == tuple(published)
+    assert plan.new_matched_tokens("r", 0, lambda: key_for(prompt, b"user-1")) == 64
+    assert recording.lookups() == [
+        (PUBLIC_SCOPE, tuple(published)),
+        ("alpha", expected.digests[2:]),  # the private chain: never sent to @public
+    ]
+    assert set(recording.sent_to(PUBLIC_SCOPE)) == {CATALOGUE_DIGEST, *published}
+    assert plan.stats.public_blocks_matched == 2 and plan.stats.blocks_matched == 2
+
+    plan.after_alloc("r", 64)
+    loads, saves = plan.build([NewStep("r", list(range(1, 8)), 64, 40)], [])
+    assert loads == [LoadPlan("r", "alpha", tuple(published), 0, (1, 2, 3, 4), 2)]
+    # Saves go to the tenant and skip the public blocks: only the private block 2.
+    assert saves == [SavePlan("r", "alpha", expected.digests[2:3], (5, 6))]
+
+
+def test_a_private_prompt_sends_nothing_to_public(
+    public_store: Running, public_planner: tuple[SchedulerPlanner, Recording]
+) -> None:
+    plan, recording = public_planner
+    publish(public_store, PREFIX)
+    # Shares the first published block's tokens, then diverges: block 1 is not listed,
+    # so the boundary is 1 and only the listed digest goes to @public.
+    diverging = [*PREFIX[:BT], *range(7000, 7000 + 2 * BT)]
+    private = list(range(3000, 3000 + 3 * BT + 5))
+    plan.new_matched_tokens("private", 0, lambda: key_for(private))
+    plan.new_matched_tokens("diverging", 0, lambda: key_for(diverging))
+    published = BlockHasher(MODEL, BT).digests(PREFIX)
+    after = plan_chain(MODEL, BT, diverging, frozenset(published))
+    assert after.public_blocks == 1
+    assert recording.lookups() == [
+        ("alpha", tuple(BlockHasher(MODEL, BT).digests(private))),
+        (PUBLIC_SCOPE, (published[0],)),
+        ("alpha", after.digests[1:]),
+    ]
+    assert recording.sent_to(PUBLIC_SCOPE) == [CATALOGUE_DIGEST, published[0]]
+
+
+def test_without_a_catalogue_the_chain_and_calls_are_todays(
+    public_store: Running, public_planner: tuple[SchedulerPlanner, Recording]
+) -> None:
+    """Nothing published: the catalogue read finds nothing, P = 0, and the plan is the
+    ordinary salted chain, asked of the tenant only."""
+    plan, recording = public_planner
+    prompt = [*PREFIX, *range(900, 940)]
+    plan.new_matched_tokens("r", 0, lambda: key_for(prompt, b"user-1"))
+    salted = BlockHasher(MODEL, BT, b"user-1").digests(prompt)
+    assert recording.lookups() == [("alpha", tuple(salted))]
+    assert recording.sent_to(PUBLIC_SCOPE) == [CATALOGUE_DIGEST]  # the catalogue read only
+
+
+def test_public_blocks_missing_from_the_scope_are_neither_loaded_nor_saved(
+    public_store: Running, public_planner: tuple[SchedulerPlanner, Recording]
+) -> None:
+    plan, recording = public_planner
+    published = publish(public_store, PREFIX, stored=1)  # listed: 2; stored: 1
+    prompt = [*PREFIX, *range(900, 940)]
+    assert plan.new_matched_tokens("r", 0, lambda: key_for(prompt)) == BT
+    assert [who for who, _ in recording.lookups()] == [PUBLIC_SCOPE]  # tenant not asked
+    plan.after_alloc("r", BT)
+    loads, saves = plan.build([NewStep("r", list(range(1, 8)), BT, 72)], [])
+    assert loads == [LoadPlan("r", "alpha", tuple(published[:1]), 0, (1, 2), 1)]
+    (save,) = saves
+    assert save.digests == plan_chain(MODEL, BT, prompt, frozenset(published)).digests[2:3]
+
+
+def test_the_next_turn_finds_the_output_blocks_saved_after_a_public_prefix(
+    public_store: Running, public_planner: tuple[SchedulerPlanner, Recording]
+) -> None:
+    """Saves of the model's output extend the same split chain: the next turn's plan
+    (the conversation as its prompt) computes those digests and finds them."""
+    plan, recording = public_planner
+    published = publish(public_store, PREFIX)
+    prompt = [*PREFIX, *range(900, 910)]  # 74 tokens: 2 public blocks and 10 private
+    live = list(prompt)
+    key = RequestKey("alpha", prompt, b"", None, live)
+    assert plan.new_matched_tokens("t1", 0, lambda: key) == 64
+    plan.after_alloc("t1", 64)
+    loads, saves = plan.build([NewStep("t1", [1, 2, 3, 4, 5], 64, 10)], [])
+    assert [p.public_blocks for p in loads] == [2] and saves == []
+    computed = len(prompt)
+    for token in range(1200, 1200 + 2 * BT):  # the model's answer, one token a step
+        live.append(token)
+        step = RunningStep("t1", [6 + len(live) // BS], False, computed, 1)
+        computed += 1
+        _, new_saves = plan.build([], [step])
+        saves += new_saves
+    conversation = live[: 4 * BT]
+    turn_two = plan_chain(MODEL, BT, conversation, frozenset(published))
+    assert [d for s in saves for d in s.digests] == list(turn_two.digests[2:4])
+    with public_store.client("engine") as client:  # what the worker's saver would put
+        for save in saves:
+            client.put("alpha", MODEL, save.digests, [b"kv"] * len(save.digests))
+    recording.calls.clear()
+    next_prompt = [*conversation, 1, 2, 3]
+    assert plan.new_matched_tokens("t2", 0, lambda: key_for(next_prompt)) == 4 * BT
+    assert recording.lookups() == [
+        (PUBLIC_SCOPE, tuple(published)),
+        ("alpha", turn_two.digests[2:4]),
+    ]
+
+
+def key_for(tokens: Sequence[int], salt: bytes = b"", tenant: str = "alpha") -> RequestKey:
+    return RequestKey(tenant, list(tokens), salt)

@@ -119,6 +119,16 @@ class LmcacheClient:
             offset += length
         return values
 
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """EXIST per key, pipelined (the protocol has no multi-key EXIST): the count of
+        leading keys held. Every request gets a reply; all are read to stay in sync."""
+        tcp_wire.send_buffers(self._sock, [pack_request(CMD_EXIST, key, 0) for key in keys])
+        codes = [self._read_reply()[0] for _ in keys]
+        present = 0
+        while present < len(codes) and codes[present] == CODE_SUCCESS:
+            present += 1
+        return present
+
     def _read_reply(self) -> tuple[int, int]:
         tcp_wire.recv_exact(self._sock, memoryview(self._reply))
         fields = REPLY.unpack(self._reply)
@@ -144,6 +154,7 @@ class LmcacheSystem:
     name = "lmcache"
     is_put_acknowledged = False
     supports_batch_get = True  # pipelined GETs
+    supports_lookup = True  # pipelined EXISTs
 
     def __init__(self, python: Path | None, *, placement: Placement = LOOPBACK) -> None:
         self._python = python
@@ -193,6 +204,9 @@ class LmcacheSystem:
 
     def clear(self) -> bool:
         return False  # the protocol has no delete
+
+    def server_pids(self) -> list[int]:
+        return [] if self._server is None else [self._server.pid]
 
     def stop(self) -> None:
         if self._server is not None:

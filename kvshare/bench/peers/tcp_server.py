@@ -99,6 +99,9 @@ class _Connection:
                 self._put(self._read_keys(key_count), value_bytes)
             elif op == wire.OP_GET:
                 self._get(self._read_keys(key_count))
+            elif op == wire.OP_EXISTS:
+                found = self._store.lookup(self._read_keys(key_count))
+                self._send_reply(wire.STATUS_OK, len(found))
             else:
                 if op == wire.OP_CLEAR:
                     self._store.clear()

@@ -124,3 +124,11 @@ def test_lmcache_lookup_pipelines_one_exist_per_key_and_reads_every_reply() -> N
         client.close()
         server_end.close()
     assert seen == [lmcache_peer.CMD_EXIST] * 6
+
+
+def test_reserve_counts_buffers_not_keys(tcp_client: TcpClient) -> None:
+    """16 clients x 1024 PUTs of 64 KiB: a RESERVE past MAX_KEYS_PER_REQUEST is fine."""
+    tcp_client.control(tcp_wire.OP_RESERVE, tcp_wire.MAX_KEYS_PER_REQUEST + 1, 1)
+    value = memoryview(random_value(100, seed=4))[:100]
+    tcp_client.put(_keys(1), [value])
+    assert tcp_client.lookup(_keys(1)) == 1

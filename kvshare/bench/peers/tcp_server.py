@@ -92,7 +92,9 @@ class _Connection:
             except (wire.PeerClosed, OSError):
                 return
             op, key_count, value_bytes = wire.REQUEST.unpack(self._header)
-            if key_count > wire.MAX_KEYS_PER_REQUEST:
+            # RESERVE's key_count counts buffers (clients x PUTs: over 4096 with 16
+            # clients), not keys sent; only requests that carry keys are bounded.
+            if op in wire.KEYED_OPS and key_count > wire.MAX_KEYS_PER_REQUEST:
                 self._send_reply(wire.STATUS_BAD_REQUEST)
                 return
             if op == wire.OP_PUT:

@@ -26,6 +26,7 @@ OP_GET = 2
 OP_CLEAR = 3
 OP_RESERVE = 4  # pre-allocate key_count pooled buffers of value_bytes (untimed set-up)
 OP_EXISTS = 5  # how many leading keys are held (the lookup a scheduler makes)
+KEYED_OPS = frozenset({OP_PUT, OP_GET, OP_EXISTS})  # requests followed by key_count keys
 
 STATUS_OK = 0
 STATUS_BAD_REQUEST = 1

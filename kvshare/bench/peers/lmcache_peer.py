@@ -14,7 +14,8 @@ from lmcache 0.5.6 (`lmcache/v1/protocol.py`, `lmcache/v1/server/__main__.py`):
 PUT has no reply, so a PUT here is followed by an EXIST on the same connection (the
 server handles one connection in order): the PUT figures include that round trip and
 are acknowledged like every other system's. The server has no batch GET; a batch is
-pipelined (all requests sent, then all replies read), the best its protocol allows.
+pipelined (all requests sent, then all replies read), the best its protocol allows;
+so is a lookup (one EXIST per key: there is no multi-key EXIST).
 It has no eviction, authentication, TLS or integrity checks.
 """
 

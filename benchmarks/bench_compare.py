@@ -32,9 +32,10 @@ Cell = tuple[str, str, int, int, int]  # system, op, value bytes, clients, block
 def load(path: Path) -> dict[Cell, list[float]]:
     rows = json.loads(path.read_text())["results"]
     return {
-        (r["system"], r["op"], r["value_bytes"], r["clients"], r.get("blocks_per_call", 1)): r[
-            "mb_per_s_rounds"
-        ]
+        # throughput_rounds: calls/s for lookup rows (their MB/s is 0); older runs lack it.
+        (r["system"], r["op"], r["value_bytes"], r["clients"], r.get("blocks_per_call", 1)): r.get(
+            "throughput_rounds", r["mb_per_s_rounds"]
+        )
         for r in rows
     }
 

@@ -71,9 +71,53 @@ def batch_table(results: list[dict[str, Any]]) -> str:
             f"{r.get('ratio_to_tcp') or 0:.2f}",
         ]
         for r in results
-        if r["blocks_per_call"] > 1
+        if r["blocks_per_call"] > 1 and r["op"] != "lookup"
     ]
     return table(["system", "clients", "MB/s", "blocks/s per client", "p50 ms", "x tcp"], rows)
+
+
+def lookup_table(results: list[dict[str, Any]]) -> str:
+    """Lookup rows: one call asking about N present blocks; calls/s, not MB/s."""
+    rows = [
+        [
+            r["system"],
+            str(r["clients"]),
+            str(r["blocks_per_call"]),
+            f"{r['calls_per_s']:,.0f}",
+            f"{r['p50_ms']:.3f}",
+            f"{r['p99_ms']:.3f}",
+            f"{r.get('ratio_to_tcp') or 0:.2f}",
+            server_cpu(r),
+        ]
+        for r in results
+        if r["op"] == "lookup"
+    ]
+    header = ["system", "clients", "digests", "calls/s", "p50 ms", "p99 ms", "x tcp"]
+    return table([*header, "server CPU us/call"], rows)
+
+
+def server_cpu(row: dict[str, Any]) -> str:
+    value = row.get("server_cpu_us_per_call")
+    return "-" if value is None else f"{value:,.0f}"
+
+
+def server_cpu_table(results: list[dict[str, Any]]) -> str:
+    """Server CPU per call of each GET/PUT cell, a column per client count: where the
+    server's time goes as clients are added."""
+    counts = sorted({r["clients"] for r in results})
+    index = {
+        (r["system"], r["op"], r["value_bytes"], r["clients"]): r
+        for r in results
+        if r.get("server_cpu_us_per_call") is not None and r["op"] != "lookup"
+    }
+    cells = sorted({key[:3] for key in index}, key=lambda k: (k[1], k[2], k[0]))
+    rows = [
+        [system, op, SIZES.get(size, str(size))]
+        + [server_cpu(index[(system, op, size, n)]) if (system, op, size, n) in index else "-"
+           for n in counts]
+        for system, op, size in cells
+    ]  # fmt: skip
+    return table(["system", "op", "size", *(f"{n} client(s)" for n in counts)], rows)
 
 
 def ratio_table(results: list[dict[str, Any]], systems: list[str], reference: str) -> str:
@@ -127,8 +171,18 @@ def render(doc: dict[str, Any]) -> str:
     parts = [
         throughput_tables(results),
         "Batched GET (one call for many 64 KiB blocks):\n\n" + batch_table(results),
-        "Targets:\n\n" + checks_table(doc["checks"]),
     ]
+    if any(r["op"] == "lookup" for r in results):
+        parts.append(
+            "Lookup (one call asking whether N present blocks are held; calls/s, ratio "
+            "to raw TCP's EXISTS request in the same round):\n\n" + lookup_table(results)
+        )
+    if any(r.get("server_cpu_us_per_call") is not None for r in results):
+        parts.append(
+            "Server CPU time per call (user+sys of the server's threads in the timed "
+            "part, over the cell's calls), us:\n\n" + server_cpu_table(results)
+        )
+    parts.append("Targets:\n\n" + checks_table(doc["checks"]))
     over_tcp = [v for v in variants if v.startswith(("kvshare-tls", "kvshare-grpc"))]
     same_host = [v for v in variants if v not in over_tcp]
     if "kvshare" in systems and same_host:

@@ -30,7 +30,10 @@ MIN_CALLS_PER_CELL = 3
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", help="value sizes, e.g. 64KiB,512KiB,2MiB,8MiB (the default)")
-    parser.add_argument("--clients", help="client process counts, e.g. 1,4 (the default)")
+    parser.add_argument(
+        "--clients",
+        help=f"client process counts, e.g. 1,4 (the default) or 1,4,16; at most {cfg.MAX_CLIENTS}",
+    )
     parser.add_argument("--rounds", type=int, help=f"interleaved rounds (default {DEFAULT_ROUNDS})")
     parser.add_argument(
         "--systems",
@@ -50,6 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="64 KiB blocks per batched GET "
         f"(default {cfg.DEFAULT_BATCH_BLOCKS}; 0 leaves batch rows out)",
+    )
+    parser.add_argument(
+        "--lookup-blocks",
+        type=int,
+        help="digests of present 64 KiB blocks per lookup call "
+        f"(default {cfg.DEFAULT_LOOKUP_BLOCKS}; 0 leaves lookup rows out)",
     )
     parser.add_argument(
         "--lmcache-python",
@@ -97,8 +106,11 @@ def config_from_args(args: argparse.Namespace) -> cfg.BenchConfig:
     seconds = _pick(args.seconds, QUICK_SECONDS_PER_CELL, DEFAULT_SECONDS_PER_CELL, quick)
     put_mib = _pick(args.put_mib, QUICK_PUT_MIB_PER_CLIENT, DEFAULT_PUT_MIB_PER_CLIENT, quick)
     batch = _pick(args.batch_blocks, QUICK_BATCH_BLOCKS, cfg.DEFAULT_BATCH_BLOCKS, quick)
+    lookup = cfg.DEFAULT_LOOKUP_BLOCKS if args.lookup_blocks is None else args.lookup_blocks
     if rounds < 1 or seconds <= 0 or put_mib < 1 or batch < 0:
         raise ValueError("--rounds, --seconds and --put-mib must be positive, --batch-blocks >= 0")
+    if not 0 <= lookup <= cfg.MAX_LOOKUP_BLOCKS:
+        raise ValueError(f"--lookup-blocks must be from 0 to {cfg.MAX_LOOKUP_BLOCKS}")
     return cfg.BenchConfig(
         sizes=_pick(sizes, cfg.QUICK_SIZES, cfg.DEFAULT_SIZES, quick),
         client_counts=_pick(clients, cfg.QUICK_CLIENT_COUNTS, cfg.DEFAULT_CLIENT_COUNTS, quick),
@@ -108,6 +120,7 @@ def config_from_args(args: argparse.Namespace) -> cfg.BenchConfig:
         put_bytes_per_client=put_mib * cfg.MIB,
         min_calls_per_cell=MIN_CALLS_PER_CELL,
         batch_blocks=batch,
+        lookup_blocks=lookup,
         lmcache_python=args.lmcache_python,
         workdir=args.workdir,
         is_json=bool(args.json),

@@ -31,6 +31,13 @@ KNOWN_SYSTEMS = (*DEFAULT_SYSTEMS, "tcp-tls", "kvshare-nosync", "kvshare-grpc", 
 TWO_HOST_SYSTEMS = tuple(s for s in DEFAULT_SYSTEMS if s not in ("redis-unix", "kvshare"))
 BATCH_BLOCK_BYTES = 64 * KIB
 DEFAULT_BATCH_BLOCKS = 64  # one restore of 64 blocks: 16k tokens at 256 tokens per block
+# Digests per lookup: the prefix of a 16k-token request, asked about once per new request.
+DEFAULT_LOOKUP_BLOCKS = 64
+MAX_LOOKUP_BLOCKS = 4096  # the raw-TCP peer's keys per request (tcp_wire.MAX_KEYS_PER_REQUEST)
+# Client processes per cell: kvshare's bulk listener lets one principal hold 64
+# connections (cacheserver.transport.bulk.slots.MAX_PER_PRINCIPAL), and the bench's
+# clients share one principal; past it a client would fall back to gRPC.
+MAX_CLIENTS = 64
 
 _SIZE = re.compile(r"^\s*(\d+)\s*([kmg]i?b?|b)?\s*$", re.IGNORECASE)
 _UNIT_BYTES = {"": 1, "b": 1, "k": KIB, "m": MIB, "g": 1024 * MIB}
@@ -52,6 +59,7 @@ class BenchConfig:
     # Servers in one network namespace, clients in another, joined by a veth pair
     # (kvshare.bench.netns; root only). Rows carry "topology": "two-host" / "loopback".
     is_two_host: bool = False
+    lookup_blocks: int = DEFAULT_LOOKUP_BLOCKS  # digests per lookup call; 0: no lookup rows
 
 
 def parse_size(text: str) -> int:
@@ -71,9 +79,17 @@ def parse_sizes(text: str) -> tuple[int, ...]:
 
 
 def parse_counts(text: str) -> tuple[int, ...]:
-    counts = tuple(int(part) for part in text.split(",") if part.strip())
+    try:
+        counts = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ValueError(f"client counts {text!r}: write integers, e.g. 1,4,16") from None
     if not counts or min(counts) < 1:
         raise ValueError(f"client counts {text!r} must be positive integers")
+    if max(counts) > MAX_CLIENTS:
+        raise ValueError(
+            f"client count {max(counts)} is over {MAX_CLIENTS}: kvshare's bulk listener "
+            f"lets one principal (all the bench's clients) hold {MAX_CLIENTS} connections"
+        )
     return counts
 
 

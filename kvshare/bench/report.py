@@ -12,14 +12,25 @@ from kvshare.bench.checks import VARIANTS, Check
 from kvshare.bench.config import BenchConfig, format_size
 from kvshare.bench.placement import LOOPBACK_TOPOLOGY, TWO_HOST_TOPOLOGY
 from kvshare.bench.runner import RunOutcome
-from kvshare.bench.stats import BATCH_SUFFIX, REFERENCE_SYSTEMS, Row
+from kvshare.bench.stats import (
+    BATCH_SUFFIX,
+    LOOKUP_OP,
+    REFERENCE_SYSTEMS,
+    THROUGHPUT_UNIT,
+    Row,
+)
 
 NOTES = {
     "lmcache": "LMCache PUT has no reply: each PUT here waits for an EXIST on the same "
     "connection; batched GETs are pipelined single GETs (its protocol has no batch).",
-    "redis": "Redis runs without persistence (--save '' --appendonly no); batched GET is MGET.",
-    "tcp": "raw TCP is the ceiling: a Python socket server, no auth, eviction or integrity.",
+    "redis": "Redis runs without persistence (--save '' --appendonly no); batched GET is MGET; "
+    "lookup is EXISTS k1 ... kn.",
+    "tcp": "raw TCP is the ceiling: a Python socket server, no auth, eviction or integrity; "
+    "its lookup is one EXISTS request (the keys of a GET, a count back).",
+    LOOKUP_OP: "lookup rows: one call asks whether N present blocks are held (kvshare: the "
+    "gRPC Lookup); throughput in calls/s, MB/s 0, x peer compares calls/s.",
 }
+LMCACHE_LOOKUP_NOTE = " Its lookup is pipelined EXISTs, one per key (no multi-key EXIST)."
 
 
 def machine_description() -> dict[str, Any]:
@@ -59,6 +70,14 @@ def row_to_json(row: Row, topology: str = LOOPBACK_TOPOLOGY) -> dict[str, Any]:
         "p99_ms": round(row.p99_ms, 4),
         "blocks_per_call": row.blocks_per_call,
         "blocks_per_s_per_client": round(row.blocks_per_s_per_client, 1),
+        "calls_per_s": round(row.calls_per_s, 1),
+        # What throughput_rounds and ratio_to_* measure: calls_per_s for a lookup row
+        # (which moves no payload: its mb_per_s is 0), mb_per_s otherwise.
+        "throughput_unit": THROUGHPUT_UNIT[row.op],
+        "throughput_rounds": [round(v, 3) for v in row.throughput_rounds],
+        # Server CPU (user+sys, all its threads) in the timed part per call; null where
+        # the harness does not know the server's processes.
+        "server_cpu_us_per_call": _round_or_none(row.server_cpu_us_per_call, 1),
         "rounds": len(row.mb_per_s_rounds),
         "mb_per_s_rounds": [round(v, 3) for v in row.mb_per_s_rounds],
     }
@@ -125,24 +144,32 @@ def _render(lines: Sequence[Sequence[str]], left_aligned: int) -> str:
 
 def format_table(rows: Sequence[Row]) -> str:
     header = (
-        "system", "op", "size", "clients", "MB/s", "p50 ms", "p99 ms",
-        "x tcp", "x redis", "x lmcache", "blocks/s/client",
+        "system", "op", "size", "clients", "MB/s", "calls/s", "p50 ms", "p99 ms",
+        "x tcp", "x redis", "x lmcache", "blocks/s/client", "srv CPU us/call",
     )  # fmt: skip
     lines = [header]
     for row in rows:
+        is_lookup = row.op == LOOKUP_OP
+        cpu = row.server_cpu_us_per_call
         lines.append(
             (
                 row.system,
                 row.op,
-                format_size(row.value_bytes),
+                f"{row.blocks_per_call} x {format_size(row.value_bytes)}"
+                if is_lookup
+                else format_size(row.value_bytes),
                 str(row.clients),
-                f"{row.mb_per_s:,.0f}",
+                "" if is_lookup else f"{row.mb_per_s:,.0f}",
+                f"{row.calls_per_s:,.0f}",
                 f"{row.p50_ms:.3f}",
                 f"{row.p99_ms:.3f}",
                 _ratio(row, "tcp"),
                 _ratio(row, "redis"),
                 _ratio(row, "lmcache"),
-                f"{row.blocks_per_s_per_client:,.0f}" if row.blocks_per_call > 1 else "",
+                f"{row.blocks_per_s_per_client:,.0f}"
+                if row.blocks_per_call > 1 and not is_lookup
+                else "",
+                "" if cpu is None else f"{cpu:,.0f}",
             )
         )
     return _render(lines, left_aligned=2)
@@ -216,6 +243,14 @@ def format_report(
         parts += ["", title, against_lmcache]
     families = {row.system.removesuffix("-batch").split("-")[0] for row in rows}
     notes = [NOTES[name] for name in ("tcp", "redis", "lmcache") if name in families]
+    if "lmcache" in families and any(row.op == LOOKUP_OP for row in rows):
+        notes[-1] += LMCACHE_LOOKUP_NOTE
+    if any(row.op == LOOKUP_OP for row in rows):
+        notes.append(NOTES[LOOKUP_OP])
+    notes.append(
+        "srv CPU us/call: the server's CPU time (user+sys, all threads) in the timed part "
+        "over the cell's calls; for a PUT cell it includes writing behind earlier PUTs."
+    )
     notes += [f"{name} not run: {why}" for name, why in outcome.skipped.items()]
     notes += [f"{name} FAILED: {why}" for name, why in outcome.failed.items()]
     if notes:

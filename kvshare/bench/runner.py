@@ -3,7 +3,10 @@
 Only one system's server runs at a time, so peers never compete for the two cores or
 for memory, and each server is started fresh every round (LMCache's server and
 kvshare's dev store cannot drop values, so a fresh start bounds their memory). Within
-a system, a PUT cell writes the values its GET cell then reads back.
+a system, a PUT cell writes the values its GET cell then reads back; a lookup cell
+asks, one call at a time, whether `lookup_blocks` blocks a client just wrote are held.
+Around each cell's timed part the harness reads the server's CPU time
+(kvshare.bench.cpu), so a row says what one call cost the server as well as the client.
 """
 
 from __future__ import annotations
@@ -18,9 +21,10 @@ from pathlib import Path
 from typing import TextIO
 
 from kvshare.bench.config import BATCH_BLOCK_BYTES, BenchConfig, format_size
+from kvshare.bench.cpu import cpu_seconds, per_call_us
 from kvshare.bench.peers.base import BenchError, System
 from kvshare.bench.placement import LOOPBACK, Placement
-from kvshare.bench.stats import Sample, summarize_cell
+from kvshare.bench.stats import LOOKUP_OP, Sample, summarize_cell
 from kvshare.bench.worker import CellPlan, WorkerPool
 
 GET_MAX_CALLS = 1_000_000  # GET cells are bounded by time; this only guards a runaway
@@ -128,6 +132,15 @@ def _run_system_round(
                     )
                     if system.clear():
                         pool.forget()
+                if config.lookup_blocks > 0 and system.supports_lookup:
+                    plan = _plan(
+                        config, LOOKUP_OP, BATCH_BLOCK_BYTES, config.lookup_blocks, GET_MAX_CALLS
+                    )
+                    samples.append(
+                        _run_cell(pool, plan, system, clients, round_index, progress, label)
+                    )
+                    if system.clear():
+                        pool.forget()
     finally:
         system.stop()
 
@@ -152,13 +165,33 @@ def _run_cell(
     progress: Progress,
     label: str,
 ) -> Sample:
-    figures = summarize_cell(pool.run_cell(plan), plan.value_bytes, plan.blocks_per_call)
+    """One cell: untimed set-up, then the timed part with the server's CPU read around it."""
+    pool.prepare_cell(plan)
+    pids = system.server_pids()
+    cpu_before_s = cpu_seconds(pids)
+    outcomes = pool.time_cell(plan)
+    cpu_after_s = cpu_seconds(pids)
+    calls = sum(outcome.calls for outcome in outcomes)
+    figures = summarize_cell(
+        outcomes,
+        plan.value_bytes,
+        plan.blocks_per_call,
+        per_call_us(cpu_before_s, cpu_after_s, calls),
+        op=plan.op,
+    )
     sample = Sample(
         system.name, plan.op, plan.value_bytes, clients, plan.blocks_per_call, round_index, figures
     )
     batch = f" x{plan.blocks_per_call} blocks" if plan.blocks_per_call > 1 else ""
+    rate = (
+        f"{figures.calls_per_s:,.0f} calls/s"
+        if plan.op == LOOKUP_OP
+        else f"{figures.mb_per_s:,.0f} MB/s"
+    )
+    cpu = figures.server_cpu_us_per_call
+    server = "" if cpu is None else f", server {cpu:,.0f} us CPU/call"
     progress.say(
         f"{label}: {plan.op} {format_size(plan.value_bytes)}{batch}, {clients} client(s): "
-        f"{figures.mb_per_s:,.0f} MB/s, p50 {figures.p50_ms:.2f} ms, {figures.calls} calls"
+        f"{rate}, p50 {figures.p50_ms:.2f} ms, {figures.calls} calls{server}"
     )
     return sample

@@ -23,6 +23,10 @@ REFERENCE_SYSTEMS = (
     "redis-cluster",
 )
 BATCH_SUFFIX = "-batch"
+# A lookup cell moves no payload: its throughput is calls per second (`calls_per_s`),
+# its `mb_per_s` is 0, and its ratios to peers compare calls per second.
+LOOKUP_OP = "lookup"
+THROUGHPUT_UNIT = {"get": "mb_per_s", "put": "mb_per_s", LOOKUP_OP: "calls_per_s"}
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,14 @@ class CellFigures:
     p99_ms: float
     calls: int
     blocks_per_s_per_client: float
+    calls_per_s: float = 0.0  # over all clients
+    # The server's CPU time in the timed part over `calls` (kvshare.bench.cpu); None
+    # where the harness does not know the server's processes.
+    server_cpu_us_per_call: float | None = None
+
+    def throughput(self, op: str) -> float:
+        """What ratios compare: MB/s, or calls/s for a lookup (which moves no payload)."""
+        return self.calls_per_s if op == LOOKUP_OP else self.mb_per_s
 
 
 @dataclass(frozen=True)
@@ -49,7 +61,7 @@ class Sample:
     """One cell of one round: a system, an operation, a value size, a client count."""
 
     family: str  # "tcp", "kvshare-tls"...: the system without the batch suffix
-    op: str  # "get" | "put"
+    op: str  # "get" | "put" | "lookup"
     value_bytes: int
     clients: int
     blocks_per_call: int
@@ -58,7 +70,10 @@ class Sample:
 
     @property
     def system(self) -> str:
-        return self.family + (BATCH_SUFFIX if self.blocks_per_call > 1 else "")
+        """A batched GET or PUT is its own system (`-batch`); a lookup always has many
+        digests per call and keeps the family's name."""
+        is_batch = self.blocks_per_call > 1 and self.op != LOOKUP_OP
+        return self.family + (BATCH_SUFFIX if is_batch else "")
 
 
 @dataclass(frozen=True)
@@ -75,6 +90,9 @@ class Row:
     mb_per_s_rounds: tuple[float, ...]
     # median over rounds of (this / reference) in the same round; absent when not measured
     ratio_to: dict[str, float] = field(default_factory=dict)
+    calls_per_s: float = 0.0
+    server_cpu_us_per_call: float | None = None  # median over the rounds that measured it
+    throughput_rounds: tuple[float, ...] = ()  # per round, in THROUGHPUT_UNIT[op]
 
 
 def percentile(sorted_values: Sequence[int], fraction: float) -> float:
@@ -86,20 +104,28 @@ def percentile(sorted_values: Sequence[int], fraction: float) -> float:
 
 
 def summarize_cell(
-    outcomes: Sequence[CellOutcome], value_bytes: int, blocks_per_call: int
+    outcomes: Sequence[CellOutcome],
+    value_bytes: int,
+    blocks_per_call: int,
+    server_cpu_us_per_call: float | None = None,
+    *,
+    op: str = "get",
 ) -> CellFigures:
-    """Aggregate throughput over the span from the first start to the last end."""
+    """Aggregate throughput over the span from the first start to the last end. A
+    lookup moves no payload: its MB/s is 0 (its throughput is `calls_per_s`)."""
     span_s = max(o.ended_s for o in outcomes) - min(o.started_s for o in outcomes)
     calls = sum(o.calls for o in outcomes)
     blocks = calls * blocks_per_call
     latencies = sorted(lat for o in outcomes for lat in o.latencies_ns)
     span_s = max(span_s, 1e-9)
     return CellFigures(
-        mb_per_s=blocks * value_bytes / span_s / MB,
+        mb_per_s=0.0 if op == LOOKUP_OP else blocks * value_bytes / span_s / MB,
         p50_ms=percentile(latencies, 0.50) / 1e6,
         p99_ms=percentile(latencies, 0.99) / 1e6,
         calls=calls,
         blocks_per_s_per_client=blocks / span_s / len(outcomes),
+        calls_per_s=calls / span_s,
+        server_cpu_us_per_call=server_cpu_us_per_call,
     )
 
 
@@ -123,8 +149,9 @@ def aggregate(samples: Iterable[Sample]) -> list[Row]:
             for sample in cell:
                 ref_key = (reference, op, value_bytes, clients, blocks_per_call)
                 ref = by_round.get((ref_key, sample.round_index))
-                if ref is not None and ref.figures.mb_per_s > 0:
-                    per_round.append(sample.figures.mb_per_s / ref.figures.mb_per_s)
+                reference_throughput = 0.0 if ref is None else ref.figures.throughput(op)
+                if reference_throughput > 0:
+                    per_round.append(sample.figures.throughput(op) / reference_throughput)
             if per_round:
                 ratios[reference] = statistics.median(per_round)
         first = cell[0]
@@ -143,9 +170,19 @@ def aggregate(samples: Iterable[Sample]) -> list[Row]:
                 ),
                 mb_per_s_rounds=tuple(s.figures.mb_per_s for s in sorted(cell, key=_round)),
                 ratio_to=ratios,
+                calls_per_s=statistics.median(s.figures.calls_per_s for s in cell),
+                throughput_rounds=tuple(s.figures.throughput(op) for s in sorted(cell, key=_round)),
+                server_cpu_us_per_call=_median_or_none(
+                    s.figures.server_cpu_us_per_call for s in cell
+                ),
             )
         )
     return sorted(rows, key=_row_order)
+
+
+def _median_or_none(values: Iterable[float | None]) -> float | None:
+    known = [value for value in values if value is not None]
+    return statistics.median(known) if known else None
 
 
 def _round(sample: Sample) -> int:

@@ -25,7 +25,7 @@ from kvcommon.memtune import tune_allocator
 from kvshare.bench.buffers import STAMP_BYTES, random_value, read_stamp, stamp
 from kvshare.bench.netns import Host
 from kvshare.bench.peers.base import BenchClient, BenchError, ClientSpec
-from kvshare.bench.stats import CellOutcome
+from kvshare.bench.stats import LOOKUP_OP, CellOutcome
 
 START_DELAY_S = 0.05  # lets every client reach the shared start instant
 REPLY_SLACK_S = 120.0  # beyond the plan's own time: a stuck client fails the cell
@@ -33,7 +33,7 @@ REPLY_SLACK_S = 120.0  # beyond the plan's own time: a stuck client fails the ce
 
 @dataclass(frozen=True)
 class CellPlan:
-    op: str  # "put" | "get"
+    op: str  # "put" | "get" | "lookup" (of blocks_per_call present blocks of value_bytes)
     value_bytes: int
     blocks_per_call: int
     max_calls: int
@@ -71,10 +71,13 @@ class _ClientState:
     def prepare(self, plan: CellPlan) -> None:
         self.client.prepare(plan.value_bytes, plan.blocks_per_call)
         self.value(plan.value_bytes)
-        if plan.op == "get":
+        if plan.op in ("get", LOOKUP_OP):
             while len(self.stored.get(plan.value_bytes, [])) < plan.blocks_per_call:
                 self.put_one(plan.value_bytes)
             keys = self.stored[plan.value_bytes][: plan.blocks_per_call]
+            if plan.op == LOOKUP_OP:
+                self.check_lookup(self.client.lookup(keys), len(keys))
+                return
             found = self.client.get(keys)
             self.check(found, plan.value_bytes, 0, len(keys))
             expected = self.value(plan.value_bytes)[STAMP_BYTES:]
@@ -90,6 +93,11 @@ class _ClientState:
             if len(value) != value_bytes or read_stamp(value) not in (None, first + offset):
                 raise BenchError("GET returned a value of another key or size")
 
+    @staticmethod
+    def check_lookup(present: int, count: int) -> None:
+        if present != count:
+            raise BenchError(f"LOOKUP found {present} of {count} blocks just written")
+
     def run(self, plan: CellPlan, start_at_s: float) -> CellOutcome:
         time.sleep(max(0.0, start_at_s - time.perf_counter()))
         latencies: list[int] = []
@@ -99,6 +107,8 @@ class _ClientState:
         while calls < plan.max_calls and (calls < plan.min_calls or time.perf_counter() < deadline):
             if plan.op == "put":
                 self.put_one(plan.value_bytes, latencies)
+            elif plan.op == LOOKUP_OP:
+                self._timed_lookup(plan, calls, latencies)
             else:
                 self._timed_get(plan, calls, latencies)
             calls += 1
@@ -113,6 +123,15 @@ class _ClientState:
         found = self.client.get(keys)
         latencies.append(time.perf_counter_ns() - begin)
         self.check(found, plan.value_bytes, first, len(keys))
+
+    def _timed_lookup(self, plan: CellPlan, call: int, latencies: list[int]) -> None:
+        """One existence check of `blocks_per_call` present blocks (the same ones each
+        call: a scheduler asks about the prefix a new request shares)."""
+        keys = self.stored[plan.value_bytes][: plan.blocks_per_call]
+        begin = time.perf_counter_ns()
+        present = self.client.lookup(keys)
+        latencies.append(time.perf_counter_ns() - begin)
+        self.check_lookup(present, len(keys))
 
 
 def worker_main(spec: ClientSpec, worker_index: int, conn: Connection, namespace: str = "") -> None:
@@ -179,9 +198,15 @@ class WorkerPool:
     ) -> None:
         self.close()
 
-    def run_cell(self, plan: CellPlan) -> list[CellOutcome]:
+    def prepare_cell(self, plan: CellPlan) -> None:
+        """Every client's untimed set-up of `plan` (values written, buffers sized)."""
         self._broadcast(("prepare", plan))
         self._gather(timeout_s=REPLY_SLACK_S)
+
+    def time_cell(self, plan: CellPlan) -> list[CellOutcome]:
+        """The timed part of a prepared cell: all clients start at one instant; returns
+        once every client reported (nothing else runs meanwhile: the timed part is
+        what the server's CPU is read around)."""
         start_at_s = time.perf_counter() + START_DELAY_S
         self._broadcast(("run", plan, start_at_s))
         replies = self._gather(timeout_s=START_DELAY_S + plan.max_seconds + REPLY_SLACK_S)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from kvshare.bench.peers import kvshare_peer
 from kvshare.bench.peers.base import BenchError
 from kvshare.bench.peers.kvshare_peer import KvshareSystem
 from kvshare.bench.peers.lmcache_peer import find_lmcache_python
@@ -46,17 +48,29 @@ def _by_system(document: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]
 
 def _assert_contract(row: dict[str, Any]) -> None:
     assert set(row) >= CONTRACT_KEYS
-    assert row["op"] in ("get", "put")
-    assert row["mb_per_s"] > 0 and 0 < row["p50_ms"] <= row["p99_ms"]
+    assert row["op"] in ("get", "put", "lookup")
+    assert 0 < row["p50_ms"] <= row["p99_ms"] and row["calls_per_s"] > 0
+    if row["op"] == "lookup":  # no payload moves: its throughput is in calls/s
+        assert row["throughput_unit"] == "calls_per_s" and row["mb_per_s"] == 0
+        assert row["blocks_per_call"] == 64 and row["value_bytes"] == 64 * 1024
+    else:
+        assert row["throughput_unit"] == "mb_per_s" and row["mb_per_s"] > 0
+
+
+def _assert_server_cpu(row: dict[str, Any]) -> None:
+    """The server's CPU per call was read (not timed: only positive and finite)."""
+    cpu = row["server_cpu_us_per_call"]
+    assert cpu is not None and cpu > 0 and math.isfinite(cpu), row
 
 
 def test_json_contract_for_the_tcp_ceiling() -> None:
     document = _json_run("--systems", "tcp")
     rows = _by_system(document)
-    assert set(rows) == {("tcp", "get"), ("tcp", "put"), ("tcp-batch", "get")}
+    assert set(rows) == {("tcp", "get"), ("tcp", "put"), ("tcp-batch", "get"), ("tcp", "lookup")}
     for row in document["results"]:
         _assert_contract(row)
-        assert row["value_bytes"] == 16 * 1024 or row["system"] == "tcp-batch"
+        _assert_server_cpu(row)
+        assert row["value_bytes"] == 16 * 1024 or row["blocks_per_call"] > 1
         assert row["clients"] == 1
         assert row["ratio_to_tcp"] == 1.0
         assert row["topology"] == "loopback"  # docs/design.md §8: every row says where it ran
@@ -71,8 +85,10 @@ def test_redis_runs_beside_tcp_with_ratios() -> None:
     assert {("redis", "get"), ("redis", "put"), ("redis-batch", "get")} <= set(rows)
     for row in document["results"]:
         _assert_contract(row)
+        _assert_server_cpu(row)
         assert row["clients"] == 2
     assert rows[("redis", "get")]["ratio_to_tcp"] > 0
+    assert rows[("redis", "lookup")]["ratio_to_tcp"] > 0  # EXISTS beside the ceiling's
 
 
 def test_kvshare_its_transports_and_security_variants() -> None:
@@ -80,13 +96,49 @@ def test_kvshare_its_transports_and_security_variants() -> None:
     assert document["failed"] == {} and document["skipped"] == {}
     rows = _by_system(document)
     for system in ("kvshare", "kvshare-tcp", "kvshare-tls-sealed"):
-        _assert_contract(rows[(system, "get")])
-        _assert_contract(rows[(system, "put")])
+        for op in ("get", "put", "lookup"):
+            _assert_contract(rows[(system, op)])
+            _assert_server_cpu(rows[(system, op)])
         assert rows[(f"{system}-batch", "get")]["blocks_per_call"] == 4
+        _assert_server_cpu(rows[(f"{system}-batch", "get")])
     assert rows[("kvshare-tls-sealed", "get")]["ratio_to_kvshare-tcp"] > 0
     assert rows[("kvshare-tcp", "get")]["ratio_to_kvshare"] > 0
     notes = {check["note"] for check in document["checks"]}
     assert {"cost of TLS and sealing", "TCP instead of the same-host arena"} <= notes
+
+
+def test_more_clients_than_the_default_arena_cap_use_the_bulk_channel() -> None:
+    """9 client processes: past the server's default 8 same-host arenas per principal.
+    The run fails if a cell fell back to gRPC or a client was refused an arena."""
+    document = _json_run("--systems", "kvshare", "--clients", "9", "--batch-blocks", "0")
+    assert document["failed"] == {}, document["failed"]
+    rows = _by_system(document)
+    assert set(rows) == {("kvshare", "get"), ("kvshare", "put"), ("kvshare", "lookup")}
+    for row in rows.values():
+        assert row["clients"] == 9
+        _assert_contract(row)
+        _assert_server_cpu(row)
+
+
+def test_a_client_refused_an_arena_fails_its_cell(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Positive control of the check above: a server with one arena for the principal,
+    two same-host clients; the second gets TCP, and its next cell's set-up refuses."""
+    monkeypatch.setattr(kvshare_peer, "MAX_BULK_CONNECTIONS", 1)
+    system = KvshareSystem()
+    spec = system.start(tmp_path)
+    clients = [spec.connect() for _ in range(2)]
+    try:
+        for client in clients:
+            client.put([bytes(32)], [memoryview(b"x" * 1000)])
+        clients[0].prepare(1000, 1)
+        with pytest.raises(BenchError, match="refused an arena and used TCP"):
+            clients[1].prepare(1000, 1)
+    finally:
+        for client in clients:
+            client.close()
+        system.stop()
 
 
 @pytest.mark.skipif(find_lmcache_python(None) is None, reason="no LMCache venv (setup_lmcache.sh)")
@@ -94,14 +146,20 @@ def test_lmcache_server_speaks_its_protocol() -> None:
     document = _json_run("--systems", "lmcache")
     assert document["failed"] == {}, document["failed"]
     rows = _by_system(document)
-    _assert_contract(rows[("lmcache", "get")])
-    _assert_contract(rows[("lmcache", "put")])
+    for op in ("get", "put", "lookup"):
+        _assert_contract(rows[("lmcache", op)])
+        _assert_server_cpu(rows[("lmcache", op)])
 
 
 def test_a_missing_peer_is_skipped_with_a_note() -> None:
     document = _json_run("--systems", "tcp,lmcache", "--lmcache-python", "/nonexistent/python")
     assert "lmcache" in document["skipped"]
     assert {row["system"] for row in document["results"]} == {"tcp", "tcp-batch"}
+
+
+def test_lookup_rows_can_be_left_out() -> None:
+    document = _json_run("--systems", "tcp", "--lookup-blocks", "0", "--batch-blocks", "0")
+    assert {row["op"] for row in document["results"]} == {"get", "put"}
 
 
 def test_table_on_stdout_and_progress_on_stderr() -> None:

@@ -90,3 +90,18 @@ def test_cli_module_imports_nothing_heavy() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_sixteen_clients_are_accepted_and_past_the_bulk_cap_refused() -> None:
+    assert cli.config_from_args(_args("--clients", "1,4,16")).client_counts == (1, 4, 16)
+    with pytest.raises(ValueError, match="bulk listener"):
+        cli.config_from_args(_args("--clients", "65"))
+    with pytest.raises(ValueError, match="write integers"):
+        cli.config_from_args(_args("--clients", "1,many"))
+
+
+def test_lookup_blocks_default_and_bounds() -> None:
+    assert cli.config_from_args(_args()).lookup_blocks == 64
+    assert cli.config_from_args(_args("--lookup-blocks", "0")).lookup_blocks == 0
+    with pytest.raises(ValueError, match="--lookup-blocks"):
+        cli.config_from_args(_args("--lookup-blocks", "5000"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvshare.bench.stats import (
+    LOOKUP_OP,
     CellFigures,
     CellOutcome,
     Sample,
@@ -79,3 +80,31 @@ def test_batch_rows_compare_with_batch_rows_only() -> None:
 def test_rows_are_ordered_by_op_clients_size_then_system() -> None:
     samples = [_sample("kvshare", 1, 0), _sample("redis", 1, 0), _sample("tcp", 1, 0)]
     assert [row.system for row in aggregate(samples)] == ["tcp", "redis", "kvshare"]
+
+
+def _lookup(family: str, calls_per_s: float, round_index: int, cpu: float | None) -> Sample:
+    figures = CellFigures(0.0, 1.0, 2.0, 10, 0.0, calls_per_s, cpu)
+    return Sample(family, LOOKUP_OP, 64 << 10, 1, 64, round_index, figures)
+
+
+def test_lookup_rows_keep_the_name_and_compare_calls_per_second() -> None:
+    samples = [
+        _lookup("tcp", 10_000, 0, 40.0),
+        _lookup("kvshare", 1_000, 0, 900.0),
+        _lookup("tcp", 20_000, 1, None),
+        _lookup("kvshare", 4_000, 1, 1100.0),
+    ]
+    rows = {row.system: row for row in aggregate(samples)}
+    assert set(rows) == {"tcp", "kvshare"}  # 64 digests per call, yet no "-batch"
+    assert rows["kvshare"].ratio_to["tcp"] == pytest.approx(0.15)  # median of 0.1, 0.2
+    assert rows["kvshare"].throughput_rounds == (1_000, 4_000)
+    assert rows["kvshare"].mb_per_s == 0.0
+    assert rows["kvshare"].server_cpu_us_per_call == pytest.approx(1000.0)
+    assert rows["tcp"].server_cpu_us_per_call == pytest.approx(40.0)  # rounds without: left out
+
+
+def test_a_lookup_cell_moves_no_megabytes() -> None:
+    outcomes = [CellOutcome(0.0, 2.0, 10, (1_000_000,) * 10)]
+    figures = summarize_cell(outcomes, 64 << 10, 64, 12.5, op=LOOKUP_OP)
+    assert figures.mb_per_s == 0.0 and figures.calls_per_s == pytest.approx(5.0)
+    assert figures.server_cpu_us_per_call == 12.5

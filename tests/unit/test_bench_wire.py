@@ -86,3 +86,49 @@ def test_lmcache_headers_have_the_servers_sizes() -> None:
     assert int(chunk_hash, 16) == int.from_bytes(digest, "big")
     assert (world_size, worker_id, dtype) == ("1", "0", "uint8")
     assert model
+
+
+def test_exists_counts_the_leading_keys_held(tcp_client: TcpClient) -> None:
+    value = memoryview(random_value(100, seed=3))[:100]
+    keys = _keys(4)
+    for key in (keys[0], keys[1], keys[3]):
+        tcp_client.put([key], [value])
+    assert tcp_client.lookup(keys) == 2
+    assert tcp_client.lookup(keys[:2]) == 2
+    assert tcp_client.lookup([]) == 0
+
+
+def test_lmcache_lookup_pipelines_one_exist_per_key_and_reads_every_reply() -> None:
+    """Against a stand-in for the server: EXIST requests in, header-only replies out
+    (200 for the first two keys, 400 after); the client stays in sync for the next."""
+    server_end, client_end = socket.socketpair()
+    seen: list[int] = []
+
+    def serve(rounds: int) -> None:
+        for _ in range(rounds):
+            for index in range(3):
+                request = bytearray(lmcache_peer.REQUEST.size)
+                tcp_wire.recv_exact(server_end, memoryview(request))
+                seen.append(lmcache_peer.REQUEST.unpack(request)[0])
+                code = lmcache_peer.CODE_SUCCESS if index < 2 else 400
+                server_end.sendall(lmcache_peer.REPLY.pack(code, 0, 0, 0, 0, 0, 0, 0, 0))
+
+    thread = threading.Thread(target=serve, args=(2,))
+    thread.start()
+    client = lmcache_peer.LmcacheClient(client_end)
+    try:
+        assert client.lookup(_keys(3)) == 2
+        assert client.lookup(_keys(3)) == 2
+    finally:
+        thread.join(timeout=5)
+        client.close()
+        server_end.close()
+    assert seen == [lmcache_peer.CMD_EXIST] * 6
+
+
+def test_reserve_counts_buffers_not_keys(tcp_client: TcpClient) -> None:
+    """16 clients x 1024 PUTs of 64 KiB: a RESERVE past MAX_KEYS_PER_REQUEST is fine."""
+    tcp_client.control(tcp_wire.OP_RESERVE, tcp_wire.MAX_KEYS_PER_REQUEST + 1, 1)
+    value = memoryview(random_value(100, seed=4))[:100]
+    tcp_client.put(_keys(1), [value])
+    assert tcp_client.lookup(_keys(1)) == 1

@@ -36,6 +36,10 @@ class BenchClient(Protocol):
     def get(self, keys: Sequence[bytes]) -> Sequence[memoryview | bytes]:
         """The values of the leading keys present (a view may be reused by the next call)."""
 
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """How many of `keys` the server holds, in one request where the protocol
+        allows (no payload moves): what a scheduler asks per new request."""
+
     def close(self) -> None: ...
 
 
@@ -51,6 +55,8 @@ class System(Protocol):
     # round trip after it (see the system's module), and the report says so.
     is_put_acknowledged: bool
     supports_batch_get: bool
+    # False where the protocol cannot ask whether keys exist without reading them.
+    supports_lookup: bool
 
     def unavailable_reason(self) -> str | None:
         """Why this system cannot run here (not installed, not built yet), or None."""
@@ -62,6 +68,10 @@ class System(Protocol):
 
     def clear(self) -> bool:
         """Drop stored values between cells; False where the server cannot."""
+
+    def server_pids(self) -> list[int]:
+        """The running server's processes, whose CPU time the harness reads around each
+        timed cell (kvshare.bench.cpu); [] where it does not know them."""
 
     def stop(self) -> None: ...
 
@@ -141,3 +151,8 @@ class ServerProcess:
                 self.process.kill()
                 self.process.wait(timeout=10)
         self._log.close()
+
+    @property
+    def pid(self) -> int:
+        """The server's pid (under `ip netns exec` the same process: it execs)."""
+        return self.process.pid

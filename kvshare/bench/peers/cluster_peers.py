@@ -31,6 +31,7 @@ from typing import Any
 
 from kvshare.bench import redis_cluster
 from kvshare.bench.peers.base import BenchError, ServerProcess
+from kvshare.bench.peers.kvshare_peer import MAX_BULK_CONNECTIONS
 from kvshare.bench.peers.redis_peer import RedisClient, _zero_copy_connection_class
 from kvshare.bench.placement import LOOPBACK, Placement
 
@@ -71,6 +72,7 @@ class RedisClusterSystem:
     name = "redis-cluster"
     is_put_acknowledged = True
     supports_batch_get = True
+    supports_lookup = True  # EXISTS, split by slot
 
     def __init__(self, placement: Placement = LOOPBACK) -> None:
         self._at = placement
@@ -94,6 +96,9 @@ class RedisClusterSystem:
             return False
         self._cluster.flushall()
         return True
+
+    def server_pids(self) -> list[int]:
+        return _node_pids(self._cluster)
 
     def stop(self) -> None:
         if self._cluster is not None:
@@ -153,6 +158,15 @@ class KvshareClusterClient:
             found = self._reader.get_views(TENANT, MODEL, list(keys))
         return found
 
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """One Lookup through B; where B does not see every key yet (A writes behind
+        its acks: only while a cell is prepared), waits until it does and asks again."""
+        present = int(self._reader.lookup(TENANT, MODEL, list(keys)))
+        if present < len(keys):
+            self._visible(keys)
+            present = int(self._reader.lookup(TENANT, MODEL, list(keys)))
+        return present
+
     def _visible(self, keys: Sequence[bytes]) -> None:
         """Until B finds every key (A writes to the cluster behind its acks)."""
         deadline = time.monotonic() + VISIBLE_TIMEOUT_S
@@ -166,6 +180,12 @@ class KvshareClusterClient:
         self._reader.close()
 
 
+def _node_pids(cluster: redis_cluster.LocalRedisCluster | None) -> list[int]:
+    if cluster is None:
+        return []
+    return [node.process.pid for node in cluster.running() if node.process is not None]
+
+
 def _blocks_held(client: Any) -> int:
     return sum(int(t.blocks) for t in client.stats().tenants if t.tenant == TENANT)
 
@@ -173,6 +193,7 @@ def _blocks_held(client: Any) -> int:
 class KvshareClusterSystem:
     is_put_acknowledged = True
     supports_batch_get = True
+    supports_lookup = True  # through B
 
     def __init__(self, *, warm: bool = False, placement: Placement = LOOPBACK) -> None:
         self.name = "kvshare-cluster-warm" if warm else "kvshare-cluster"
@@ -211,7 +232,10 @@ class KvshareClusterSystem:
             f'[[tenants]]\nid = "{TENANT}"\n'
             f'[[principals]]\nname = "bench"\ntoken_sha256 = "{digest}"\n'
             f'tenants = ["{TENANT}"]\nactions = ["read", "write", "admin"]\n'
+            "requests_per_s = 0\n"  # as kvshare_peer's: the bench's clients are not throttled
             f"[redis_cluster]\nnodes = [{nodes}]\nlocal_copies = {str(keep).lower()}\n"
+            f"[bulk]\nmax_arenas = {MAX_BULK_CONNECTIONS}\n"
+            f"max_arenas_per_principal = {MAX_BULK_CONNECTIONS}\n"
         )
         argv = [sys.executable, "-m", "kvshare.cli", "serve", "--config", str(config)]
         argv += ["--data-dir", str(workdir / f"{self.name}-{role}-data")]
@@ -225,6 +249,10 @@ class KvshareClusterSystem:
 
     def clear(self) -> bool:
         return False  # a fresh cluster and servers per round bound what they hold
+
+    def server_pids(self) -> list[int]:
+        """Both kvshare servers and the cluster's nodes: the whole backend of a call."""
+        return [server.pid for server in self._servers] + _node_pids(self._cluster)
 
     def stop(self) -> None:
         for server in self._servers:

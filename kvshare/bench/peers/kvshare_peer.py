@@ -1,9 +1,17 @@
-"""kvshare itself: `kvshare serve` in dev mode as a subprocess, driven by `BlockClient`.
+"""kvshare itself: `kvshare serve` as a subprocess, driven by `BlockClient`.
 
 Plain `kvshare` runs the server's and client's defaults, as a user on the server's
 host would: the put journal, no TLS on loopback, no sealing, and the bulk channel's
-same-host transport (payloads through a shared-memory arena). Variants are the same
-system with options, so their ratio to a base within a round is the cost of an option:
+same-host transport (payloads through a shared-memory arena). The server reads a
+config file that says what dev mode would (tenant `dev`, one principal with read and
+write at an unlimited rate, its token made per run) and changes one default: the
+bench's one principal may hold `MAX_BULK_CONNECTIONS` same-host arenas (`[bulk]
+max_arenas`, `max_arenas_per_principal`), as every client process of one replica
+host would need; with the default 8, clients past the 8th would be refused an arena
+and use TCP, so a 16-client cell would measure a mix. A client that was refused one
+anyway fails the cell (`KvshareClient.prepare`), as a cell that fell back to gRPC fails
+the run (`KvshareSystem.clear`). Variants are the same system with options, so their
+ratio to a base within a round is the cost of an option:
 
 - `kvshare-tcp`: the client's same-host transport off (`same_host=False`): the bulk
   channel over TCP, as a replica on another host uses it;
@@ -13,9 +21,8 @@ system with options, so their ratio to a base within a round is the cost of an o
   `kvshare-tcp`;
 - `kvshare-sealed`: the client seals each block with the agent's `BlockSealer`
   (AES-256-GCM, `policy.sealing`) before PUT and opens it after GET, as the replica
-  agent does; figures count plaintext bytes. The server runs the production tenant
-  config (a config file: tenant `dev` with `require_sealed = true`, a principal of
-  its own) instead of dev mode;
+  agent does; figures count plaintext bytes. The server's tenant `dev` has
+  `require_sealed = true`, as in production;
 - `kvshare-tls-sealed`: both, the configuration the docs recommend for production
   across hosts: the client opens every block, so it asks for the sealed-payload
   channel (`BlockClient(sealed_channel=True)`, docs/secure-channel.md), which OpenBulk
@@ -47,12 +54,16 @@ from typing import Any
 from kvshare.bench.peers.base import BenchError, ServerProcess
 from kvshare.bench.placement import LOOPBACK, Placement
 
-TENANT = "dev"  # the tenant dev mode creates, with read+write for the token in dev.token
+TENANT = "dev"  # dev mode's tenant name, made by the bench's config (`_write_config`)
 MODEL = "kvshare-bench"
 SERVING_LINE = r"serving on (\S+):(\d+)"
 METRICS_LINE = r"metrics on (\S+) "
 DATA_KEY_BYTES = 32
 SEALED_HELLO_METHOD = "kvshare.bulk/SealedHello"  # cacheserver.transport.bulk.listener.SEALED_HELLO
+# One principal's bulk connections (cacheserver.transport.bulk.slots.MAX_PER_PRINCIPAL):
+# the most client processes a cell can have without falling back to gRPC; the bench's
+# server gives the principal as many same-host arenas.
+MAX_BULK_CONNECTIONS = 64
 
 
 @dataclass(frozen=True)
@@ -94,7 +105,20 @@ class KvshareClient:
         self._model = model
 
     def prepare(self, value_bytes: int, blocks_per_call: int) -> None:
+        """Before every cell: the gRPC channel is up, and no bulk connection of this
+        client was refused a same-host arena (it would have used TCP instead)."""
         self._client.lookup(self._tenant, self._model, [bytes(32)])
+        refused = self._client.transport_stats.same_host_fallbacks
+        if refused:
+            raise BenchError(
+                f"{refused} same-host bulk connection(s) were refused an arena and used TCP "
+                "(see the server log): the server's [bulk] max_arenas_per_principal must be "
+                "at least the client count"
+            )
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """One Lookup call over gRPC (no payload moves): the leading blocks held."""
+        return int(self._client.lookup(self._tenant, self._model, list(keys)))
 
     def put(self, keys: Sequence[bytes], values: Sequence[memoryview]) -> None:
         payloads: list[Any] = list(values)
@@ -122,6 +146,7 @@ class KvshareClient:
 class KvshareSystem:
     is_put_acknowledged = True
     supports_batch_get = True
+    supports_lookup = True  # BlockClient.lookup: one gRPC Lookup call
 
     def __init__(
         self,
@@ -176,10 +201,9 @@ class KvshareSystem:
             cert_path, key_path = write_self_signed(workdir, self._at.server_host)
             argv += ["--tls-cert", str(cert_path), "--tls-key", str(key_path)]
             root_ca = str(cert_path)
-        token = None
-        if self._sealed:  # the production tenant config: sealed blocks required
-            token = secrets.token_urlsafe(32)
-            argv += ["--config", str(_write_sealed_config(workdir / f"{self.name}.toml", token))]
+        token = secrets.token_urlsafe(32)
+        config = _write_config(workdir / f"{self.name}.toml", token, require_sealed=self._sealed)
+        argv += ["--config", str(config)]
         if not self._sync_writes:
             argv.append("--no-sync-writes")
         argv += ["--metrics-listen", f"{self._at.server_host}:0"]  # where the harness can reach
@@ -189,7 +213,6 @@ class KvshareSystem:
         try:
             match = self._server.wait_for_line(SERVING_LINE)
             self._metrics = self._server.wait_for_line(METRICS_LINE).group(1)
-            token = token or (data_dir / "dev.token").read_text().strip()
         except (BenchError, OSError) as error:
             self.stop()
             raise BenchError(f"kvshare serve did not start: {error}") from error
@@ -240,6 +263,9 @@ class KvshareSystem:
                 "(see the server log): its figures would be the fallback's"
             )
 
+    def server_pids(self) -> list[int]:
+        return [] if self._server is None else [self._server.pid]
+
     def stop(self) -> None:
         if self._server is not None:
             self._server.stop()
@@ -255,20 +281,24 @@ def _counted(metrics: str, method: str) -> bool:
     )
 
 
-def _write_sealed_config(path: Path, token: str) -> Path:
-    """Tenant `dev` requiring sealed blocks, and one principal (unlimited rate) whose
-    bearer token is `token`: what a production config says, in the bench's terms."""
+def _write_config(path: Path, token: str, *, require_sealed: bool) -> Path:
+    """Tenant `dev` (requiring sealed blocks if `require_sealed`), one principal
+    (unlimited rate, as dev mode's) whose bearer token is `token`, and room for
+    `MAX_BULK_CONNECTIONS` same-host arenas, all of them the principal's."""
     digest = hashlib.sha256(token.encode("utf-8")).hexdigest()
     path.write_text(
         "[[tenants]]\n"
         f'id = "{TENANT}"\n'
-        "require_sealed = true\n\n"
+        f"require_sealed = {str(require_sealed).lower()}\n\n"
         "[[principals]]\n"
         'name = "bench"\n'
         f'token_sha256 = "{digest}"\n'
         f'tenants = ["{TENANT}"]\n'
         'actions = ["read", "write"]\n'
-        "requests_per_s = 0\n",
+        "requests_per_s = 0\n\n"
+        "[bulk]\n"
+        f"max_arenas = {MAX_BULK_CONNECTIONS}\n"
+        f"max_arenas_per_principal = {MAX_BULK_CONNECTIONS}\n",
         encoding="utf-8",
     )
     return path

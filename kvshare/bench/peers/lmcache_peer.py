@@ -14,7 +14,8 @@ from lmcache 0.5.6 (`lmcache/v1/protocol.py`, `lmcache/v1/server/__main__.py`):
 PUT has no reply, so a PUT here is followed by an EXIST on the same connection (the
 server handles one connection in order): the PUT figures include that round trip and
 are acknowledged like every other system's. The server has no batch GET; a batch is
-pipelined (all requests sent, then all replies read), the best its protocol allows.
+pipelined (all requests sent, then all replies read), the best its protocol allows;
+so is a lookup (one EXIST per key: there is no multi-key EXIST).
 It has no eviction, authentication, TLS or integrity checks.
 """
 
@@ -119,6 +120,16 @@ class LmcacheClient:
             offset += length
         return values
 
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """EXIST per key, pipelined (the protocol has no multi-key EXIST): the count of
+        leading keys held. Every request gets a reply; all are read to stay in sync."""
+        tcp_wire.send_buffers(self._sock, [pack_request(CMD_EXIST, key, 0) for key in keys])
+        codes = [self._read_reply()[0] for _ in keys]
+        present = 0
+        while present < len(codes) and codes[present] == CODE_SUCCESS:
+            present += 1
+        return present
+
     def _read_reply(self) -> tuple[int, int]:
         tcp_wire.recv_exact(self._sock, memoryview(self._reply))
         fields = REPLY.unpack(self._reply)
@@ -144,6 +155,7 @@ class LmcacheSystem:
     name = "lmcache"
     is_put_acknowledged = False
     supports_batch_get = True  # pipelined GETs
+    supports_lookup = True  # pipelined EXISTs
 
     def __init__(self, python: Path | None, *, placement: Placement = LOOPBACK) -> None:
         self._python = python
@@ -193,6 +205,9 @@ class LmcacheSystem:
 
     def clear(self) -> bool:
         return False  # the protocol has no delete
+
+    def server_pids(self) -> list[int]:
+        return [] if self._server is None else [self._server.pid]
 
     def stop(self) -> None:
         if self._server is not None:

@@ -88,6 +88,11 @@ class RedisClient:
             leading.append(value)
         return leading
 
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """`EXISTS k1 ... kn`: one command, the count of keys held (a cluster client
+        splits it by slot, as it does MGET)."""
+        return int(self._redis.exists(*keys))
+
     def close(self) -> None:
         self._redis.close()
 
@@ -95,6 +100,7 @@ class RedisClient:
 class RedisSystem:
     is_put_acknowledged = True
     supports_batch_get = True  # MGET
+    supports_lookup = True  # EXISTS k1 ... kn
 
     def __init__(self, *, unix: bool = False, placement: Placement = LOOPBACK) -> None:
         self.name = "redis-unix" if unix else "redis"
@@ -165,6 +171,9 @@ class RedisSystem:
         finally:
             client.close()
         return True
+
+    def server_pids(self) -> list[int]:
+        return [] if self._server is None else [self._server.pid]
 
     def stop(self) -> None:
         if self._server is not None:

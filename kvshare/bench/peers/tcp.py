@@ -69,6 +69,12 @@ class TcpClient:
             offset += length
         return values
 
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        header = wire.REQUEST.pack(wire.OP_EXISTS, len(keys), 0)
+        wire.send_buffers(self._sock, [header, b"".join(keys)])
+        count, _ = self._read_status()
+        return count
+
     def control(self, op: int, key_count: int = 0, value_bytes: int = 0) -> None:
         wire.send_buffers(self._sock, [wire.REQUEST.pack(op, key_count, value_bytes)])
         self._read_status()
@@ -89,6 +95,7 @@ class TcpSystem:
 
     is_put_acknowledged = True
     supports_batch_get = True
+    supports_lookup = True  # OP_EXISTS: the keys of a GET, a reply header with the count
 
     def __init__(self, *, tls: bool = False, placement: Placement = LOOPBACK) -> None:
         self.name = "tcp-tls" if tls else "tcp"
@@ -128,6 +135,9 @@ class TcpSystem:
             return False
         self._control.control(wire.OP_CLEAR)
         return True
+
+    def server_pids(self) -> list[int]:
+        return [] if self._server is None else [self._server.pid]
 
     def stop(self) -> None:
         if self._control is not None:

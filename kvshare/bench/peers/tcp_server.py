@@ -92,13 +92,18 @@ class _Connection:
             except (wire.PeerClosed, OSError):
                 return
             op, key_count, value_bytes = wire.REQUEST.unpack(self._header)
-            if key_count > wire.MAX_KEYS_PER_REQUEST:
+            # RESERVE's key_count counts buffers (clients x PUTs: over 4096 with 16
+            # clients), not keys sent; only requests that carry keys are bounded.
+            if op in wire.KEYED_OPS and key_count > wire.MAX_KEYS_PER_REQUEST:
                 self._send_reply(wire.STATUS_BAD_REQUEST)
                 return
             if op == wire.OP_PUT:
                 self._put(self._read_keys(key_count), value_bytes)
             elif op == wire.OP_GET:
                 self._get(self._read_keys(key_count))
+            elif op == wire.OP_EXISTS:
+                found = self._store.lookup(self._read_keys(key_count))
+                self._send_reply(wire.STATUS_OK, len(found))
             else:
                 if op == wire.OP_CLEAR:
                     self._store.clear()

@@ -2,9 +2,10 @@
 
 A request is a fixed header, `key_count` 32-byte keys, then (PUT) `key_count` values of
 `value_bytes` each. A reply is a fixed header, then (GET) one u64 length per value
-found and the values back to back. The control ops (CLEAR, RESERVE) carry no keys.
-Nothing else: this is the least any store on a
-socket must do, so it bounds what kvshare's data path can reach.
+found and the values back to back. An EXISTS request is a GET's; its reply is the
+header alone, value_count = how many leading keys are held. The control ops (CLEAR,
+RESERVE) carry no keys. Nothing else: this is the least any store on a socket must
+do, so it bounds what kvshare's data path can reach.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ OP_PUT = 1
 OP_GET = 2
 OP_CLEAR = 3
 OP_RESERVE = 4  # pre-allocate key_count pooled buffers of value_bytes (untimed set-up)
+OP_EXISTS = 5  # how many leading keys are held (the lookup a scheduler makes)
+KEYED_OPS = frozenset({OP_PUT, OP_GET, OP_EXISTS})  # requests followed by key_count keys
 
 STATUS_OK = 0
 STATUS_BAD_REQUEST = 1

@@ -251,6 +251,11 @@ class AccessPolicy:
     def storage_key(self, tenant: TenantId, model: ModelName, digest: BlockDigest) -> StorageKey:
         return self._namer.storage_key(tenant, model, digest)
 
+    def storage_keys(
+        self, tenant: TenantId, model: ModelName, digests: Sequence[BlockDigest]
+    ) -> list[StorageKey]:
+        return self._namer.storage_keys(tenant, model, digests)
+
     def cluster_tag(self, tenant: TenantId) -> bytes:
         """The tenant's keyed name in a shared tier (policy.naming.BlockNamer.cluster_tag)."""
         return self._namer.cluster_tag(tenant)

@@ -14,7 +14,7 @@ import hashlib
 import hmac
 import os
 import secrets
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from cryptography.hazmat.primitives import hashes
@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from kvcommon.encoding import enc
 from kvcommon.errors import ConfigError
 from policy.shared_values import ValueMac
-from policy.types import BlockDigest, ModelName, ModelTag, StorageKey, TenantId
+from policy.types import DIGEST_BYTES, BlockDigest, ModelName, ModelTag, StorageKey, TenantId
 
 SERVER_SECRET_BYTES = 32
 SECRET_FILE = "server.secret"  # noqa: S105 (a file name)
@@ -33,6 +33,7 @@ MODEL_TAG_BYTES = 16
 CLUSTER_TAG_LABEL = "kvshare/cluster-tenant/v1"
 CLUSTER_TAG_BYTES = 16
 USER_SALT_LABEL = "kvshare/user-salt/v1"
+SHA256_BLOCK_BYTES = 64
 
 
 def derive_naming_key(server_secret: bytes, tenant: TenantId, epoch: int) -> bytes:
@@ -45,6 +46,29 @@ def derive_naming_key(server_secret: bytes, tenant: TenantId, epoch: int) -> byt
     return hkdf.derive(server_secret)
 
 
+class _Hmac:
+    """HMAC-SHA256 under one key, its two padded key blocks hashed once: the same bytes
+    as `hmac.digest(key, message, "sha256")` (RFC 2104), for a fraction of the cost of
+    a short message (a 64-digest Lookup names 64 blocks: the request path's largest
+    per-digest cost). Thread-safe: the states are only copied, never updated."""
+
+    def __init__(self, key: bytes) -> None:
+        if len(key) > SHA256_BLOCK_BYTES:
+            key = hashlib.sha256(key).digest()
+        padded = key.ljust(SHA256_BLOCK_BYTES, b"\0")
+        self._inner = hashlib.sha256(bytes(b ^ 0x36 for b in padded))
+        self._outer = hashlib.sha256(bytes(b ^ 0x5C for b in padded))
+
+    def digest(self, head: bytes, tail: bytes) -> bytes:
+        """The MAC of `head + tail` (two parts, so a caller's shared head is not copied)."""
+        inner = self._inner.copy()
+        inner.update(head)
+        inner.update(tail)
+        outer = self._outer.copy()
+        outer.update(inner.digest())
+        return outer.digest()
+
+
 class BlockNamer:
     """Maps (tenant, model, digest) to the storage key under the tenant's current epoch."""
 
@@ -54,6 +78,7 @@ class BlockNamer:
         self._secret = server_secret
         self._epochs = dict(epochs)
         self._keys: dict[TenantId, bytes] = {}
+        self._macs: dict[TenantId, _Hmac] = {}
         self._cluster_tags: dict[TenantId, bytes] = {}
 
     def epoch(self, tenant: TenantId) -> int:
@@ -91,9 +116,21 @@ class BlockNamer:
         return ValueMac(self._secret)
 
     def storage_key(self, tenant: TenantId, model: ModelName, digest: BlockDigest) -> StorageKey:
-        # hmac.digest: OpenSSL's one-shot HMAC, several times cheaper than an HMAC
-        # object per call on the request path (same HMAC-SHA256: tests/vectors).
-        return StorageKey(hmac.digest(self._naming_key(tenant), enc(model, digest), "sha256"))
+        return self.storage_keys(tenant, model, [digest])[0]
+
+    def storage_keys(
+        self, tenant: TenantId, model: ModelName, digests: Sequence[BlockDigest]
+    ) -> list[StorageKey]:
+        """`storage_key` of each digest: `enc(model, digest)` is the model's encoding
+        (made once) followed by the digest's, since every digest is 32 bytes."""
+        mac = self._macs.get(tenant)
+        if mac is None:
+            mac = self._macs[tenant] = _Hmac(self._naming_key(tenant))
+        head = enc(model, bytes(DIGEST_BYTES))[:-DIGEST_BYTES]
+        for digest in digests:
+            if len(digest) != DIGEST_BYTES:
+                raise ValueError(f"a digest is {len(digest)} bytes; names take {DIGEST_BYTES}")
+        return [StorageKey(mac.digest(head, digest)) for digest in digests]
 
 
 def derive_user_salt(salt_key: bytes, tenant: str, user_id: str) -> bytes:

@@ -74,10 +74,8 @@ class Admission:
         """Steps 4-5: the storage keys of a request that `begin` admitted."""
         assert len(digests) == begun.count, "the body holds the digests its header counted"
         model_name = parse_model(model)
-        keys = [
-            self._policy.storage_key(begun.tenant, model_name, parse_digest(digest, index))
-            for index, digest in enumerate(digests)
-        ]
+        parsed = [parse_digest(digest, index) for index, digest in enumerate(digests)]
+        keys = self._policy.storage_keys(begun.tenant, model_name, parsed)
         return Admitted(begun.principal, begun.tenant, model_name, keys)
 
     def namespace(self, begun: Begun, model: str) -> PutNamespace:

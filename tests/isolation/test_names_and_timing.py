@@ -4,6 +4,7 @@ probe is an ordinary miss, and its timing is indistinguishable from a random mis
 from __future__ import annotations
 
 import gc
+import hmac
 import os
 import random
 import time
@@ -17,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import ks_2samp
 
+from kvcommon.encoding import enc
 from policy.audit import read_records
 from policy.naming import BlockNamer, derive_user_salt
 from policy.types import BlockDigest, ModelName, TenantId
@@ -47,6 +49,23 @@ def test_two_tenants_never_share_a_storage_name(
     # Positive control: naming is deterministic, so the owner finds its block again.
     again = BlockNamer(SECRET, {first: epochs[0]})
     assert again.storage_key(first, ModelName(model), BlockDigest(digest)) == name_1
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    key=st.binary(min_size=1, max_size=200),
+    model=st.text(min_size=1, max_size=60),
+    digests=st.lists(st.binary(min_size=32, max_size=32), min_size=1, max_size=5),
+)
+def test_names_made_in_a_batch_are_the_one_shot_hmac_of_each(
+    key: bytes, model: str, digests: list[bytes]
+) -> None:
+    """The naming fast path (pads hashed once, the model encoded once per request)
+    gives the bytes of RFC 2104 HMAC-SHA256 over enc(model, digest), for any key."""
+    namer = BlockNamer(SECRET, {})
+    namer._keys[TenantId("t")] = key  # the pads of any key length, not only HKDF's 32
+    names = namer.storage_keys(TenantId("t"), ModelName(model), [BlockDigest(d) for d in digests])
+    assert names == [hmac.digest(key, enc(model, d), "sha256") for d in digests]
 
 
 @settings(max_examples=100, deadline=None)

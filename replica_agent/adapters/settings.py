@@ -31,7 +31,7 @@ from typing import Any
 
 from kvcommon.errors import ConfigError
 from policy.sealing import BlockSealer, Keyring
-from policy.types import is_valid_tenant_id
+from policy.types import PUBLIC, is_valid_tenant_id
 from replica_agent.client import BlockClient, ClientTls
 
 DEFAULT_TIMEOUT_S = 5.0
@@ -97,18 +97,29 @@ class StoreSettings:
 
 
 def parse_store_settings(
-    raw: Mapping[str, Any], *, source: str, engine_keys: Collection[str] = ()
+    raw: Mapping[str, Any],
+    *,
+    source: str,
+    engine_keys: Collection[str] = (),
+    publisher: bool = False,
 ) -> StoreSettings:
-    """`raw` (an engine's extra config) as StoreSettings; ConfigError names the key."""
+    """`raw` (an engine's extra config) as StoreSettings; ConfigError names the key.
+
+    `publisher`: an engine that stores in the public scope only (SGLang's `"publish":
+    true`): `tenant` must be absent, and the settings' tenant is `@public`."""
     unknown = sorted(set(raw) - KNOWN_KEYS - set(engine_keys))
     if unknown:
         raise ConfigError(
             f"{source}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(KNOWN_KEYS))}"
         )
-    for required in ("target", "token_file", "tenant"):
+    for required in ("target", "token_file") if publisher else ("target", "token_file", "tenant"):
         if not raw.get(required):
             raise ConfigError(f"{source}: `{required}` is required")
-    if not is_valid_tenant_id(str(raw["tenant"])):
+    if publisher and "tenant" in raw:
+        raise ConfigError(
+            f"{source}: drop `tenant`: a publishing engine stores every page in {PUBLIC}"
+        )
+    if not publisher and not is_valid_tenant_id(str(raw["tenant"])):
         raise ConfigError(f"{source}: tenant must match [a-z0-9][a-z0-9._-]{{0,62}}")
     target = raw["target"]
     targets = (target,) if isinstance(target, str) else tuple(target)
@@ -130,7 +141,7 @@ def parse_store_settings(
     return StoreSettings(
         targets=targets,
         token_file=Path(_str(raw, "token_file", source)),
-        tenant=_str(raw, "tenant", source),
+        tenant=PUBLIC if publisher else _str(raw, "tenant", source),
         keyring_file=_path(raw, "keyring_file", source),
         tls=tls,
         model=_str(raw, "model", source),

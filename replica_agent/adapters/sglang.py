@@ -20,6 +20,12 @@ Tenancy: SGLang gives a storage backend no per-request identity, so the tenant i
 per deployment (`tenant`): one tenant per SGLang server, and per-user separation only
 through SGLang's own `extra_key` / `cache_salt`, which seed its key chain.
 
+Public prefixes (`"public_prefixes"`, default true; `sglang_public`): the catalogue of
+`@public` for this namespace lists SGLang page keys of published pages; a listed key is
+read in `@public` (opened with its key), any other in the tenant, and a listed key is
+never saved. With `"publish": true` (a principal with only the `publish` action, no
+`tenant`) the backend is a publisher: every page goes to `@public` and is listed.
+
 Namespace: the model name (`model`, else SGLang's served model) with "sglang", the
 attention kind (MHA; MLA pools are refused), PP and attention-CP rank/size, then the
 codec layout (dtype, layers, KV heads, head dim, page tokens, TP rank/size), so pages
@@ -45,15 +51,20 @@ from replica_agent.adapters.sglang_pages import (
     page_digest,
     parse_put_bytes,
 )
+from replica_agent.adapters.sglang_public import PublicSplitPages, PublishingPages
 from replica_agent.breaker import CircuitBreaker
 from replica_agent.gate import StoreGate, StoreStats
+from replica_agent.public import PUBLIC_SCOPE, PublicCatalogue
 from replica_agent.telemetry import AgentTelemetry
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
+    from replica_agent.spec import ModelSpec
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+Pages = PageStore | PublicSplitPages | PublishingPages  # what the page verbs go through
 SOURCE = "--hicache-storage-backend-extra-config"
 # SGLang's own keys in the same JSON object (it pops some before the backend sees them).
 ENGINE_KEYS = frozenset(
@@ -69,7 +80,7 @@ ENGINE_KEYS = frozenset(
         "hicache_storage_pass_prefix_keys",
     }
 )
-OWN_KEYS = frozenset({"put_bytes"})  # this backend's, beside the store settings
+OWN_KEYS = frozenset({"put_bytes", "public_prefixes", "publish"})  # beside the store settings
 KV_POOL = "kv"
 
 
@@ -78,8 +89,10 @@ class KVShareHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self, storage_config: HiCacheStorageConfig, kwargs: Mapping[str, Any] | None = None
     ) -> None:
         extra = storage_config.extra_config if storage_config.extra_config is not None else {}
+        self.public_prefixes = _flag(extra, "public_prefixes", default=True)
+        self.publish = _flag(extra, "publish", default=False)
         self.settings = parse_store_settings(
-            extra, source=SOURCE, engine_keys=ENGINE_KEYS | OWN_KEYS
+            extra, source=SOURCE, engine_keys=ENGINE_KEYS | OWN_KEYS, publisher=self.publish
         )
         self.put_bytes = parse_put_bytes(extra, source=SOURCE)
         if storage_config.is_mla_model:
@@ -90,15 +103,17 @@ class KVShareHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self.tenant = self.settings.tenant
         self._sealer = self.settings.sealer()
         if self._sealer is not None and self.tenant not in self._sealer.keyring.tenants():
+            how = "kvshare admin keyring --public" if self.publish else "kvshare admin keyring"
             raise ConfigError(
                 f"{SOURCE}: the keyring has no data key for tenant {self.tenant!r}; add one "
-                "(kvshare admin keyring) or drop keyring_file"
+                f"({how}) or drop keyring_file"
             )
         self.stats = StoreStats()
         self._gate = StoreGate(CircuitBreaker(), AgentTelemetry(), self.stats)
         self._client = self.settings.connect()
         self._pages: HostPages | None = None
-        self._store: PageStore | None = None
+        self._store: Pages | None = None
+        self.catalogue: PublicCatalogue | None = None  # of this namespace, when read
         self.namespace: str | None = None  # the store's model name of these pages
         if "interface_v1" not in extra:  # SGLang reads it after building the backend
             extra["interface_v1"] = 1
@@ -115,20 +130,45 @@ class KVShareHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             raise ConfigError("the host pool has no kv_buffer tensor: not an MHA host pool")
         self._pages = HostPages(kv_buffer, layout, spec)
         self.namespace = spec.wire_model()
-        self._store = PageStore(
-            self._client,
-            spec,
-            self.tenant,
-            sealer=self._sealer,
-            gate=self._gate,
-            put_bytes=self.put_bytes,
-        )
+        self._store = self._page_store(spec)
         log.info(
-            "kvshare HiCache backend: %s pages of %d tokens, %s",
+            "kvshare HiCache backend: %s pages of %d tokens, %s, %s",
             layout,
             spec.block_tokens,
             "sealed" if self._sealer is not None else "not sealed (no keyring_file)",
+            "publishing to the public scope"
+            if self.publish
+            else f"public prefixes {'on' if self.catalogue is not None else 'off'}",
         )
+
+    def _page_store(self, spec: ModelSpec) -> Pages:
+        """The tenant's pages; a publisher's in @public; with public prefixes, the
+        tenant's beside the published pages its catalogue lists (sglang_public)."""
+
+        def scope(tenant: str) -> PageStore:
+            return PageStore(
+                self._client,
+                spec,
+                tenant,
+                sealer=self._sealer,
+                gate=self._gate,
+                put_bytes=self.put_bytes,
+            )
+
+        if self.publish:
+            return PublishingPages(scope(PUBLIC_SCOPE))
+        if not self.public_prefixes:
+            return scope(self.tenant)
+        if self._sealer is not None and PUBLIC_SCOPE not in self._sealer.keyring.tenants():
+            log.info(
+                "kvshare HiCache backend: public prefixes off: the keyring has no key for "
+                "the public scope (kvshare admin keyring --public)"
+            )
+            return scope(self.tenant)
+        self.catalogue = PublicCatalogue(
+            self._client, self._gate, spec.wire_model(), sealer=self._sealer
+        )
+        return PublicSplitPages(scope(self.tenant), scope(PUBLIC_SCOPE), self.catalogue.digests)
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         if str(host_pool_name) != KV_POOL:
@@ -150,7 +190,7 @@ class KVShareHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         """Fill the host pages at `host_indices` from the store; True for each page
         filled, always a prefix: SGLang uses the pages up to the first False."""
 
-        def load(store: PageStore, pages: HostPages) -> list[bool]:
+        def load(store: Pages, pages: HostPages) -> list[bool]:
             targets = pages.pages(host_indices.tolist(), len(keys))
             return store.load(_digests(keys), targets)
 
@@ -161,7 +201,7 @@ class KVShareHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     ) -> list[bool]:
         """Save the host pages at `host_indices`; all True, or all False (dropped)."""
 
-        def save(store: PageStore, pages: HostPages) -> list[bool]:
+        def save(store: Pages, pages: HostPages) -> list[bool]:
             return store.save(_digests(keys), pages.pages(host_indices.tolist(), len(keys)))
 
         return self._safely("put", [False] * len(keys), save)
@@ -179,7 +219,7 @@ class KVShareHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     def batch_get(
         self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
     ) -> list[torch.Tensor | None]:
-        def load(store: PageStore, pages: HostPages) -> list[torch.Tensor | None]:
+        def load(store: Pages, pages: HostPages) -> list[torch.Tensor | None]:
             targets = [pages.new_flat() for _ in keys]
             if target_locations is not None:
                 targets = list(target_locations)
@@ -202,7 +242,7 @@ class KVShareHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         target_locations: Any = None,
         target_sizes: Any = None,
     ) -> bool:
-        def save(store: PageStore, pages: HostPages) -> bool:
+        def save(store: Pages, pages: HostPages) -> bool:
             flats = [pages.flat(v) for v in values]
             return len(flats) == len(keys) and all(store.save(_digests(keys), flats))
 
@@ -221,7 +261,7 @@ class KVShareHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             self._store.close()
         self._client.close()
 
-    def _safely(self, what: str, miss: T, action: Callable[[PageStore, HostPages], T]) -> T:
+    def _safely(self, what: str, miss: T, action: Callable[[Pages, HostPages], T]) -> T:
         """`action`, or `miss` before a host pool is registered or if anything raised:
         nothing reaches SGLang's storage threads but a miss or a dropped save."""
         store, pages = self._store, self._pages
@@ -236,3 +276,10 @@ class KVShareHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
 def _digests(keys: Sequence[str]) -> list[bytes]:
     return [page_digest(key) for key in keys]
+
+
+def _flag(extra: Mapping[str, Any], key: str, *, default: bool) -> bool:
+    value = extra.get(key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{SOURCE}: {key} must be true or false")
+    return value

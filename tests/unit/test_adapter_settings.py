@@ -67,3 +67,12 @@ def test_a_token_readable_by_others_is_refused(tmp_path: Path) -> None:
     )
     with pytest.raises(ConfigError, match="chmod 600"):
         settings.read_token()
+
+
+def test_a_publisher_has_no_tenant_and_stores_in_the_public_scope() -> None:
+    raw = {"target": "h:1", "token_file": "x"}
+    assert parse_store_settings(raw, source="t", publisher=True).tenant == "@public"
+    with pytest.raises(ConfigError, match="drop `tenant`"):
+        parse_store_settings(raw | {"tenant": "a"}, source="t", publisher=True)
+    with pytest.raises(ConfigError, match="`tenant` is required"):
+        parse_store_settings(raw, source="t")  # positive control: a reader needs one

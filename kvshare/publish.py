@@ -120,8 +120,12 @@ def _checked(call: Any) -> Any:
     """The call's result; a store refusal becomes a ConfigError saying what to change."""
     import grpc
 
+    from replica_agent.public import CatalogueFull
+
     try:
         return call()
+    except CatalogueFull as error:
+        raise ConfigError(str(error)) from None
     except grpc.RpcError as error:
         raise ConfigError(_refusal(error.code(), error.details())) from None
     except Exception as error:

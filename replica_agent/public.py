@@ -70,13 +70,18 @@ class CatalogueError(ValueError):
     """A catalogue payload that is not in the layout above."""
 
 
+class CatalogueFull(ValueError):
+    """More published blocks than a catalogue lists (`MAX_CATALOGUE_DIGESTS`): an
+    operator's limit to act on, not a store failure to retry."""
+
+
 def encode_catalogue(digests: Iterable[bytes]) -> bytes:
     unique = sorted(set(digests))
     for digest in unique:
         if len(digest) != DIGEST_BYTES:
             raise ValueError(f"a catalogue digest is {len(digest)} bytes; each must be 32")
     if len(unique) > MAX_CATALOGUE_DIGESTS:
-        raise ValueError(
+        raise CatalogueFull(
             f"{len(unique)} published blocks exceed the catalogue's {MAX_CATALOGUE_DIGESTS}; "
             "retire old publications ([public] epoch) before adding more"
         )

@@ -54,7 +54,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from replica_agent.adapters.sglang_pages import PageStore
-from replica_agent.public import PUBLIC_SCOPE, write_catalogue
+from replica_agent.public import PUBLIC_SCOPE, CatalogueFull, write_catalogue
 
 log = logging.getLogger(__name__)
 Catalogue = Callable[[], frozenset[bytes]]  # the listed keys (PublicCatalogue.digests)
@@ -171,10 +171,20 @@ class PublishingPages:
                 return True
             pending = frozenset(self._pending)
             store = self.public
-            listed = self.gate.call(
-                "catalogue",
-                lambda: write_catalogue(store.client, store.model, pending, sealer=store.sealer),
-            )
+            full: list[str] = []
+
+            def write() -> int | None:
+                try:
+                    return write_catalogue(store.client, store.model, pending, sealer=store.sealer)
+                except CatalogueFull as error:  # not the store's failure: no retry helps
+                    full.append(str(error))
+                    return None
+
+            listed = self.gate.call("catalogue", write)
+            if full:
+                log.error("kvshare HiCache publisher: %s; these pages stay unlisted", full[0])
+                self._pending.clear()
+                return False
             if listed is None:
                 log.warning(
                     "kvshare HiCache publisher: the public catalogue was not updated; "

@@ -9,7 +9,9 @@ import pytest
 
 from replica_agent.hashing import BlockHasher
 from replica_agent.public import (
+    MAX_CATALOGUE_DIGESTS,
     CatalogueError,
+    CatalogueFull,
     decode_catalogue,
     encode_catalogue,
     plan_chain,
@@ -76,3 +78,6 @@ def test_the_catalogue_round_trips_and_refuses_what_is_not_one() -> None:
             decode_catalogue(payload)
     with pytest.raises(ValueError, match="each must be 32"):
         encode_catalogue([b"short"])
+    too_many = (i.to_bytes(32, "big") for i in range(MAX_CATALOGUE_DIGESTS + 1))
+    with pytest.raises(CatalogueFull, match="retire old publications"):
+        encode_catalogue(too_many)

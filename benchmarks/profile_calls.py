@@ -1,0 +1,184 @@
+"""Where a small call's time goes: server CPU per call, and a py-spy profile of it.
+
+    python benchmarks/profile_calls.py --op lookup|get|put --clients 1,4 [--seconds 6]
+        [--before DIR] [--rounds 3] [--py-spy OUT_PREFIX] [--json]
+
+Starts `kvshare serve` (dev mode, a temp data dir) from this checkout, and with
+`--before DIR` also from another checkout (a `git worktree` of an older commit), in
+alternating rounds so both see the same machine; warms each server up, then runs N
+client processes that repeat one call for `--seconds`: `lookup` (64 present digests,
+gRPC: the call vLLM's scheduler makes per request), `get` (one 64 KiB block over the
+bulk channel across TCP) or `put` (one new 64 KiB block, bulk TCP). It reports calls/s
+and the server's CPU time per call (the sum over its threads of
+/proc/<pid>/task/*/schedstat, which counts nanoseconds). `--py-spy PREFIX` records
+each measured run with `py-spy record --threads` (PREFIX-<tree>-<op>-<clients>.txt,
+collapsed stacks; `py-spy` from PyPI must be on PATH or in this venv).
+
+Ad-hoc measurement for profiling; `kvshare bench` is the side-by-side benchmark with
+the peers (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL = "profile/model"
+BLOCK = 64 << 10
+LOOKUP_DIGESTS = 64
+
+
+def _client_loop(address: str, token: str, op: str, seconds: float, out: Any) -> None:
+    from replica_agent.client import BlockClient
+
+    with BlockClient(address, token, bulk=op != "lookup", same_host=False) as client:
+        digests = [os.urandom(32) for _ in range(LOOKUP_DIGESTS)]
+        payload = os.urandom(BLOCK)
+        client.put("dev", MODEL, digests, [payload] * len(digests))
+        calls, end = 0, time.monotonic() + seconds
+        while time.monotonic() < end:
+            if op == "lookup":
+                client.lookup("dev", MODEL, digests)
+            elif op == "get":
+                client.get("dev", MODEL, digests[calls % len(digests) :][:1])
+            else:
+                client.put("dev", MODEL, [os.urandom(32)], [payload])
+            calls += 1
+        out.put(calls)
+
+
+def drive(address: str, token: str, op: str, clients: int, seconds: float) -> int:
+    """Calls made by `clients` processes in `seconds`."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [
+        ctx.Process(target=_client_loop, args=(address, token, op, seconds, out))
+        for _ in range(clients)
+    ]
+    for proc in procs:
+        proc.start()
+    calls = sum(int(out.get(timeout=seconds + 120)) for _ in procs)
+    for proc in procs:
+        proc.join()
+    return calls
+
+
+def cpu_ns(pid: int) -> int:
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (OSError, ValueError):
+            continue  # the thread ended meanwhile
+    return total
+
+
+class Served:
+    """`kvshare serve` in dev mode from the checkout `tree`."""
+
+    def __init__(self, tree: Path, data_dir: Path) -> None:
+        env = {**os.environ, "PYTHONPATH": str(tree)}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvshare.cli", "serve", "--data-dir", str(data_dir),
+             "--listen", "127.0.0.1:0"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=tree, env=env,
+        )  # fmt: skip
+        assert self.proc.stdout is not None
+        self.address = next(
+            m[1] for line in self.proc.stdout if (m := re.search(r"serving on (\S+)", line))
+        )
+        self.token = (data_dir / "dev.token").read_text().strip()
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+def measure(
+    tree: Path, op: str, clients: int, seconds: float, py_spy: str | None
+) -> dict[str, Any]:
+    data = Path(tempfile.mkdtemp(prefix="kvshare-profile-"))
+    served = Served(tree, data / "data")
+    try:
+        drive(served.address, served.token, op, clients, min(seconds, 4))  # warm-up
+        time.sleep(2)  # start-up work (the journal's prefault) settles
+        recorder = None
+        if py_spy:
+            out = f"{py_spy}-{tree.name}-{op}-{clients}.txt"
+            recorder = subprocess.Popen(
+                [shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy"),
+                 "record", "-p", str(served.proc.pid), "--threads", "-r", "200",
+                 "-d", str(int(seconds) + 1), "-f", "raw", "-o", out, "--nonblocking"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+            time.sleep(0.5)
+        before = cpu_ns(served.proc.pid)
+        calls = drive(served.address, served.token, op, clients, seconds)
+        used = cpu_ns(served.proc.pid) - before
+        if recorder is not None:
+            recorder.wait(60)
+    finally:
+        served.stop()
+        shutil.rmtree(data, ignore_errors=True)
+    # The clients' own puts before their loop are in `used` too: a few ms per client.
+    return {
+        "tree": tree.name,
+        "op": op,
+        "clients": clients,
+        "calls_per_s": round(calls / seconds),
+        "server_cpu_us_per_call": round(used / 1000 / max(calls, 1), 1),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--op", choices=("lookup", "get", "put"), default="lookup")
+    parser.add_argument("--clients", default="1,4")
+    parser.add_argument("--seconds", type=float, default=6.0)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--before", type=Path, help="another checkout, measured alternately")
+    parser.add_argument("--py-spy", metavar="PREFIX")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    trees = ([args.before.resolve()] if args.before else []) + [REPO]
+    rows = []
+    for _ in range(args.rounds):
+        for clients in (int(c) for c in args.clients.split(",")):
+            for tree in trees:
+                row = measure(tree, args.op, clients, args.seconds, args.py_spy)
+                rows.append(row)
+                if not args.json:
+                    print(
+                        f"{row['tree']:>14} {row['op']:>6} clients={clients:<3} "
+                        f"{row['calls_per_s']:>7} calls/s  "
+                        f"server CPU {row['server_cpu_us_per_call']:>8} us/call",
+                        flush=True,
+                    )
+    if args.json:
+        print(json.dumps(rows))
+    elif args.rounds > 1:
+        for tree in trees:
+            for clients in sorted({r["clients"] for r in rows}):
+                mine = [r for r in rows if r["tree"] == tree.name and r["clients"] == clients]
+                cpu = statistics.median(r["server_cpu_us_per_call"] for r in mine)
+                rate = statistics.median(r["calls_per_s"] for r in mine)
+                print(
+                    f"median {tree.name:>14} clients={clients}: {rate:.0f} calls/s, {cpu} us/call"
+                )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -32,7 +32,6 @@ MULTIPROCESSING_ALLOWED = {
     "kvshare/bench/worker.py": "bench workers: spawned children, anonymous Pipe",
     "kvshare/demo/runner.py": "demo replicas: spawned children, anonymous Pipe",
     "kvshare/demo/replica.py": "demo replica side of that Pipe",
-    "benchmarks/profile_calls.py": "profiling clients: spawned children, a Queue of counts",
 }
 
 

@@ -260,7 +260,19 @@ class BlockClient:
     # -- calls ------------------------------------------------------------------------
 
     def lookup(self, tenant: str, model: str, digests: Sequence[bytes]) -> int:
-        return self._grpc.lookup(tenant, model, digests)
+        """How many leading digests are stored: over the bulk channel when it is up (a
+        small call, where gRPC's per-call cost is most of the time), else gRPC."""
+        deadline = CallDeadline(self.timeout_s)
+        bulk = self._bulk_now()
+        if bulk is not None:
+            try:
+                present = bulk.lookup(tenant, model, digests, deadline=deadline)
+            except (OSError, w.ConnectionClosed, NoBulkListener, UseGrpc) as error:
+                self._bulk_failed(error, deadline)
+            else:
+                self._bulk_backoff.succeeded()
+                return present
+        return self._grpc.lookup(tenant, model, digests, deadline)
 
     def get(self, tenant: str, model: str, digests: Sequence[bytes]) -> list[bytes]:
         return [bytes(v) for v in self._read(tenant, model, digests, keep=True)]

@@ -190,6 +190,9 @@ class BlockClient:
             frame_bytes,
             sealed_channel=sealed_channel and tls is not None,  # its secret crosses TLS only
         )
+        # A sealed-channel caller looks up over gRPC: the sealed channel's frames carry
+        # blocks, and a second connection just for lookups would buy nothing there.
+        self._bulk_lookups = not (sealed_channel and tls is not None)
         self.transport_stats = ClientStats()
         self._bulk_backoff = _Backoff(FIRST_BACKOFF_S, MAX_BACKOFF_S)
         self._local_backoff = _Backoff(LOCAL_RETRY_S, LOCAL_RETRY_S)
@@ -263,7 +266,7 @@ class BlockClient:
         """How many leading digests are stored: over the bulk channel when it is up (a
         small call, where gRPC's per-call cost is most of the time), else gRPC."""
         deadline = CallDeadline(self.timeout_s)
-        bulk = self._bulk_now()
+        bulk = self._bulk_now() if self._bulk_lookups else None
         if bulk is not None:
             try:
                 present = bulk.lookup(tenant, model, digests, deadline=deadline)

@@ -9,8 +9,8 @@ alternating rounds so both see the same machine; warms each server up, then runs
 client processes that repeat one call for `--seconds`: `lookup` (64 present digests,
 gRPC: the call vLLM's scheduler makes per request), `get` (one 64 KiB block over the
 bulk channel across TCP) or `put` (one new 64 KiB block, bulk TCP). It reports calls/s
-and the server's CPU time per call (the sum over its threads of
-/proc/<pid>/task/*/schedstat, which counts nanoseconds). `--py-spy PREFIX` records
+and the server's CPU time per call (/proc/<pid>/stat: user and system time of the
+whole process, in clock ticks of 10 ms, so runs of a few seconds are needed). `--py-spy PREFIX` records
 each measured run with `py-spy record --threads` (PREFIX-<tree>-<op>-<clients>.txt,
 collapsed stacks; `py-spy` from PyPI must be on PATH or in this venv).
 
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import re
 import shutil
@@ -40,10 +39,11 @@ BLOCK = 64 << 10
 LOOKUP_DIGESTS = 64
 
 
-def _client_loop(address: str, token: str, op: str, seconds: float, out: Any) -> None:
+def client_loop(address: str, token: str, op: str, seconds: float) -> int:
+    """One client's calls in `seconds` (run in a process of its own: `--client`)."""
     from replica_agent.client import BlockClient
 
-    with BlockClient(address, token, bulk=op != "lookup", same_host=False) as client:
+    with BlockClient(address, token, same_host=False) as client:
         digests = [os.urandom(32) for _ in range(LOOKUP_DIGESTS)]
         payload = os.urandom(BLOCK)
         client.put("dev", MODEL, digests, [payload] * len(digests))
@@ -56,33 +56,31 @@ def _client_loop(address: str, token: str, op: str, seconds: float, out: Any) ->
             else:
                 client.put("dev", MODEL, [os.urandom(32)], [payload])
             calls += 1
-        out.put(calls)
+        if client.transport_stats.bulk_fallbacks:
+            raise SystemExit("a call fell back to gRPC: the measurement is not of the bulk path")
+        return calls
 
 
-def drive(address: str, token: str, op: str, clients: int, seconds: float) -> int:
-    """Calls made by `clients` processes in `seconds`."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
+def drive(tree: Path, address: str, token: str, op: str, clients: int, seconds: float) -> int:
+    """Calls made by `clients` processes in `seconds`, each running `tree`'s client."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    command = [sys.executable, str(Path(__file__).resolve()), "--client", address, token, op]
     procs = [
-        ctx.Process(target=_client_loop, args=(address, token, op, seconds, out))
+        subprocess.Popen([*command, str(seconds)], stdout=subprocess.PIPE, text=True, env=env)
         for _ in range(clients)
     ]
-    for proc in procs:
-        proc.start()
-    calls = sum(int(out.get(timeout=seconds + 120)) for _ in procs)
-    for proc in procs:
-        proc.join()
-    return calls
+    outputs = [proc.communicate(timeout=seconds + 120)[0] for proc in procs]
+    if any(proc.returncode for proc in procs):
+        raise SystemExit(f"a client failed in {tree}")
+    return sum(int(out.strip()) for out in outputs)
 
 
 def cpu_ns(pid: int) -> int:
-    total = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            total += int((task / "schedstat").read_text().split()[0])
-        except (OSError, ValueError):
-            continue  # the thread ended meanwhile
-    return total
+    """The process's CPU time, user and system, its ended threads included (a bulk
+    connection's thread ends with its client, before the measurement does)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    ticks = int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
+    return ticks * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
 
 
 class Served:
@@ -112,7 +110,7 @@ def measure(
     data = Path(tempfile.mkdtemp(prefix="kvshare-profile-"))
     served = Served(tree, data / "data")
     try:
-        drive(served.address, served.token, op, clients, min(seconds, 4))  # warm-up
+        drive(tree, served.address, served.token, op, clients, min(seconds, 4))  # warm-up
         time.sleep(2)  # start-up work (the journal's prefault) settles
         recorder = None
         if py_spy:
@@ -125,7 +123,7 @@ def measure(
             )  # fmt: skip
             time.sleep(0.5)
         before = cpu_ns(served.proc.pid)
-        calls = drive(served.address, served.token, op, clients, seconds)
+        calls = drive(tree, served.address, served.token, op, clients, seconds)
         used = cpu_ns(served.proc.pid) - before
         if recorder is not None:
             recorder.wait(60)
@@ -143,6 +141,10 @@ def measure(
 
 
 def main() -> int:
+    if sys.argv[1:2] == ["--client"]:
+        address, token, op, seconds = sys.argv[2:6]
+        print(client_loop(address, token, op, float(seconds)))
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--op", choices=("lookup", "get", "put"), default="lookup")
     parser.add_argument("--clients", default="1,4")

@@ -1,4 +1,5 @@
-"""Client side of the bulk channel: GET and PUT requests (framing in `kvcommon.bulkwire`).
+"""Client side of the bulk channel: LOOKUP, GET and PUT requests (framing in
+`kvcommon.bulkwire`).
 
 One connection per thread and tenant (bulk_connect.py), opened with a one-time ticket
 and kept for reuse; a kept connection the server closed meanwhile (a restart) is replaced
@@ -148,6 +149,37 @@ class BulkChannel:
             # then fails the send at once): its error frame may be waiting to be read.
             expect_ok(conn.sock, conn.timer)
             raise
+
+    def lookup(
+        self,
+        tenant: str,
+        model: str,
+        digests: Sequence[bytes],
+        *,
+        deadline: CallDeadline | None = None,
+    ) -> int:
+        """How many leading digests are stored. On this thread's connection for the
+        tenant if it has one (a same-host one included: a lookup moves no payload), else
+        on a TCP one, so a thread that only looks up (an engine's scheduler) never takes
+        a same-host arena. Not on the sealed channel (UseGrpc): its frames carry blocks."""
+        _check_framable(model, digests)
+        deadline = self._deadline(deadline)
+        conns: dict[tuple[str, bool], Connection] = self._local.__dict__.get("conns", {})
+        tcp = (tenant, False) not in conns
+        conn = self._connection(tenant, deadline, tcp=tcp)
+        if conn.sealed is not None:
+            raise UseGrpc("sealed channel")
+        try:
+            self._request(conn, w.OP_LOOKUP, model, digests)
+            expect_ok(conn.sock, conn.timer)
+            (present,) = w.PRESENT.unpack(w.recv_bytes(conn.sock, w.PRESENT.size, conn.timer))
+        except Exception:
+            self._drop(tenant, tcp=tcp)
+            raise
+        if present > len(digests):
+            self._drop(tenant, tcp=tcp)
+            raise store_error("DATA_LOSS", "the server found more blocks than were asked for")
+        return int(present)
 
     def read(
         self,

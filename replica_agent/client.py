@@ -190,6 +190,9 @@ class BlockClient:
             frame_bytes,
             sealed_channel=sealed_channel and tls is not None,  # its secret crosses TLS only
         )
+        # A sealed-channel caller looks up over gRPC: the sealed channel's frames carry
+        # blocks, and a second connection just for lookups would buy nothing there.
+        self._bulk_lookups = not (sealed_channel and tls is not None)
         self.transport_stats = ClientStats()
         self._bulk_backoff = _Backoff(FIRST_BACKOFF_S, MAX_BACKOFF_S)
         self._local_backoff = _Backoff(LOCAL_RETRY_S, LOCAL_RETRY_S)
@@ -260,7 +263,19 @@ class BlockClient:
     # -- calls ------------------------------------------------------------------------
 
     def lookup(self, tenant: str, model: str, digests: Sequence[bytes]) -> int:
-        return self._grpc.lookup(tenant, model, digests)
+        """How many leading digests are stored: over the bulk channel when it is up (a
+        small call, where gRPC's per-call cost is most of the time), else gRPC."""
+        deadline = CallDeadline(self.timeout_s)
+        bulk = self._bulk_now() if self._bulk_lookups else None
+        if bulk is not None:
+            try:
+                present = bulk.lookup(tenant, model, digests, deadline=deadline)
+            except (OSError, w.ConnectionClosed, NoBulkListener, UseGrpc) as error:
+                self._bulk_failed(error, deadline)
+            else:
+                self._bulk_backoff.succeeded()
+                return present
+        return self._grpc.lookup(tenant, model, digests, deadline)
 
     def get(self, tenant: str, model: str, digests: Sequence[bytes]) -> list[bytes]:
         return [bytes(v) for v in self._read(tenant, model, digests, keep=True)]

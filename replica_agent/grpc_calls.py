@@ -103,9 +103,15 @@ class GrpcCalls:
             response.channel_secret if self._sealed_channel else b"",
         )
 
-    def lookup(self, tenant: str, model: str, digests: Sequence[bytes]) -> int:
+    def lookup(
+        self,
+        tenant: str,
+        model: str,
+        digests: Sequence[bytes],
+        deadline: CallDeadline | None = None,
+    ) -> int:
         request = pb.LookupRequest(tenant=tenant, model=model, digests=digests)
-        return int(self._call(self._stub.Lookup, request).present)
+        return int(self._call(self._stub.Lookup, request, deadline).present)
 
     def iter_get(
         self,

@@ -84,6 +84,35 @@ def test_bulk_and_grpc_paths_return_the_same_bytes(tenant_server: Running, same_
 
 
 @TRANSPORTS
+def test_lookups_go_over_the_bulk_channel_and_agree_with_grpc(
+    tenant_server: Running, same_host: bool
+) -> None:
+    """A lookup is the engine scheduler's per-request call: over the bulk channel (no
+    fallback), with gRPC's answers and refusals; a thread that only looks up takes no
+    same-host arena (a TCP connection serves it)."""
+    digests = [os.urandom(32) for _ in range(64)]
+    with (
+        tenant_server.client("a", same_host=same_host) as bulk,
+        tenant_server.client("a", bulk=False) as plain,
+    ):
+        assert bulk.lookup("alpha", MODEL, digests) == plain.lookup("alpha", MODEL, digests) == 0
+        assert plain.put("alpha", MODEL, digests[:40], [b"kv"] * 40) == [True] * 40
+        assert bulk.lookup("alpha", MODEL, digests) == plain.lookup("alpha", MODEL, digests) == 40
+        assert bulk.lookup("alpha", MODEL, digests[1:]) == 39
+        assert bulk.lookup("alpha", MODEL, []) == 0
+        assert bulk.transport_stats.same_host_connections == 0  # lookups alone: TCP
+        assert bulk.get("alpha", MODEL, digests[:1]) == [b"kv"]  # now a data connection
+        assert bulk.lookup("alpha", MODEL, digests) == 40  # ... which lookups then share
+        assert bulk.transport_stats.same_host_connections == int(same_host)
+        with pytest.raises(PermissionDenied):
+            bulk.lookup("beta", MODEL, digests)
+        with pytest.raises(BlockStoreError) as info:
+            bulk.lookup("alpha", MODEL, [b"short"])  # sent over gRPC, answered there
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert bulk.transport_stats.bulk_fallbacks == 0
+
+
+@TRANSPORTS
 def test_policy_still_applies_per_request(tenant_server: Running, same_host: bool) -> None:
     with tenant_server.client("a", same_host=same_host) as client:
         client.put("alpha", MODEL, [b"x" * 32], [b"payload"])  # positive control

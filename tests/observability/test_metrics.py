@@ -67,6 +67,7 @@ def rpcs(**counts: int) -> dict[Series, float]:
         "BulkHello": "kvshare.bulk/Hello",
         "BulkPut": "kvshare.bulk/Put",
         "BulkGet": "kvshare.bulk/Get",
+        "BulkLookup": "kvshare.bulk/Lookup",
     }
     return {
         ("kvshare_rpc_requests_total", (("method", names[k]), ("status", "OK"))): n
@@ -115,7 +116,7 @@ def test_scraped_counters_equal_the_workload_over_grpc_and_bulk(tmp_path: Path) 
             time.sleep(0.05)
         assert value(scrape(), "kvshare_bulk_arenas") == 0
         expected = expected_store_counters(2) | rpcs(
-            Put=2, Lookup=4, Get=2, OpenBulk=1, BulkHello=1, BulkPut=2, BulkGet=2
+            Put=2, Lookup=2, Get=2, OpenBulk=1, BulkHello=1, BulkPut=2, BulkGet=2, BulkLookup=2
         )
         samples = settled(scrape, expected)
         assert_counts(samples, expected)

@@ -73,9 +73,8 @@ def test_agent_restore_and_server_get_share_one_trace(tmp_path: Path, bulk: bool
         [s for s in server_done if s.name == get_name and is_child(s, load)], get_name
     )
     assert server_get.kind.name == "SERVER"
-    assert any(
-        is_child(s, lookup_span) for s in server_done if s.name == "kvshare.v1.BlockStore/Lookup"
-    )
+    lookup_name = "kvshare.bulk/Lookup" if bulk else "kvshare.v1.BlockStore/Lookup"
+    assert any(is_child(s, lookup_span) for s in server_done if s.name == lookup_name)
     save = only(list(agent_done), "kvshare.agent.save")
     put_name = "kvshare.bulk/Put" if bulk else "kvshare.v1.BlockStore/Put"
     assert any(is_child(s, save) for s in server_done if s.name == put_name)

@@ -29,8 +29,9 @@ from policy.tickets import Grant
 
 Buffer = bytes | bytearray | memoryview
 DISCARD_CHUNK_BYTES = 1 << 20
-OPS = {w.OP_GET: "Get", w.OP_PUT: "Put"}  # the method names of the requests' spans
-VERBS = {w.OP_GET: Verb.GET, w.OP_PUT: Verb.PUT}
+# The method names of the requests' spans.
+OPS = {w.OP_GET: "Get", w.OP_PUT: "Put", w.OP_LOOKUP: "Lookup"}
+VERBS = {w.OP_GET: Verb.GET, w.OP_PUT: Verb.PUT, w.OP_LOOKUP: Verb.LOOKUP}
 TRANSFER_SLACK_S = 2.0
 
 
@@ -125,6 +126,10 @@ class BulkHandler:
         model = parse_model_bytes(body[:model_len])
         raw = body[model_len : model_len + 32 * count]
         digests = [bytes(raw[i : i + 32]) for i in range(0, len(raw), 32)]
+        if verb is Verb.LOOKUP:
+            present = self._core.lookup(begun, model, digests)
+            self._reply(bytes([w.OK]) + w.PRESENT.pack(present))
+            return
         if verb is Verb.GET:
             if self._arena is None:
                 self._get(begun, model, digests)

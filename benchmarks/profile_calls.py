@@ -6,13 +6,15 @@
 Starts `kvshare serve` (dev mode, a temp data dir) from this checkout, and with
 `--before DIR` also from another checkout (a `git worktree` of an older commit), in
 alternating rounds so both see the same machine; warms each server up, then runs N
-client processes that repeat one call for `--seconds`: `lookup` (64 present digests,
-gRPC: the call vLLM's scheduler makes per request), `get` (one 64 KiB block over the
-bulk channel across TCP) or `put` (one new 64 KiB block, bulk TCP). It reports calls/s
-and the server's CPU time per call (/proc/<pid>/stat: user and system time of the
-whole process, in clock ticks of 10 ms, so runs of a few seconds are needed). `--py-spy PREFIX` records
-each measured run with `py-spy record --threads` (PREFIX-<tree>-<op>-<clients>.txt,
-collapsed stacks; `py-spy` from PyPI must be on PATH or in this venv).
+client processes (each running that checkout's client) that repeat one call for
+`--seconds`: `lookup` (64 present digests: the call vLLM's scheduler makes per
+request), `get` (one 64 KiB block) or `put` (one new 64 KiB block), on the client's
+default transports across TCP (the bulk channel; no same-host arena). It reports
+calls/s and the server's CPU time per call (/proc/<pid>/stat: user and system time of
+the whole process, in clock ticks of 10 ms, so runs of a few seconds are needed).
+`--py-spy PREFIX` records each measured run with `py-spy record --threads`
+(PREFIX-<tree>-<op>-<clients>.txt, collapsed stacks; `py-spy` from PyPI must be on
+PATH or in this venv).
 
 Ad-hoc measurement for profiling; `kvshare bench` is the side-by-side benchmark with
 the peers (docs/benchmarks.md).

@@ -12,7 +12,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -155,6 +155,54 @@ def write_config(
         ]
     tenancy.path.write_text("\n".join(lines) + "\n")
     return tenancy
+
+
+def write_public_config(
+    tmp_path: Path,
+    principals: dict[str, tuple[list[str], list[str]]],
+    *,
+    readers: tuple[str, ...] = ("alpha", "beta"),
+    quota_bytes: int = 1 << 30,
+    quotas: dict[str, int] | None = None,
+) -> Tenancy:
+    """`write_config` with a public scope (`[public] quota_bytes`) that `readers`
+    read (`read_public = true`); a publisher is `([], ["publish"])` in `principals`."""
+    tenancy = write_config(tmp_path, quotas=quotas, principals=principals)
+    text = tenancy.path.read_text()
+    for tenant in readers:
+        text = text.replace(f'id = "{tenant}"\n', f'id = "{tenant}"\nread_public = true\n')
+    tenancy.path.write_text(text + f"[public]\nquota_bytes = {quota_bytes}\n")
+    return tenancy
+
+
+# Calls a client made, recorded by `record_calls`: (verb, tenant, digests).
+Calls = list[tuple[str, str, tuple[bytes, ...]]]
+
+
+def record_calls(client: BlockClient) -> Calls:
+    """Record every call `client` makes from now on; the calls themselves are real."""
+    calls: Calls = []
+
+    def wrap(verb: str, real: Callable[..., Any]) -> Callable[..., Any]:
+        def call(tenant: str, model: str, digests: Sequence[bytes], *rest: Any) -> Any:
+            calls.append((verb, tenant, tuple(digests)))
+            return real(tenant, model, digests, *rest)
+
+        return call
+
+    for verb in ("lookup", "iter_views", "get", "put", "delete"):
+        setattr(client, verb, wrap(verb, getattr(client, verb)))
+    return calls
+
+
+def sent_to(calls: Calls, tenant: str) -> set[bytes]:
+    """Every digest the recorded calls named in `tenant`."""
+    return {d for _, who, digests in calls if who == tenant for d in digests}
+
+
+def puts(calls: Calls) -> list[tuple[str, tuple[bytes, ...]]]:
+    """The recorded puts: (tenant, digests)."""
+    return [(who, digests) for verb, who, digests in calls if verb == "put"]
 
 
 # How a test's client reaches the store: gRPC only, the bulk channel over TCP (as from

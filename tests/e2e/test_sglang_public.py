@@ -12,7 +12,7 @@ action and no tenant. Page keys stand for SGLang's chained keys.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,15 @@ from replica_agent.gate import StoreGate, StoreStats
 from replica_agent.public import CATALOGUE_DIGEST, PUBLIC_SCOPE, PublicCatalogue, write_catalogue
 from replica_agent.spec import ModelSpec
 from replica_agent.telemetry import AgentTelemetry
-from tests.conftest import Running, launch, write_config
+from tests.conftest import (
+    Calls,
+    Running,
+    launch,
+    puts,
+    record_calls,
+    sent_to,
+    write_public_config,
+)
 
 LAYERS, HEADS, DIM, PAGE, TOKENS = 2, 2, 8, 16, 256
 SPEC = ModelSpec("sglang/test", "sglang:mha:pp0/1:cp0/1", LAYERS, HEADS, DIM, "float32", PAGE)
@@ -51,18 +59,15 @@ OTHER = chain("other-0", "other-1")  # a prompt that shares nothing with the pub
 
 @pytest.fixture
 def public_store(tmp_path: Path) -> Iterator[Running]:
-    tenancy = write_config(
+    tenancy = write_public_config(
         tmp_path,
-        extra=f"[public]\nquota_bytes = {1 << 30}\n",
-        principals={
+        {
             "engine": (["alpha", "beta"], ["read", "write"]),
             "only-beta": (["beta"], ["read", "write"]),
             "publisher": ([], ["publish"]),
         },
+        readers=("alpha",),
     )
-    text = tenancy.path.read_text()
-    text = text.replace('id = "alpha"\n', 'id = "alpha"\nread_public = true\n')
-    tenancy.path.write_text(text)
     running = launch(tenancy)
     try:
         yield running
@@ -74,33 +79,6 @@ def public_store(tmp_path: Path) -> Iterator[Running]:
 def keys() -> BlockSealer:
     entries = new_key_entry("alpha", 1) + new_key_entry("beta", 1) + new_key_entry(PUBLIC_SCOPE, 1)
     return BlockSealer(Keyring.parse_toml(entries, "test"))
-
-
-Calls = list[tuple[str, str, tuple[bytes, ...]]]
-
-
-def recorded(client: BlockClient) -> Calls:
-    """Record every call `client` makes as (verb, tenant, digests); the calls are real."""
-    calls: Calls = []
-
-    def wrap(verb: str, real: Callable[..., Any]) -> Callable[..., Any]:
-        def call(tenant: str, model: str, digests: Sequence[bytes], *rest: Any) -> Any:
-            calls.append((verb, tenant, tuple(digests)))
-            return real(tenant, model, digests, *rest)
-
-        return call
-
-    for verb in ("lookup", "iter_views", "get", "put", "delete"):
-        setattr(client, verb, wrap(verb, getattr(client, verb)))
-    return calls
-
-
-def sent_to(calls: Calls, tenant: str) -> set[bytes]:
-    return {d for _, who, digests in calls if who == tenant for d in digests}
-
-
-def written(calls: Calls) -> list[tuple[str, tuple[bytes, ...]]]:
-    return [(who, digests) for verb, who, digests in calls if verb == "put"]
 
 
 def pool(fill: bool) -> HostPages:
@@ -122,7 +100,7 @@ def new_gate() -> StoreGate:
 
 def publisher(running: Running, sealer: BlockSealer) -> tuple[PublishingPages, Calls]:
     client = running.client("publisher")
-    calls = recorded(client)
+    calls = record_calls(client)
     return PublishingPages(store(client, PUBLIC_SCOPE, new_gate(), sealer)), calls
 
 
@@ -130,7 +108,7 @@ def reader(
     running: Running, sealer: BlockSealer, tenant: str = "alpha", who: str = "engine"
 ) -> tuple[PublicSplitPages, Calls, PublicCatalogue]:
     client = running.client(who)
-    calls = recorded(client)
+    calls = record_calls(client)
     gate = new_gate()
     catalogue = PublicCatalogue(client, gate, MODEL, sealer=sealer)
     split = PublicSplitPages(
@@ -161,7 +139,7 @@ def test_a_publisher_stores_in_public_and_lists_exactly_what_it_stored(
     source = pool(fill=True)
     pub, calls = publisher(public_store, keys)
     assert pub.save(PUBLISHED, pages_of(source, 3)) == [True] * 3
-    assert {who for who, _ in written(calls)} == {PUBLIC_SCOPE}
+    assert {who for who, _ in puts(calls)} == {PUBLIC_SCOPE}
     assert catalogue_of(public_store, keys) == frozenset(PUBLISHED)
     # Pages and catalogue are sealed under @public's key, not a tenant's.
     with public_store.client("publisher") as client:
@@ -185,7 +163,7 @@ def test_listed_keys_are_read_in_public_and_the_continuation_in_the_tenant(
     assert split.leading(batch) == 3  # the continuation is not stored yet
     # A save of the whole batch writes the private pages in alpha and nothing else.
     assert split.save(batch, pages_of(source, 5)) == [True] * 5
-    assert written(calls) == [("alpha", tuple(PRIVATE))]
+    assert puts(calls) == [("alpha", tuple(PRIVATE))]
     assert split.leading(batch) == 5
     assert split.load(batch, pages_of(target, 5)) == [True] * 5
     for i in range(5):
@@ -228,7 +206,7 @@ def test_a_private_prompt_sends_nothing_but_the_catalogue_read_to_public(
     assert split.save(OTHER, pages_of(source, 2)) == [True, True]
     assert split.load(OTHER, pages_of(target, 2)) == [True, True]
     assert sent_to(calls, PUBLIC_SCOPE) == {CATALOGUE_DIGEST}
-    assert written(calls) == [("alpha", tuple(OTHER))]
+    assert puts(calls) == [("alpha", tuple(OTHER))]
     split.close()
     pub.close()
 
@@ -249,7 +227,7 @@ def test_a_listed_page_missing_from_public_ends_the_load_and_is_never_saved(
     assert split.load(batch, pages_of(target, 5)) == [True] + [False] * 4
     assert split.gate.stats.blocks_failed == 4
     assert split.save(batch, pages_of(source, 5)) == [True] * 5
-    assert written(calls) == [("alpha", tuple(PRIVATE))]
+    assert puts(calls) == [("alpha", tuple(PRIVATE))]
     assert "alpha" not in {who for verb, who, _ in calls if verb != "put"}
     split.close()
     pub.close()
@@ -270,7 +248,7 @@ def test_a_tenant_without_read_public_gets_todays_behaviour(
     assert sent_to(calls, PUBLIC_SCOPE) == {CATALOGUE_DIGEST}
     assert beta.gate.stats.refused_calls == 1
     assert beta.save(PUBLISHED, pages_of(source, 3)) == [True] * 3
-    assert written(calls) == [("beta", tuple(PUBLISHED))]
+    assert puts(calls) == [("beta", tuple(PUBLISHED))]
     alpha, _, _ = reader(public_store, keys)
     assert alpha.load(PUBLISHED, pages_of(target, 3)) == [True] * 3
     for split in (alpha, beta):

@@ -17,7 +17,7 @@ import pytest
 
 from kvshare.audit.cli import format_report
 from kvshare.audit.timing import Party, Planted, Setup, probe_public
-from tests.conftest import run_cli, write_config
+from tests.conftest import run_cli, write_public_config
 from tests.isolation.conftest import Served, serve
 
 PRINCIPALS = {
@@ -35,13 +35,7 @@ PROBES = 100
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[tuple[Served, dict[str, Path]]]:
     """The server, and each principal's token in an owner-only file."""
-    tenancy = write_config(
-        tmp_path, principals=PRINCIPALS, extra="[public]\nquota_bytes = 67108864\n"
-    )
-    text = tenancy.path.read_text()
-    for tenant in ("alpha", "beta"):
-        text = text.replace(f'id = "{tenant}"', f'id = "{tenant}"\nread_public = true')
-    tenancy.path.write_text(text)
+    tenancy = write_public_config(tmp_path, PRINCIPALS, quota_bytes=64 << 20)
     files = {}
     for name, token in tenancy.tokens.items():
         files[name] = tmp_path / f"{name}.token"

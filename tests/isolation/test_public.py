@@ -18,7 +18,7 @@ import pytest
 from kvcommon.errors import InvalidArgument, PermissionDenied
 from policy.sealing import BlockSealer, Keyring, new_key_entry
 from policy.types import PUBLIC
-from tests.conftest import TRANSPORTS, launch, write_config
+from tests.conftest import TRANSPORTS, launch, write_config, write_public_config
 from tests.isolation.conftest import MODEL, Served, serve
 
 KiB = 1024
@@ -34,17 +34,10 @@ PRINCIPALS = {
 
 
 def public_config(tmp_path: Path, *, beta_quota: int = 0) -> Served:
-    tenancy = write_config(
-        tmp_path,
-        quotas={"beta": beta_quota},
-        principals=PRINCIPALS,
-        extra=f"[public]\nquota_bytes = {PUBLIC_QUOTA}\n",
+    tenancy = write_public_config(
+        tmp_path, PRINCIPALS, quota_bytes=PUBLIC_QUOTA, quotas={"beta": beta_quota}
     )
-    text = tenancy.path.read_text()
-    for tenant in ("alpha", "beta"):
-        text = text.replace(f'id = "{tenant}"', f'id = "{tenant}"\nread_public = true')
-    text += '[[tenants]]\nid = "gamma"\n'
-    tenancy.path.write_text(text)
+    tenancy.path.write_text(tenancy.path.read_text() + '[[tenants]]\nid = "gamma"\n')
     return serve(tenancy)
 
 

@@ -11,7 +11,7 @@ alpha read them. Every call of the readers' real clients is recorded.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,14 @@ from sglang.srt.mem_cache.utils import storage_namespace_seed
 from kvcommon.errors import ConfigError
 from policy.sealing import new_key_entry
 from replica_agent.public import CATALOGUE_DIGEST, PUBLIC_SCOPE
-from tests.conftest import launch, write_config, write_engine_files
+from tests.conftest import (
+    launch,
+    puts,
+    record_calls,
+    sent_to,
+    write_engine_files,
+    write_public_config,
+)
 from tests.sglang.conftest import (
     PAGE,
     Store,
@@ -36,7 +43,6 @@ from tests.sglang.conftest import (
 
 SYSTEM = list(range(2000, 2000 + 3 * PAGE))  # the published prefix: three pages
 USER = list(range(5000, 5000 + 2 * PAGE))  # a private continuation: two pages
-Calls = list[tuple[str, str, tuple[bytes, ...]]]
 
 
 @pytest.fixture
@@ -44,16 +50,11 @@ def public_store(tmp_path: Path) -> Iterator[Store]:
     """`engine` reads and writes alpha (which reads @public) and beta; `publisher` only
     publishes. The keyring holds alpha's, beta's and @public's keys; `no-public.toml`
     only the tenants'."""
-    tenancy = write_config(
+    tenancy = write_public_config(
         tmp_path,
-        extra=f"[public]\nquota_bytes = {1 << 30}\n",
-        principals={
-            "engine": (["alpha", "beta"], ["read", "write"]),
-            "publisher": ([], ["publish"]),
-        },
+        {"engine": (["alpha", "beta"], ["read", "write"]), "publisher": ([], ["publish"])},
+        readers=("alpha",),
     )
-    text = tenancy.path.read_text()
-    tenancy.path.write_text(text.replace('id = "alpha"\n', 'id = "alpha"\nread_public = true\n'))
     running = launch(tenancy)
     token_files, keyring = write_engine_files(tmp_path, tenancy.tokens)
     tenants_only = tmp_path / "no-public.toml"
@@ -71,31 +72,6 @@ def publisher_extra(store: Store) -> dict[str, Any]:
     extra = kvshare_extra(store, token="publisher") | {"publish": True}
     del extra["tenant"]
     return extra
-
-
-def recorded(backend: Any) -> Calls:
-    """Record every call the backend's real client makes: (verb, tenant, digests)."""
-    calls: Calls = []
-    client = backend._client
-
-    def wrap(verb: str, real: Callable[..., Any]) -> Callable[..., Any]:
-        def call(tenant: str, model: str, digests: Sequence[bytes], *rest: Any) -> Any:
-            calls.append((verb, tenant, tuple(digests)))
-            return real(tenant, model, digests, *rest)
-
-        return call
-
-    for verb in ("lookup", "iter_views", "get", "put", "delete"):
-        setattr(client, verb, wrap(verb, getattr(client, verb)))
-    return calls
-
-
-def sent_to(calls: Calls, tenant: str) -> set[bytes]:
-    return {d for _, who, digests in calls if who == tenant for d in digests}
-
-
-def puts(calls: Calls) -> list[tuple[str, tuple[bytes, ...]]]:
-    return [(who, digests) for verb, who, digests in calls if verb == "put"]
 
 
 def digests(keys: Sequence[str]) -> set[bytes]:
@@ -131,7 +107,7 @@ def test_a_reader_loads_published_pages_from_public_and_saves_only_its_own(
     pool = host_pool("layer_first")
     fill_random(pool, seed=8)
     reader = attach(pool, kvshare_extra(public_store))
-    calls = recorded(reader)
+    calls = record_calls(reader._client)
     keys = page_keys(SYSTEM + USER)  # SGLang's chain over the whole prompt
     assert reader.batch_exists(keys) == 3  # the published pages; the user's not yet
     target = slots(pool, 5)
@@ -164,7 +140,7 @@ def test_a_salted_request_never_matches_and_sends_nothing_to_public(
     pool = host_pool()
     fill_random(pool, seed=9)
     reader = attach(pool, kvshare_extra(public_store))
-    calls = recorded(reader)
+    calls = record_calls(reader._client)
     salted = page_keys(SYSTEM, storage_namespace_seed(None, "user-1"))
     assert reader.batch_exists(salted) == 0
     assert reader.batch_set_v1(salted, slots(pool, 3)) == [True] * 3
@@ -178,7 +154,7 @@ def test_a_salted_request_never_matches_and_sends_nothing_to_public(
 def test_the_older_interface_reads_published_pages_key_by_key(public_store: Store) -> None:
     published_pool, published = publish(public_store, SYSTEM)
     reader = attach(host_pool(), kvshare_extra(public_store))
-    calls = recorded(reader)
+    calls = record_calls(reader._client)
     keys = page_keys(SYSTEM)
     assert all(reader.exists(key) for key in keys)
     page = reader.get(keys[1])
@@ -201,7 +177,7 @@ def test_public_prefixes_off_or_no_public_key_keeps_every_page_in_the_tenant(
         | {"keyring_file": str(public_store.keyring_file.parent / "no-public.toml")},
     )
     for backend in (off, no_key):
-        calls = recorded(backend)
+        calls = record_calls(backend._client)
         assert backend.catalogue is None
         assert backend.batch_exists(keys) == 0
         assert sent_to(calls, PUBLIC_SCOPE) == set()  # not even the catalogue

@@ -39,7 +39,7 @@ from replica_agent.public import (
     write_catalogue,
 )
 from replica_agent.telemetry import AgentTelemetry
-from tests.conftest import Running, launch, write_config
+from tests.conftest import Running, launch, write_public_config
 
 MODEL = "m@r;fp32;L2;H2;D8;B32;tp0/1"
 BT, BS = 32, 16  # store block: 2 vLLM blocks
@@ -186,16 +186,11 @@ def test_plans_never_show_digests_in_their_repr() -> None:
 def public_store(tmp_path: Path) -> Iterator[Running]:
     """A real server with a public scope: tenants alpha and beta read it (read_public);
     `engine` reads and writes both, `publisher` only publishes (it has no tenants)."""
-    tenancy = write_config(
+    tenancy = write_public_config(
         tmp_path,
-        extra=f"[public]\nquota_bytes = {1 << 30}\n",
-        principals={
-            "engine": (["alpha", "beta"], ["read", "write"]),
-            "publisher": ([], ["publish"]),
-        },
+        {"engine": (["alpha", "beta"], ["read", "write"]), "publisher": ([], ["publish"])},
+        readers=("alpha", "beta"),
     )
-    text = tenancy.path.read_text()
-    tenancy.path.write_text(text.replace("quota_bytes = 0", "quota_bytes = 0\nread_public = true"))
     running = launch(tenancy)
     try:
         yield running

@@ -32,7 +32,7 @@ from policy.sealing import BlockSealer, Keyring, new_key_entry
 from replica_agent.client import BlockClient
 from replica_agent.hashing import BlockHasher
 from replica_agent.public import PUBLIC_SCOPE, plan_chain, write_catalogue
-from tests.conftest import write_config, write_engine_files
+from tests.conftest import write_engine_files, write_public_config
 
 pytestmark = pytest.mark.timeout(900)
 BLOCK = 256  # store block tokens: two of vLLM's 128-token CPU blocks
@@ -74,16 +74,11 @@ class Public:
 @pytest.fixture(scope="module")
 def public(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Public]:
     directory = tmp_path_factory.mktemp("public")
-    tenancy = write_config(
+    tenancy = write_public_config(
         directory,
-        extra=f"[public]\nquota_bytes = {1 << 30}\n",
-        principals={
-            "engine": (["alpha", "beta"], ["read", "write"]),
-            "publisher": ([], ["publish"]),
-        },
+        {"engine": (["alpha", "beta"], ["read", "write"]), "publisher": ([], ["publish"])},
+        readers=("alpha", "beta"),
     )
-    text = tenancy.path.read_text()
-    tenancy.path.write_text(text.replace("quota_bytes = 0", "quota_bytes = 0\nread_public = true"))
     server = EmbeddedServer(load_config(tenancy.path))
     server.start()
     token_files, keyring = write_engine_files(directory, tenancy.tokens)

@@ -100,10 +100,13 @@ def publish_prefix(
         agent.flush()
     stored = _checked(lambda: agent.client.lookup(PUBLIC, agent.model, digests))
     if stored < len(digests):
-        raise ConfigError(
-            f"the store kept {stored} of {len(digests)} blocks; check the [public] "
-            "quota_bytes, and that the keyring has the public key"
+        why = (
+            "the store refused them: give this principal the publish action "
+            "(kvshare admin token --actions publish), or raise [public] quota_bytes"
+            if agent.stats.refused_calls
+            else "check that the store is reachable and its [public] quota_bytes"
         )
+        raise ConfigError(f"the store kept {stored} of {len(digests)} blocks; {why}")
     listed = _checked(
         lambda: write_catalogue(agent.client, agent.model, digests, sealer=agent.sealer)
     )

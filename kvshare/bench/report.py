@@ -27,8 +27,9 @@ NOTES = {
     "lookup is EXISTS k1 ... kn.",
     "tcp": "raw TCP is the ceiling: a Python socket server, no auth, eviction or integrity; "
     "its lookup is one EXISTS request (the keys of a GET, a count back).",
-    LOOKUP_OP: "lookup rows: one call asks whether N present blocks are held (kvshare: the "
-    "gRPC Lookup); throughput in calls/s, MB/s 0, x peer compares calls/s.",
+    LOOKUP_OP: "lookup rows: one call asks whether N present blocks are held (kvshare: "
+    "BlockClient.lookup, over the bulk channel; kvshare-grpc: the gRPC Lookup); throughput "
+    "in calls/s, MB/s 0, x peer compares calls/s.",
 }
 LMCACHE_LOOKUP_NOTE = " Its lookup is pipelined EXISTs, one per key (no multi-key EXIST)."
 

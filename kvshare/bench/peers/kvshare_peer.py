@@ -146,7 +146,7 @@ class KvshareClient:
 class KvshareSystem:
     is_put_acknowledged = True
     supports_batch_get = True
-    supports_lookup = True  # BlockClient.lookup: one gRPC Lookup call
+    supports_lookup = True  # BlockClient.lookup: one call, on the bulk channel when it is up
 
     def __init__(
         self,

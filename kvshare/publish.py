@@ -164,18 +164,11 @@ def _load(args: argparse.Namespace) -> tuple[PreTrainedModel, ModelSpec, list[in
 
     if args.block_tokens < 1:
         raise ConfigError("--block-tokens must be at least 1")
+    model: PreTrainedModel
     if args.model == "demo":
-        from kvshare.demo.replica import MODEL_ID, ReplicaSettings
-        from replica_agent.adapters.hf import tiny_llama
+        from kvshare.demo.replica import ReplicaSettings, demo_model
 
-        settings = ReplicaSettings(block_tokens=args.block_tokens)
-        model: PreTrainedModel = tiny_llama(settings.seed, num_kv_heads=settings.num_kv_heads)
-        spec = spec_for(
-            model,
-            model_id=MODEL_ID,
-            revision=f"seed{settings.seed}",
-            block_tokens=args.block_tokens,
-        )
+        model, spec = demo_model(ReplicaSettings(block_tokens=args.block_tokens))
         tokenizer_path = None
     else:
         from transformers import AutoModelForCausalLM

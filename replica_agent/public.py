@@ -110,15 +110,6 @@ class ChainPlan:
     public_blocks: int
 
 
-def leading_public(public_digests: Sequence[bytes], catalogue: frozenset[bytes]) -> int:
-    count = 0
-    for digest in public_digests:
-        if digest not in catalogue:
-            break
-        count += 1
-    return count
-
-
 def plan_chain(
     model: str,
     block_tokens: int,
@@ -146,7 +137,7 @@ def plan_chain(
             private = BlockHasher(model, block_tokens, salt, lora_id).digests_from(
                 root, boundary, token_ids, mm_spans
             )
-            return ChainPlan((*public[:boundary], *private), boundary)
+            return ChainPlan((*public, *private), boundary)
     plain = BlockHasher(model, block_tokens, salt, lora_id).digests(token_ids, mm_spans)
     return ChainPlan(tuple(plain), 0)
 

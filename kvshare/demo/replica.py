@@ -21,6 +21,7 @@ from kvshare.demo.workload import DemoRequest
 from policy.sealing import BlockSealer, Keyring
 from policy.types import PUBLIC
 from replica_agent.adapters.hf import (
+    TinyLlama,
     blocks_from_cache,
     cache_from_blocks,
     greedy_continue,
@@ -31,6 +32,7 @@ from replica_agent.adapters.hf import (
 from replica_agent.agent import ReplicaAgent
 from replica_agent.hashing import BlockHasher
 from replica_agent.public import ChainPlan, PublicCatalogue, plan_chain
+from replica_agent.spec import ModelSpec
 
 MODEL_ID = "kvshare/tiny-llama-demo"
 
@@ -94,18 +96,25 @@ class LocalPrefixCache:
             self._blocks.popitem(last=False)
 
 
+def demo_model(settings: ReplicaSettings) -> tuple[TinyLlama, ModelSpec]:
+    """The demo's random-weight model and its block spec: the same in every replica,
+    and in whatever publishes for them (`kvshare admin publish --model demo`)."""
+    model = tiny_llama(settings.seed, num_kv_heads=settings.num_kv_heads)
+    spec = spec_for(
+        model,
+        model_id=MODEL_ID,
+        revision=f"seed{settings.seed}",
+        block_tokens=settings.block_tokens,
+    )
+    return model, spec
+
+
 class Replica:
     def __init__(self, index: int, settings: ReplicaSettings) -> None:
         torch.set_num_threads(settings.torch_threads)
         self.index = index
         self.settings = settings
-        self.model = tiny_llama(settings.seed, num_kv_heads=settings.num_kv_heads)
-        self.spec = spec_for(
-            self.model,
-            model_id=MODEL_ID,
-            revision=f"seed{settings.seed}",
-            block_tokens=settings.block_tokens,
-        )
+        self.model, self.spec = demo_model(settings)
         self.hasher = BlockHasher(self.spec.wire_model(), settings.block_tokens)
         self.local = LocalPrefixCache(settings.local_cache_blocks)
         self.agent: ReplicaAgent | None = None

@@ -28,10 +28,10 @@ from typing import Any
 from cacheserver.config import BulkConfig, ServerConfig, StorageConfig
 from cacheserver.embedded import EmbeddedServer
 from kvshare.demo.replica import (
-    MODEL_ID,
     ReplicaSettings,
     RequestResult,
     StoreSettings,
+    demo_model,
     replica_main,
 )
 from kvshare.demo.workload import DemoRequest, WorkloadShape, build_workload, public_prompt
@@ -345,17 +345,9 @@ def _publish(options: DemoOptions, handle: StoreHandle, tokens: list[int]) -> No
     """Publish the framework prompt as an operator would (kvshare admin publish)."""
     from kvshare.publish import publish_prefix
     from policy.sealing import BlockSealer, Keyring
-    from replica_agent.adapters.hf import spec_for, tiny_llama
     from replica_agent.agent import ReplicaAgent
 
-    settings = options.replica
-    model = tiny_llama(settings.seed, num_kv_heads=settings.num_kv_heads)
-    spec = spec_for(
-        model,
-        model_id=MODEL_ID,
-        revision=f"seed{settings.seed}",
-        block_tokens=settings.block_tokens,
-    )
+    model, spec = demo_model(options.replica)
     sealer = BlockSealer(Keyring.from_file(handle.keyring_file)) if handle.keyring_file else None
     assert handle.publisher_token is not None
     agent = ReplicaAgent.connect(handle.address, handle.publisher_token, spec, sealer=sealer)

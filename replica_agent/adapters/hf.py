@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedConfig, PreTrainedModel
@@ -46,6 +46,11 @@ TINY_LLAMA_DEFAULTS: dict[str, int] = {
     "vocab_size": 8192,
     "max_position_embeddings": 16384,
 }
+
+
+# What `tiny_llama` builds, named here so that callers outside the engine adapters
+# (the demo) can type it without importing transformers themselves.
+TinyLlama: TypeAlias = LlamaForCausalLM
 
 
 def tiny_llama(

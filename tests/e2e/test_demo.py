@@ -13,12 +13,11 @@ import pytest
 
 from cacheserver.tiers import PendingWrite
 from cacheserver.tiers.lmdb import LmdbTier
-from kvshare.demo.replica import MODEL_ID, Replica, ReplicaSettings, StoreSettings
+from kvshare.demo.replica import Replica, ReplicaSettings, StoreSettings, demo_model
 from kvshare.demo.runner import DemoOptions, StoreHandle, run_demo, write_keyring
 from kvshare.demo.workload import DemoRequest, WorkloadShape, build_workload
 from policy.sealing import BlockSealer, Keyring
 from policy.types import StorageKey, TenantId
-from replica_agent.adapters.hf import spec_for, tiny_llama
 from tests.conftest import REPO, ServerProcess
 
 pytestmark = pytest.mark.slow
@@ -187,12 +186,7 @@ def test_a_published_framework_prompt_is_stored_once_and_outputs_stay_identical(
     stored = report["public_prefix"]["stored_bytes"]
     tenants_seen = len({r.tenant for r in build_workload(12, options.shape)})
     settings = ReplicaSettings()
-    spec = spec_for(
-        tiny_llama(settings.seed, num_kv_heads=settings.num_kv_heads),
-        model_id=MODEL_ID,
-        revision="seed0",
-        block_tokens=settings.block_tokens,
-    )
+    _, spec = demo_model(settings)
     # The prompt's 4 blocks: stored by each tenant that sent a request, vs once.
     copies_saved = (tenants_seen - 1) * (128 // settings.block_tokens)
     assert tenants_seen > 1

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvshare.demo.replica import MODEL_ID, ReplicaSettings
+from kvshare.demo.replica import ReplicaSettings, demo_model
 from policy.sealing import BlockSealer, Keyring, new_key_entry
 from policy.types import PUBLIC
-from replica_agent.adapters.hf import blocks_from_cache, prefill, spec_for, tiny_llama
+from replica_agent.adapters.hf import blocks_from_cache, prefill
 from replica_agent.agent import ReplicaAgent
 from replica_agent.public import PublicCatalogue, plan_chain
 from tests.conftest import Running, launch, run_cli, write_engine_files, write_public_config
@@ -66,9 +66,7 @@ def test_a_published_prefix_is_listed_and_restores_exactly(
     again = run_cli(*publish(running, tokens["publisher"], keyring, ids), timeout_s=120)
     assert json.loads(again.stdout)["new_blocks"] == 0  # found published: not computed
 
-    settings = ReplicaSettings(block_tokens=BLOCK_TOKENS)
-    model = tiny_llama(settings.seed, num_kv_heads=settings.num_kv_heads)
-    spec = spec_for(model, model_id=MODEL_ID, revision="seed0", block_tokens=BLOCK_TOKENS)
+    model, spec = demo_model(ReplicaSettings(block_tokens=BLOCK_TOKENS))
     sealer = BlockSealer(Keyring.from_file(keyring))
     agent = ReplicaAgent.connect(running.address, tokens["engine"].read_text(), spec, sealer=sealer)
     try:

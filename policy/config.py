@@ -34,8 +34,10 @@ from typing import Any
 from policy.config_text import (
     MAX_BUDGET_BYTES,
     ConfigText,
+    Flag,
     IntIn,
     Refused,
+    Spec,
     int_in,
 )
 from policy.identity import (
@@ -48,7 +50,6 @@ from policy.identity import (
 from policy.types import PUBLIC, TenantId, is_valid_tenant_id
 
 TENANT_KEYS = frozenset({"id", "quota_bytes", "epoch", "read_public", "require_sealed"})
-PUBLIC_KEYS = frozenset({"quota_bytes", "epoch", "require_sealed"})
 # Keys of an earlier shared-namespace design, replaced by the public scope: named in the
 # error so that an old config says what to write instead.
 RETIRED_TENANT_KEYS = frozenset({"shared", "read_shared"})
@@ -114,7 +115,11 @@ TENANT_NUMBERS = {
     "epoch": int_in(0, EPOCH_MAX),
 }
 REQUESTS_PER_S = int_in(1, MAX_REQUESTS_PER_S, zero="unlimited")
-PUBLIC_QUOTA = int_in(1, MAX_BUDGET_BYTES, "bytes")
+PUBLIC_SPECS: dict[str, Spec] = {
+    "quota_bytes": int_in(1, MAX_BUDGET_BYTES, "bytes"),
+    "epoch": TENANT_NUMBERS["epoch"],
+    "require_sealed": Flag(),
+}
 
 
 def _check_keys(
@@ -132,17 +137,17 @@ def _number(raw: Mapping[str, Any], key: str, table: str, err: ConfigText, spec:
         raise err.error(f"{table}.{key}", str(refused)) from None
 
 
+def _flag(raw: Mapping[str, Any], key: str, table: str, err: ConfigText) -> bool:
+    try:
+        return Flag().check(raw.get(key, False))
+    except Refused as refused:
+        raise err.error(f"{table}.{key}", str(refused)) from None
+
+
 def _parse_str_list(raw: Any, key: str, err: ConfigText) -> list[str]:
     if not isinstance(raw, list) or not all(isinstance(v, str) for v in raw):
         raise err.error(key, "must be a list of strings")
     return list(raw)
-
-
-def _flag(raw: Mapping[str, Any], key: str, table: str, err: ConfigText) -> bool:
-    value = raw.get(key, False)
-    if not isinstance(value, bool):
-        raise err.error(f"{table}.{key}", "must be true or false")
-    return value
 
 
 def _parse_tenant(raw: Mapping[str, Any], index: int, err: ConfigText) -> TenantConfig:
@@ -184,17 +189,13 @@ def _parse_public(
         return None
     if not isinstance(raw, Mapping):
         raise err.error(("public",), "must be a table: write [public] and its keys")
-    _check_keys(raw, PUBLIC_KEYS, "public", err)
-    if "quota_bytes" not in raw:
+    values = err.check_table(raw, PUBLIC_SPECS, ("public",))
+    if "quota_bytes" not in values:
         raise err.error(
             ("public",),
             "needs quota_bytes: the public scope is charged to it, never to a tenant",
         )
-    return PublicConfig(
-        quota_bytes=_number(raw, "quota_bytes", "public", err, PUBLIC_QUOTA),
-        epoch=_number(raw, "epoch", "public", err, TENANT_NUMBERS["epoch"]),
-        require_sealed=_flag(raw, "require_sealed", "public", err),
-    )
+    return PublicConfig(**values)
 
 
 def _check_tenants(tenants: Sequence[TenantConfig], err: ConfigText) -> None:

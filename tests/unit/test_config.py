@@ -25,9 +25,11 @@ from cacheserver.tiers.cluster.config import REDIS_CLUSTER_SPECS, RedisClusterCo
 from kvcommon.errors import ConfigError
 from policy.config import (
     PRINCIPAL_KEYS,
+    PUBLIC_SPECS,
     REQUESTS_PER_S,
     TENANT_KEYS,
     TENANT_NUMBERS,
+    PublicConfig,
 )
 from policy.config_text import (
     IntIn,
@@ -152,6 +154,7 @@ def test_every_field_of_every_table_has_a_spec() -> None:
     assert {f.name for f in fields(TlsFiles)} == {"cert_chain", "private_key", "client_ca"}
     assert set(TLS_SPECS) == {"cert", "key", "client_ca"}
     assert set(TENANT_NUMBERS) | {"id", "read_public", "require_sealed"} == TENANT_KEYS
+    assert {f.name for f in fields(PublicConfig)} == set(PUBLIC_SPECS)
     assert "requests_per_s" in PRINCIPAL_KEYS
     # Each default is within its own spec.
     for cls, specs in SECTION_SPECS.items():

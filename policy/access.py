@@ -36,7 +36,7 @@ from policy.identity import (
     certificate_identities,
     describe,
 )
-from policy.naming import BlockNamer
+from policy.naming import BlockNamer, TenantNamer
 from policy.ratelimit import RateLimited, RequestRateLimiter
 from policy.sealing import looks_sealed
 from policy.shared_values import ValueMac
@@ -255,6 +255,10 @@ class AccessPolicy:
         self, tenant: TenantId, model: ModelName, digests: Sequence[BlockDigest]
     ) -> list[StorageKey]:
         return self._namer.storage_keys(tenant, model, digests)
+
+    def tenant_namer(self, tenant: TenantId) -> TenantNamer:
+        """One tenant's block names alone (policy.naming.BlockNamer.tenant_namer)."""
+        return self._namer.tenant_namer(tenant)
 
     def cluster_tag(self, tenant: TenantId) -> bytes:
         """The tenant's keyed name in a shared tier (policy.naming.BlockNamer.cluster_tag)."""

@@ -126,11 +126,34 @@ class BlockNamer:
         mac = self._macs.get(tenant)
         if mac is None:
             mac = self._macs[tenant] = _Hmac(self._naming_key(tenant))
-        head = enc(model, bytes(DIGEST_BYTES))[:-DIGEST_BYTES]
-        for digest in digests:
-            if len(digest) != DIGEST_BYTES:
-                raise ValueError(f"a digest is {len(digest)} bytes; names take {DIGEST_BYTES}")
-        return [StorageKey(mac.digest(head, digest)) for digest in digests]
+        return _names(mac, model, digests)
+
+    def tenant_namer(self, tenant: TenantId) -> TenantNamer:
+        """The names of one tenant's blocks alone, for a bulk worker process that serves
+        that tenant's connections (cacheserver.worker): it holds this tenant's naming
+        key, never the server secret, so it can name no other tenant's blocks."""
+        return TenantNamer(tenant, self._naming_key(tenant))
+
+
+class TenantNamer:
+    """`BlockNamer.storage_keys` for one tenant, from that tenant's naming key alone
+    (`naming_key`: what crosses to a bulk worker; `BlockNamer.tenant_namer`)."""
+
+    def __init__(self, tenant: TenantId, naming_key: bytes) -> None:
+        self.tenant = tenant
+        self.naming_key = naming_key
+        self._mac = _Hmac(naming_key)
+
+    def storage_keys(self, model: ModelName, digests: Sequence[BlockDigest]) -> list[StorageKey]:
+        return _names(self._mac, model, digests)
+
+
+def _names(mac: _Hmac, model: ModelName, digests: Sequence[BlockDigest]) -> list[StorageKey]:
+    head = enc(model, bytes(DIGEST_BYTES))[:-DIGEST_BYTES]
+    for digest in digests:
+        if len(digest) != DIGEST_BYTES:
+            raise ValueError(f"a digest is {len(digest)} bytes; names take {DIGEST_BYTES}")
+    return [StorageKey(mac.digest(head, digest)) for digest in digests]
 
 
 def derive_user_salt(salt_key: bytes, tenant: str, user_id: str) -> bytes:

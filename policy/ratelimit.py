@@ -3,13 +3,23 @@
 A principal may make `requests_per_s` calls per second on average and up to
 `requests_per_s * burst_s` in a burst (a bucket that starts full). 0 means unlimited.
 The clock is passed in (monotonic seconds) so tests need not sleep.
+
+With bulk workers (cacheserver.worker), the server and its worker processes draw from
+the same buckets: `SharedBuckets` keeps one bucket per principal in shared memory (a
+memfd the workers inherit), updated under a record lock on its bytes, so a principal's
+rate holds across every process that serves it. CLOCK_MONOTONIC is one clock for every
+process on the host.
 """
 
 from __future__ import annotations
 
+import fcntl
+import mmap
+import os
+import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvcommon.errors import ResourceExhausted
@@ -37,6 +47,57 @@ class TokenBucket:
         return False
 
 
+# One shared bucket: tokens, last update (monotonic s), started (0: never drawn from),
+# limited (the last draw was refused).
+_SLOT = struct.Struct("<ddBB6x")
+
+
+class SharedBuckets:
+    """One token bucket per principal in memory that several processes map: the server
+    makes it (`names`: the principals, in the order their slots take) and passes its
+    descriptor (`fd`) to each bulk worker, which maps it with `attach`. Each draw locks
+    its bucket's bytes (fcntl record locks: between processes) and a thread lock (record
+    locks do not exclude threads of one process)."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.slots = {name: index for index, name in enumerate(sorted(set(names)))}
+        self.fd = os.memfd_create("kvshare-rate-buckets", os.MFD_CLOEXEC)
+        size = max(1, len(self.slots)) * _SLOT.size
+        os.ftruncate(self.fd, size)
+        self._map = mmap.mmap(self.fd, size)
+        self._lock = threading.Lock()
+
+    @classmethod
+    def attach(cls, fd: int, slots: dict[str, int]) -> SharedBuckets:
+        """The buckets a server made, in a worker that inherited `fd`."""
+        buckets = cls.__new__(cls)
+        buckets.slots = dict(slots)
+        buckets.fd = fd
+        buckets._map = mmap.mmap(fd, os.fstat(fd).st_size)
+        buckets._lock = threading.Lock()
+        return buckets
+
+    def take(self, name: str, rate_per_s: float, capacity: float, now_s: float) -> bool | None:
+        """Draw one request from `name`'s bucket: True (taken), False (refused, and the
+        last draw was taken: the first refusal of an episode), None (refused again)."""
+        offset = self.slots[name] * _SLOT.size
+        with self._lock:
+            fcntl.lockf(self.fd, fcntl.LOCK_EX, _SLOT.size, offset)
+            try:
+                tokens, updated_s, started, limited = _SLOT.unpack_from(self._map, offset)
+                bucket = TokenBucket(rate_per_s, capacity, tokens, updated_s, bool(limited))
+                if not started:
+                    bucket.tokens, bucket.updated_s = capacity, now_s
+                taken = bucket.take(now_s)
+                first_refusal = not taken and not bucket.limited
+                _SLOT.pack_into(self._map, offset, bucket.tokens, bucket.updated_s, 1, not taken)
+            finally:
+                fcntl.lockf(self.fd, fcntl.LOCK_UN, _SLOT.size, offset)
+        if taken:
+            return True
+        return False if first_refusal else None
+
+
 class RequestRateLimiter:
     def __init__(
         self,
@@ -44,12 +105,16 @@ class RequestRateLimiter:
         burst_s: int = DEFAULT_BURST_S,
         *,
         clock: Callable[[], float] = time.monotonic,
+        shared: SharedBuckets | None = None,
     ) -> None:
+        """`shared`: draw the named principals' requests from buckets in shared memory
+        (the server and its bulk workers); others keep buckets of this process's own."""
         self.default_requests_per_s = default_requests_per_s
         self.burst_s = max(1, burst_s)
         self._clock = clock
         self._buckets: dict[str, TokenBucket] = {}
         self._lock = threading.Lock()
+        self.shared = shared
 
     def rate_of(self, principal: Principal) -> int:
         if principal.requests_per_s is not None:
@@ -66,10 +131,16 @@ class RequestRateLimiter:
         if rate <= 0:
             return
         now = self._clock()
+        shared = self.shared
+        if shared is not None and principal.name in shared.slots:
+            taken = shared.take(principal.name, float(rate), self._capacity(rate), now)
+            if taken:
+                return
+            raise RateLimited(principal.name, rate, taken is False)
         with self._lock:
             bucket = self._buckets.get(principal.name)
             if bucket is None:
-                capacity = float(max(1, rate * self.burst_s))
+                capacity = self._capacity(rate)
                 bucket = TokenBucket(float(rate), capacity, capacity, now)
                 self._buckets[principal.name] = bucket
             if bucket.take(now):
@@ -78,6 +149,9 @@ class RequestRateLimiter:
             first = not bucket.limited
             bucket.limited = True
         raise RateLimited(principal.name, rate, first)
+
+    def _capacity(self, rate: int) -> float:
+        return float(max(1, rate * self.burst_s))
 
 
 class RateLimited(ResourceExhausted):

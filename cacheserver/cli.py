@@ -57,6 +57,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "default: the bound one; a wildcard host means the host clients dialed for gRPC)",
     )
     parser.add_argument(
+        "--bulk-workers",
+        metavar="N",
+        type=int,
+        help="processes serving bulk requests (overrides [bulk] workers; default 1: the "
+        "server alone; N > 1 adds N - 1 worker processes for plain-TCP reads)",
+    )
+    parser.add_argument(
         "--data-dir",
         type=str,  # a Path would read "" as "."; checked, then made a Path
         metavar="DIR",
@@ -156,6 +163,7 @@ def _config_from(args: argparse.Namespace) -> ServerConfig:
         config.bulk,
         listen=args.bulk_listen or config.bulk.listen,
         advertise=args.bulk_advertise or config.bulk.advertise,
+        workers=args.bulk_workers or config.bulk.workers,
     )
     return replace(
         config,

@@ -12,13 +12,15 @@ import asyncio
 import logging
 import signal
 import ssl
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from cacheserver.config import ServerConfig, TlsFiles
+from cacheserver.bulk_workers import WorkerAssembly
+from cacheserver.config import ServerConfig, StorageConfig, TlsFiles
 from cacheserver.config.bulk import (
     bulk_announced_address,
     bulk_listen_address,
@@ -40,7 +42,7 @@ from policy import AccessPolicy
 from policy.audit import AuditLog
 from policy.devmode import dev_access
 from policy.naming import load_or_create_server_secret
-from policy.ratelimit import RequestRateLimiter
+from policy.ratelimit import RequestRateLimiter, SharedBuckets
 from policy.tickets import TicketBook
 from policy.types import PUBLIC, TenantId
 
@@ -72,10 +74,17 @@ class Server:
         self._lock_file = prepare_data_dir(config.data_dir)
         access = config.access or dev_access(config.data_dir)
         self.audit = AuditLog(config.audit_log_path)
+        # With bulk workers, every process draws a principal's requests from one bucket.
+        shared = None
+        if config.bulk.workers > 1:
+            shared = SharedBuckets([principal.name for principal in access.principals()])
+        limiter = RequestRateLimiter(
+            config.limits.requests_per_s, config.limits.request_burst_s, shared=shared
+        )
         self.policy = AccessPolicy.from_access(
             access,
             load_or_create_server_secret(config.secret_path),
-            limiter=RequestRateLimiter(config.limits.requests_per_s, config.limits.request_burst_s),
+            limiter=limiter,
             audit=self.audit,
             accept_certificates=tls is not None and tls.client_ca is not None,
         )
@@ -84,7 +93,7 @@ class Server:
         self.cluster = _open_cluster(config, self.policy)
         self.store = BlockStore(
             config.data_dir,
-            config.storage,
+            _storage(config),
             self.policy.quotas_bytes,
             epochs,
             on_integrity_failure=self.policy.record_integrity_failure,
@@ -119,6 +128,9 @@ class Server:
                 on_change=lambda up: setattr(self.telemetry, "cluster_reachable", up),
             )
         self.tickets = TicketBook()
+        self.workers: WorkerAssembly | None = None
+        if config.bulk.workers > 1:
+            self.workers = WorkerAssembly(config, self.policy, limiter, self.store)
         self.bulk: BulkServer | None = None
         self._service: BlockStoreService | None = None
         self.bulk_announced = ""  # what OpenBulk tells clients (bulk_announced_address)
@@ -158,6 +170,7 @@ class Server:
             telemetry=self.telemetry,
             bulk=self.config.bulk,
             port=bulk_listen.port,
+            delegate_to=self.workers.delegate if self.workers is not None else None,
         )
         self.bulk_announced = bulk_announced_address(self.config, bulk.address)
         self.telemetry.watch_bulk(lambda: bulk.arenas)
@@ -170,6 +183,8 @@ class Server:
             self.config.telemetry.health_interval_ms / 1000,
         )
         bulk.start()
+        if self.workers is not None:
+            self.workers.start()
         core.bulk = BulkEndpoint(
             self.tickets,
             self.bulk_announced,
@@ -232,6 +247,8 @@ class Server:
         if self.bulk is not None:
             self.bulk.stop()
             self.bulk = None
+        if self.workers is not None:
+            self.workers.stop()
         if self._service is not None:
             self._service.close()
             self._service = None
@@ -239,6 +256,17 @@ class Server:
         self.telemetry.shutdown()
         self.audit.close()
         self._lock_file.close()
+
+
+def _storage(config: ServerConfig) -> StorageConfig:
+    """The store's settings: with bulk workers, which read only LMDB, journaled puts move
+    into LMDB at once rather than when requests pause (a busy server would otherwise
+    keep new blocks where only it can serve them), unless drain_idle_ms is set to
+    another value than its default."""
+    default = StorageConfig.drain_idle_ms
+    if config.bulk.workers > 1 and config.storage.drain_idle_ms == default:
+        return replace(config.storage, drain_idle_ms=0)
+    return config.storage
 
 
 def _open_cluster(config: ServerConfig, policy: AccessPolicy) -> ClusterTier | None:

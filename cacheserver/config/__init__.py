@@ -68,7 +68,8 @@ class StorageConfig:
     journal_dir: str = ""
     # Journaled puts move into LMDB once requests pause this long (or at once when half
     # the journal is undrained, a delete waits, or the server stops), so the disk work
-    # does not compete with serving for the CPU.
+    # does not compete with serving for the CPU. With [bulk] workers > 1 the default
+    # means 0, at once (the workers read blocks from LMDB only); other values are kept.
     drain_idle_ms: int = 100
     # With sync_writes, no journal: each LMDB commit is fsynced before the ack
     # (survives power loss; group commit shares the fsync). Without, a background
@@ -155,6 +156,13 @@ class BulkConfig:
     # a peer that trickles or stops reading must not hold either for longer (32 MiB/s
     # lets a 128 MiB block take 6 s; far below what any replica's network gives).
     min_transfer_bytes_per_s: int = 32 * MiB
+    # Processes that serve bulk requests: the server and workers - 1 bulk workers
+    # (cacheserver.worker), each with a GIL of its own. Plain-TCP connections are shared
+    # among them in turn; a worker answers the reads it finds whole in LMDB and hands
+    # everything else back (docs/architecture.md, "Bulk workers"). 1: the server alone.
+    # Worth it where the host has cores to spare beside the replicas' own clients:
+    # about one per process (docs/benchmarks.md has 1 -> 2 on 2 cores).
+    workers: int = 1
 
 
 @dataclass(frozen=True)

@@ -79,6 +79,7 @@ LIMITS_SPECS: dict[str, Spec] = {
     "requests_per_s": REQUESTS_PER_S,
     "request_burst_s": int_in(1, 3600),
 }
+MAX_BULK_WORKERS = 64  # processes; more than a host's cores only adds switching
 BULK_SPECS: dict[str, Spec] = {
     **BULK_ADDRESSES,
     "same_host": Flag(),
@@ -87,6 +88,7 @@ BULK_SPECS: dict[str, Spec] = {
     "max_arenas_per_principal": int_in(1, 4096),
     # Transfer deadlines divide by it: 0 would fail every bulk transfer.
     "min_transfer_bytes_per_s": int_in(KiB, TiB, "bytes"),
+    "workers": int_in(1, MAX_BULK_WORKERS),
 }
 TLS_SPECS: dict[str, Spec] = {
     "cert": PathText(),
@@ -159,6 +161,7 @@ FLAG_SPECS: dict[str, Spec] = {
     "--data-dir": TOP_SPECS["data_dir"],
     "--bulk-listen": BULK_SPECS["listen"],
     "--bulk-advertise": BULK_SPECS["advertise"],
+    "--bulk-workers": BULK_SPECS["workers"],
     "--memory-budget-bytes": STORAGE_SPECS["memory_budget_bytes"],
     "--disk-budget-bytes": STORAGE_SPECS["disk_budget_bytes"],
     "--tls-cert": TLS_SPECS["cert"],

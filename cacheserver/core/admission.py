@@ -57,9 +57,13 @@ class Admission:
         """Step 1 alone, for a verb that names no tenant (Stats)."""
         self._policy.check_rate(principal)
 
-    def begin(self, principal: Principal, verb: Verb, tenant: str, count: int) -> Begun:
-        """Steps 1-3: what a request's header says."""
-        self._policy.check_rate(principal)
+    def begin(
+        self, principal: Principal, verb: Verb, tenant: str, count: int, *, rate_drawn: bool = False
+    ) -> Begun:
+        """Steps 1-3: what a request's header says. `rate_drawn`: step 1 was passed already,
+        by a bulk worker that drew from the same bucket and handed the request back."""
+        if not rate_drawn:
+            self._policy.check_rate(principal)
         tenant_id = self._policy.admit(principal, tenant, verb.action)
         self._limits.check_digest_count(count)
         return Begun(principal, verb, tenant_id, count)

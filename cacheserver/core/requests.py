@@ -78,10 +78,13 @@ class RequestCore:
         transport on an event loop calls it from a thread."""
         return self._store.lookup_blocks
 
-    def begin(self, principal: Principal, verb: Verb, tenant: str, count: int) -> Begun:
+    def begin(
+        self, principal: Principal, verb: Verb, tenant: str, count: int, *, rate_drawn: bool = False
+    ) -> Begun:
         """Admission's first stage: rate, tenant and action, digest count (`count`: the
-        digests the request carries; 0 for a put whose blocks arrive one by one)."""
-        return self._admission.begin(principal, verb, tenant, count)
+        digests the request carries; 0 for a put whose blocks arrive one by one).
+        `rate_drawn`: a bulk worker drew the request's rate before handing it back."""
+        return self._admission.begin(principal, verb, tenant, count, rate_drawn=rate_drawn)
 
     def lookup(self, begun: Begun, model: str, digests: Sequence[bytes]) -> int:
         """How many leading blocks are present."""

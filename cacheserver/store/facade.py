@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 from cacheserver.blocks import BlockSource
@@ -70,6 +70,7 @@ class BlockStore:
             sync_writes=storage.sync_writes,
             on_integrity_failure=self._integrity_failed,
         )
+        self.lmdb_path = disk.path  # what bulk workers read (cacheserver.worker)
         memory = MemoryTier(
             storage.memory_budget_bytes,
             memory_quotas(
@@ -152,6 +153,11 @@ class BlockStore:
         present += self._lineup.count_shared(tenant, keys, present)
         self.events.looked_up(tenant, len(keys), present)
         return present
+
+    def touch(self, keys: Iterable[StorageKey]) -> None:
+        """Mark `keys` as just used, where the index lists them: blocks that a bulk
+        worker served (it reads LMDB, not the index)."""
+        self._tiers.touch(keys)
 
     def read(self, tenant: TenantId, keys: Sequence[StorageKey]) -> Reading:
         """The leading present blocks of `keys`, batch by batch (cacheserver.store.reading)."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from cacheserver.events import EvictReason, StoreEvents
@@ -181,6 +181,12 @@ class Tiers:
         self.commit_failure = f"an LMDB commit failed ({type(error).__name__})"
 
     # -- reads (the facade's) ---------------------------------------------------------
+
+    def touch(self, keys: Iterable[StorageKey]) -> None:
+        """Touch each of `keys` the index lists as used (blocks served elsewhere)."""
+        with self.lock:
+            for key in keys:
+                self.index.touch(key)
 
     def touch_leading(self, keys: Sequence[StorageKey]) -> int:
         """How many of `keys`, leading, the index lists; each is touched as used."""

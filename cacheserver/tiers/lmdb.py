@@ -295,3 +295,70 @@ class LmdbTier:
                 deleted += bool(txn.delete(key, db=self._blocks))
                 txn.delete(key, db=self._meta)
             return deleted
+
+
+class LmdbReader:
+    """A read-only view of a server's LMDB tier from another process (a bulk worker,
+    cacheserver.worker): LMDB serves readers in several processes at once, each read
+    transaction a consistent snapshot of committed blocks. It writes nothing: a block
+    that fails its checksum is reported as absent, and the server, reading it next,
+    drops it (LmdbTier.read_many)."""
+
+    def __init__(self, path: Path, map_bytes: int) -> None:
+        self._env = lmdb.open(
+            str(path),
+            readonly=True,
+            map_size=map_bytes,
+            max_dbs=8,
+            subdir=True,
+            readahead=False,
+            lock=True,
+            max_readers=256,
+        )
+        self._blocks = self._env.open_db(b"blocks", create=False)
+        self._meta = self._env.open_db(b"meta", create=False)
+
+    def close(self) -> None:
+        self._env.close()
+
+    def reads(self) -> BlockReads:
+        """A read transaction, `with` it: the views it returns are valid until the
+        block ends."""
+        return BlockReads(self._env.begin(buffers=True), self._blocks, self._meta)
+
+
+class BlockReads:
+    """The blocks of one read transaction (LmdbReader.reads)."""
+
+    def __init__(self, txn: lmdb.Transaction, blocks: lmdb._Database, meta: lmdb._Database) -> None:
+        self._txn = txn
+        self._blocks = blocks
+        self._meta = meta
+
+    def __enter__(self) -> BlockReads:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._txn.abort()  # a read transaction: nothing to commit
+
+    def leading_present(self, keys: Sequence[StorageKey]) -> int:
+        """How many of `keys`, leading, are committed (checksums not read)."""
+        for index, key in enumerate(keys):
+            if self._txn.get(key, db=self._meta) is None:
+                return index
+        return len(keys)
+
+    def leading(self, tenant: TenantId, keys: Sequence[StorageKey]) -> list[memoryview]:
+        """Zero-copy views of the leading blocks of `keys` that are committed for
+        `tenant` and whose checksum matches; the first that is not ends the list."""
+        out: list[memoryview] = []
+        for key in keys:
+            raw_meta = self._txn.get(key, db=self._meta)
+            raw = self._txn.get(key, db=self._blocks)
+            if raw_meta is None or raw is None:
+                break
+            digest, meta = _unpack_meta(key, raw_meta)
+            if meta.tenant != tenant or len(raw) != meta.size or checksum(raw) != digest:
+                break
+            out.append(memoryview(raw))
+        return out

@@ -78,6 +78,11 @@ class BulkHandler:
         self._payloads: list[_Incoming] = []
         self._replied = False
 
+    @property
+    def grant(self) -> Grant:
+        """The principal and tenant the connection is bound to."""
+        return self._grant
+
     def recv_request(self) -> tuple[int, int, int, bytes | None]:
         """The next request's op (TRACED cleared), model length, digest count and trace
         context (None: none); ConnectionClosed when the peer closed between requests."""
@@ -112,14 +117,16 @@ class BulkHandler:
         self._replied = True
         w.send_parts(self._conn, parts, self._pace.deadline(nbytes))
 
-    def handle(self, op: int, model_len: int, count: int) -> None:
-        """One request whose header was read; raises KvshareError to refuse it."""
+    def handle(self, op: int, model_len: int, count: int, *, rate_drawn: bool = False) -> None:
+        """One request whose header was read; raises KvshareError to refuse it.
+        `rate_drawn`: a bulk worker handed it back after drawing its rate."""
         self._body_read, self._payloads, self._replied = False, [], False
         verb = VERBS.get(op)
         if verb is None:
             raise InvalidArgument(f"unknown bulk operation {op}")
         # The header is admitted before the body is read.
-        begun = self._core.begin(self._grant.principal, verb, self._grant.tenant, count)
+        principal, tenant = self._grant.principal, self._grant.tenant
+        begun = self._core.begin(principal, verb, tenant, count, rate_drawn=rate_drawn)
         sizes_len = w.SIZE.size * count if verb is Verb.PUT else 0
         body = self._recv(model_len + 32 * count + sizes_len)
         self._body_read = True

@@ -50,6 +50,7 @@ from cacheserver.core.requests import RequestCore
 from cacheserver.telemetry import ServerTelemetry
 from cacheserver.transport.arena import Arena, ArenaCount, listen_locally
 from cacheserver.transport.bulk.accepting import AcceptLoop, bind_listener
+from cacheserver.transport.bulk.delegation import CLOSED, HAND_BACK, RATE_DRAWN, SERVED_ON
 from cacheserver.transport.bulk.handler import OPS, BulkHandler, Pace, send_error_frame
 from cacheserver.transport.bulk.sealed import SealedHello
 from cacheserver.transport.bulk.slots import ConnectionSlots
@@ -58,8 +59,12 @@ from kvcommon.errors import InvalidArgument, KvshareError, ResourceExhausted, wi
 from kvcommon.tracing import context_from_binary
 from policy.identity import certificate_fingerprint
 from policy.tickets import Grant, Route, TicketBook
+from policy.types import PUBLIC
 
 log = logging.getLogger(__name__)
+# Hands a connection past its hello to a bulk worker: the server's end of the
+# connection's hand-back pair, or None to serve it here.
+DelegateTo = Callable[[socket.socket, Grant], socket.socket | None]
 IDLE_TIMEOUT_S = 300.0  # an authenticated connection may idle between requests this long
 # Before its ticket is accepted a peer is unauthenticated: it gets only this long, in
 # total, to finish TLS and present the ticket (cacheserver.transport.bulk.slots).
@@ -81,8 +86,12 @@ class BulkServer:
         telemetry: ServerTelemetry | None = None,
         bulk: BulkConfig | None = None,
         port: int = 0,
+        delegate_to: DelegateTo | None = None,
     ) -> None:
+        """`delegate_to`: hands an authenticated plain-TCP connection to a bulk worker
+        (BulkWorkers.delegate with the grant's Delegation), or keeps it (None)."""
         self._telemetry = telemetry or ServerTelemetry()
+        self._delegate_to = delegate_to
         self._bulk = bulk or BulkConfig()
         self._core = core
         self._tickets = tickets
@@ -203,6 +212,10 @@ class BulkServer:
                     return
                 if conn is raw:  # plain TCP: kernel timeouts, so receives can wait for all
                     w.kernel_timeouts(raw, IDLE_TIMEOUT_S)
+                    handback = self._delegate(raw, handler)
+                    if handback is not None:
+                        self._serve_handed_back(handler, handback)
+                        return
                 else:
                     conn.settimeout(IDLE_TIMEOUT_S)
                 while self._serve_one(handler):
@@ -210,6 +223,24 @@ class BulkServer:
             finally:
                 _close_quietly(conn)
                 self._forget(conn)  # the wrapped socket, if TLS; `raw` is forgotten too
+
+    def _delegate(self, raw: socket.socket, handler: BulkHandler) -> socket.socket | None:
+        """Hand a plain-TCP connection to a bulk worker, in turn (cacheserver.transport.bulk
+        .workers): the server's end of its hand-back pair, or None to serve it here."""
+        grant = handler.grant
+        if self._delegate_to is None or grant.channel_secret or grant.tenant == PUBLIC:
+            return None  # the sealed channel and the public scope stay in the server
+        return self._delegate_to(raw, grant)
+
+    def _serve_handed_back(self, handler: BulkHandler, handback: socket.socket) -> None:
+        """A delegated connection: serve each request its worker hands back, on this
+        process's own descriptor of the connection, until the worker lets it go."""
+        with handback:
+            while (message := handback.recv(8))[:1] == HAND_BACK:
+                serves_on = self._serve_one(handler, rate_drawn=message[1:2] == RATE_DRAWN)
+                handback.sendall(SERVED_ON if serves_on else CLOSED)
+                if not serves_on:
+                    return
 
     def _hello_tcp(self, conn: socket.socket, raw: socket.socket) -> BulkHandler | None:
         """The TCP listener's hello: a ticket over TLS (plain TCP where the server has
@@ -330,8 +361,9 @@ class BulkServer:
             peer = certificate_fingerprint(conn.getpeercert(binary_form=True) or b"")
         return self._tickets.redeem(ticket, route, peer)
 
-    def _serve_one(self, handler: BulkHandler) -> bool:
-        """One request; False when the connection should close."""
+    def _serve_one(self, handler: BulkHandler, *, rate_drawn: bool = False) -> bool:
+        """One request; False when the connection should close. `rate_drawn`: a bulk
+        worker handed the request back after drawing its rate."""
         try:
             op, model_len, count, trace = handler.recv_request()
         except w.ConnectionClosed:
@@ -341,7 +373,7 @@ class BulkServer:
         method = f"kvshare.bulk/{name}"
         with self._telemetry.rpc(method, parent, system=BULK_SYSTEM) as call:
             try:
-                handler.handle(op, model_len, count)
+                handler.handle(op, model_len, count, rate_drawn=rate_drawn)
                 return True
             except OSError:
                 raise  # the connection failed, or a sealed frame did: it closes

@@ -1,0 +1,76 @@
+"""The server's side of bulk workers, assembled: who may be delegated, with what, and
+what a worker's report changes here (cacheserver.transport.bulk.workers has the
+processes; cacheserver.worker is a worker)."""
+
+from __future__ import annotations
+
+import socket
+
+from cacheserver.config import ServerConfig
+from cacheserver.store import BlockStore
+from cacheserver.transport.bulk.delegation import Delegation, TenantReport
+from cacheserver.transport.bulk.listener import IDLE_TIMEOUT_S
+from cacheserver.transport.bulk.workers import BulkWorkers, WorkerSpec
+from policy import AccessPolicy, Action
+from policy.ratelimit import RequestRateLimiter
+from policy.tickets import Grant
+from policy.types import TenantId
+
+
+class WorkerAssembly:
+    """Starts the workers, hands them connections, applies their reports."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        policy: AccessPolicy,
+        limiter: RequestRateLimiter,
+        store: BlockStore,
+    ) -> None:
+        assert limiter.shared is not None, "workers draw from the server's shared buckets"
+        self._config = config
+        self._policy = policy
+        self._limiter = limiter
+        self._store = store
+        spec = WorkerSpec(
+            store.lmdb_path,
+            config.storage.effective_map_bytes(),
+            limiter.shared,
+            config.telemetry.log_format,
+        )
+        self.workers = BulkWorkers(config.bulk.workers, spec, self.apply_report)
+
+    def start(self) -> None:
+        self.workers.start()
+
+    def stop(self) -> None:
+        self.workers.stop()
+
+    def delegate(self, conn: socket.socket, grant: Grant) -> socket.socket | None:
+        """BulkServer's `delegate_to`: the connection to the next worker in turn, or None."""
+        principal = grant.principal
+        delegation = Delegation(
+            principal=principal.name,
+            tenant=grant.tenant,
+            naming_key=self._policy.tenant_namer(grant.tenant).naming_key,
+            may_read=Action.READ in principal.actions,
+            requests_per_s=self._limiter.rate_of(principal),
+            burst_s=self._limiter.burst_s,
+            max_digests=self._config.limits.max_digests_per_call,
+            idle_s=IDLE_TIMEOUT_S,
+            min_transfer_bytes_per_s=self._config.bulk.min_transfer_bytes_per_s,
+        )
+        return self.workers.delegate(conn, delegation)
+
+    def apply_report(self, tenant: TenantId, report: TenantReport) -> None:
+        """What a worker served: recently used in the index, counted in the metrics and
+        Stats as the server's own lookups and GETs are (all of them hits: a worker hands
+        back every request that misses)."""
+        self._store.touch(report.keys)
+        events = self._store.events
+        for lookup in range(report.lookups):  # one event per call; the digests in the first
+            digests = report.lookup_digests if lookup == 0 else 0
+            events.looked_up(tenant, digests, digests)
+        if report.gets:
+            events.got(tenant, report.get_blocks, report.get_blocks)
+            events.served(tenant, "lmdb", report.get_blocks, report.bytes_served)

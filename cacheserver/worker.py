@@ -1,0 +1,284 @@
+"""A bulk worker: a second process (and GIL) serving plain-TCP bulk reads from LMDB.
+
+    python -m cacheserver.worker --control-fd FD --buckets-fd FD --slots JSON \
+        --lmdb DIR --map-bytes N
+
+The server (cacheserver.transport.bulk.workers) starts it and hands it connections that
+are past their hello (authenticated and bound to a principal and tenant by the
+server: a worker never sees a ticket or a credential). Per request, the worker
+answers only what it can answer exactly as the server would:
+
+- a LOOKUP or GET whose every block is committed in LMDB (a consistent snapshot in
+  one read transaction), for a principal that may read, within its rate (drawn from
+  the buckets the server shares: policy.ratelimit.SharedBuckets) and limits, named
+  with the tenant's naming key (policy.naming.TenantNamer), each block's checksum
+  verified before it is sent;
+- anything else it hands back, unread: it only peeks at a request (MSG_PEEK), so the
+  request is still whole at the head of the socket, and the server, which kept its own
+  descriptor of the connection, reads and serves it as if it had never left (puts,
+  misses, blocks still only in the put journal, refusals and their audit records,
+  traced requests, bodies too large to peek at). The worker waits for the server's
+  answer before it reads the connection again.
+
+So every write, quota, eviction, journal record, audit record and refusal stays in the
+server process; a worker writes nothing. What it served, it reports every
+REPORT_INTERVAL_S (delegation.Report): the keys become recently used in the server's
+index, and the figures join the server's metrics and Stats. The worker exits when its
+control socket closes (the server stopped or died).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import socket
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import cast
+
+from cacheserver.tiers.lmdb import LmdbReader
+from cacheserver.transport.bulk import delegation as d
+from kvcommon import bulkwire as w
+from kvcommon.logs import configure_logging
+from policy.naming import TenantNamer
+from policy.ratelimit import SharedBuckets
+from policy.types import DIGEST_BYTES, MAX_MODEL_CHARS, BlockDigest, ModelName, TenantId
+
+log = logging.getLogger("cacheserver.worker")
+# A request's header and body are peeked at whole: at most this many bytes, well
+# inside a socket's receive buffer (1,000 digests); a larger one is handed back.
+MAX_PEEK_BYTES = 32 << 10
+TRANSFER_SLACK_S = 2.0  # as cacheserver.transport.bulk.handler.Pace
+# Plain ints: or-ing socket's flag enums costs microseconds a call.
+_PEEK = int(socket.MSG_PEEK)
+_PEEK_ALL = int(socket.MSG_PEEK | socket.MSG_WAITALL)
+
+
+class Tally:
+    """What this worker served since the last report, per tenant (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._reports: dict[TenantId, d.TenantReport] = {}
+
+    def lookup(self, tenant: TenantId, keys: Sequence[bytes]) -> None:
+        with self._lock:
+            report = self._reports.setdefault(tenant, d.TenantReport())
+            report.lookups += 1
+            report.lookup_digests += len(keys)
+            report.keys.update(keys)  # type: ignore[arg-type]
+
+    def get(self, tenant: TenantId, keys: Sequence[bytes], nbytes: int) -> None:
+        with self._lock:
+            report = self._reports.setdefault(tenant, d.TenantReport())
+            report.gets += 1
+            report.get_blocks += len(keys)
+            report.bytes_served += nbytes
+            report.keys.update(keys)  # type: ignore[arg-type]
+
+    def take(self) -> dict[TenantId, d.TenantReport]:
+        with self._lock:
+            reports, self._reports = self._reports, {}
+        return reports
+
+
+class Connection:
+    """One delegated connection: peek, answer or hand back, until it closes."""
+
+    def __init__(
+        self,
+        conn: socket.socket,
+        handback: socket.socket,
+        delegation: d.Delegation,
+        reader: LmdbReader,
+        buckets: SharedBuckets,
+        tally: Tally,
+    ) -> None:
+        self._conn = conn
+        self._handback = handback
+        self._d = delegation
+        self._tenant = TenantId(delegation.tenant)
+        self._namer = TenantNamer(self._tenant, delegation.naming_key)
+        self._reader = reader
+        self._buckets = buckets
+        self._tally = tally
+        self._scratch = bytearray(MAX_PEEK_BYTES)
+
+    def serve(self) -> None:
+        try:
+            while self._serve_one():
+                pass
+        except OSError:
+            pass  # the client or the server went away: nothing acknowledged is affected
+        finally:
+            for sock in (self._conn, self._handback):
+                with contextlib.suppress(OSError):
+                    sock.close()
+
+    def _serve_one(self) -> bool:
+        head = self._peek_next()
+        if head is None:
+            return False
+        op, model_len, count = w.REQUEST.unpack_from(head)
+        size = w.REQUEST.size + model_len + DIGEST_BYTES * count
+        eligible = (
+            op in (w.OP_GET, w.OP_LOOKUP)
+            and self._d.may_read
+            and 0 < count <= self._d.max_digests
+            and 0 < model_len <= MAX_MODEL_CHARS
+            and size <= MAX_PEEK_BYTES
+        )
+        if not eligible or not self._draw_rate():
+            return self._hand_back(rate_drawn=False)
+        request = head[:size] if len(head) >= size else self._peek(size)
+        if request is None:
+            return False
+        if not self._answer(op, request, model_len, count):
+            return self._hand_back(rate_drawn=True)
+        return True
+
+    def _draw_rate(self) -> bool:
+        """One request from the principal's shared bucket; a refusal is the server's to
+        answer (and audit), so it is handed back with its rate not drawn."""
+        if self._d.requests_per_s <= 0:
+            return True
+        capacity = float(max(1, self._d.requests_per_s * self._d.burst_s))
+        rate = float(self._d.requests_per_s)
+        return bool(self._buckets.take(self._d.principal, rate, capacity, time.monotonic()))
+
+    def _answer(self, op: int, request: bytes, model_len: int, count: int) -> bool:
+        """Serve the peeked request if every block it names is in LMDB; False: not."""
+        body = memoryview(request)[w.REQUEST.size :]
+        try:
+            model = ModelName(bytes(body[:model_len]).decode("utf-8"))
+        except UnicodeDecodeError:
+            return False  # the server refuses it, with its message
+        raw = request[w.REQUEST.size + model_len :]  # bytes: slices of it are cheap
+        digests = cast(
+            "list[BlockDigest]",
+            [raw[i : i + DIGEST_BYTES] for i in range(0, len(raw), DIGEST_BYTES)],
+        )  # each 32 bytes by the framing
+        keys = self._namer.storage_keys(model, digests)
+        with self._reader.reads() as reads:
+            if op == w.OP_LOOKUP:
+                if reads.leading_present(keys) < count:
+                    return False
+                self._consume(len(request))
+                self._conn.sendall(bytes([w.OK]) + w.PRESENT.pack(count))
+                self._tally.lookup(self._tenant, keys)
+                return True
+            views = reads.leading(self._tenant, keys)
+            if len(views) < count:
+                return False
+            self._consume(len(request))
+            nbytes = sum(len(view) for view in views)
+            parts: list[bytes | bytearray | memoryview] = [bytes([w.OK])]
+            for view in views:
+                parts += [w.SIZE.pack(len(view)), view]
+            parts.append(w.END)
+            deadline = w.Deadline(
+                TRANSFER_SLACK_S + nbytes / self._d.min_transfer_bytes_per_s, self._d.idle_s
+            )
+            w.send_parts(self._conn, parts, deadline)
+        self._tally.get(self._tenant, keys, nbytes)
+        return True
+
+    def _hand_back(self, *, rate_drawn: bool) -> bool:
+        """The server serves the request at the head of the socket; True when the
+        connection serves on."""
+        self._handback.sendall(d.HAND_BACK + (d.RATE_DRAWN if rate_drawn else b""))
+        return self._handback.recv(1) == d.SERVED_ON
+
+    def _peek_next(self) -> bytes | None:
+        """What the socket holds of the next request (at least its header), left in the
+        socket; None when the peer closed. Usually the whole request in one call: a
+        client sends a request's header and body together."""
+        got = self._conn.recv_into(self._scratch, MAX_PEEK_BYTES, _PEEK)
+        if got >= w.REQUEST.size:
+            return bytes(memoryview(self._scratch)[:got])
+        return None if got == 0 else self._peek(w.REQUEST.size)
+
+    def _peek(self, size: int) -> bytes | None:
+        """The next `size` bytes, left in the socket; None when the peer closed first.
+        Waits for them as a receive would (the connection's kernel timeouts bound it)."""
+        view = memoryview(self._scratch)[:size]
+        got = self._conn.recv_into(view, size, _PEEK_ALL)
+        return bytes(view[:got]) if got == size else None
+
+    def _consume(self, size: int) -> None:
+        w.recv_exact(self._conn, memoryview(self._scratch)[:size])
+
+
+class Worker:
+    def __init__(self, control: socket.socket, reader: LmdbReader, buckets: SharedBuckets) -> None:
+        self._control = control
+        self._reader = reader
+        self._buckets = buckets
+        self._tally = Tally()
+        self._stopped = threading.Event()
+
+    def run(self) -> None:
+        threading.Thread(
+            target=self._report_loop, name="kvshare-worker-report", daemon=True
+        ).start()
+        try:
+            while True:
+                message, fds, _flags, _addr = socket.recv_fds(self._control, 64 << 10, 2)
+                if not message:
+                    return  # the server closed our control socket: it stopped or died
+                self._start_connection(message, fds)
+        except OSError:
+            return
+        finally:
+            self._stopped.set()
+
+    def _start_connection(self, message: bytes, fds: list[int]) -> None:
+        socks = [socket.socket(fileno=fd) for fd in fds]
+        try:
+            delegation = d.Delegation.decode(message)
+            conn, handback = socks
+        except (ValueError, TypeError, KeyError):
+            log.error("a malformed delegation from the server; connection dropped")
+            for sock in socks:
+                sock.close()
+            return
+        served = Connection(conn, handback, delegation, self._reader, self._buckets, self._tally)
+        threading.Thread(target=served.serve, name="kvshare-worker-conn", daemon=True).start()
+
+    def _report_loop(self) -> None:
+        while not self._stopped.wait(d.REPORT_INTERVAL_S):
+            reports = {t: r for t, r in self._tally.take().items() if r}
+            try:
+                for datagram in d.encode_reports(reports):
+                    self._control.sendall(datagram)
+            except OSError:
+                return
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cacheserver.worker")
+    parser.add_argument("--control-fd", type=int, required=True)
+    parser.add_argument("--buckets-fd", type=int, required=True)
+    parser.add_argument("--slots", required=True, help="JSON: principal name -> bucket slot")
+    parser.add_argument("--lmdb", type=Path, required=True)
+    parser.add_argument("--map-bytes", type=int, required=True)
+    parser.add_argument("--log-format", default="text")
+    args = parser.parse_args(argv)
+    configure_logging("info", args.log_format)
+    control = socket.socket(fileno=args.control_fd)
+    buckets = SharedBuckets.attach(args.buckets_fd, json.loads(args.slots))
+    reader = LmdbReader(args.lmdb, args.map_bytes)
+    try:
+        Worker(control, reader, buckets).run()
+    finally:
+        reader.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

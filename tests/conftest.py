@@ -207,6 +207,21 @@ def puts(calls: Calls) -> list[tuple[str, tuple[bytes, ...]]]:
 
 # How a test's client reaches the store: gRPC only, the bulk channel over TCP (as from
 # another host), or the bulk channel's same-host arena (BlockClient's default here).
+# KVSHARE_TEST_BULK_WORKERS=N runs every test server with N bulk-serving processes
+# ([bulk] workers; docs/architecture.md, "Bulk workers"), and clients then default to
+# the bulk channel over TCP, the transport workers serve.
+TEST_BULK_WORKERS = int(os.environ.get("KVSHARE_TEST_BULK_WORKERS", "1"))
+
+
+def with_test_workers(config: ServerConfig) -> ServerConfig:
+    """`config` with KVSHARE_TEST_BULK_WORKERS applied (unless it sets workers itself)."""
+    if TEST_BULK_WORKERS <= 1 or config.bulk.workers > 1:
+        return config
+    return dataclasses.replace(
+        config, bulk=dataclasses.replace(config.bulk, workers=TEST_BULK_WORKERS)
+    )
+
+
 TRANSPORTS = ("grpc", "bulk-tcp", "bulk-same-host")
 TRANSPORT_OPTIONS: dict[str, dict[str, bool]] = {
     "grpc": {"bulk": False},
@@ -245,7 +260,8 @@ class Running:
         """A client with `who`'s token ('' for none), over `transport` (TRANSPORTS; the
         client's default when None) and, for mTLS, with the named client certificate."""
         token = self.tokens[who] if who else ""
-        options = {**TRANSPORT_OPTIONS[transport or "bulk-same-host"], **kwargs}
+        default = "bulk-tcp" if TEST_BULK_WORKERS > 1 else "bulk-same-host"
+        options = {**TRANSPORT_OPTIONS[transport or default], **kwargs}
         return BlockClient(self.address, token, tls=self.tls(cert), **options)
 
     def tls(self, cert: str | None = None) -> ClientTls | None:
@@ -297,6 +313,7 @@ def launch(
     config = load_config(tenancy.path)
     if replace:
         config = dataclasses.replace(config, **replace)
+    config = with_test_workers(config)
     server = EmbeddedServer(config, telemetry=server_telemetry)
     server.start()
     return Running(server.address, config.data_dir, tenancy.tokens, server, config, certs)
@@ -331,7 +348,7 @@ def start_server(tmp_path: Path) -> Iterator[Callable[..., Running]]:
 def dev_server(tmp_path: Path) -> Iterator[Running]:
     """The dev-mode server (tenant `dev`, token from the data dir), in-process."""
     data_dir = tmp_path / "data"
-    config = ServerConfig(listen="127.0.0.1:0", data_dir=data_dir)
+    config = with_test_workers(ServerConfig(listen="127.0.0.1:0", data_dir=data_dir))
     with EmbeddedServer(config) as server:
         token = (data_dir / "dev.token").read_text().strip()
         yield Running(server.address, data_dir, {"dev": token}, server, config)
@@ -362,7 +379,10 @@ class ServerProcess:
     started: ClassVar[list[subprocess.Popen[str]]] = []
 
     def __init__(self, *args: str) -> None:
-        self.args = [sys.executable, "-m", "kvshare.cli", "serve", *args]
+        workers = ["--bulk-workers", str(TEST_BULK_WORKERS)] if TEST_BULK_WORKERS > 1 else []
+        if "--bulk-workers" in args:
+            workers = []
+        self.args = [sys.executable, "-m", "kvshare.cli", "serve", *args, *workers]
         self.proc = subprocess.Popen(
             self.args,
             stdout=subprocess.PIPE,

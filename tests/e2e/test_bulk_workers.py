@@ -1,0 +1,201 @@
+"""Bulk workers (`[bulk] workers = N`): reads served by a second process, everything
+else handed back to the server, with the guarantees of a single process: isolation,
+one rate per principal, deletes, and a worker that dies replaced.
+
+Connections are shared in turn: with 2 processes the server keeps the 1st, 3rd, ...
+plain-TCP bulk connection and hands the 2nd, 4th, ... to the worker. Each test opens
+two clients (one connection each, on the bulk channel over TCP) so one is the
+worker's; `served_by_workers` says that the worker answered (its reports arrived)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from cacheserver.bulk_workers import WorkerAssembly
+from kvcommon.errors import PermissionDenied, ResourceExhausted
+from replica_agent.client import BlockClient
+from tests.conftest import Running, run_cli
+
+MODEL = "workers/model"
+BLOCK = 64 << 10
+
+
+def assembly(running: Running) -> WorkerAssembly:
+    workers = running.server.server.workers if running.server.server else None
+    assert workers is not None, "the server was started with [bulk] workers > 1"
+    return workers
+
+
+def served_by_workers(running: Running, before: int, timeout_s: float = 3.0) -> bool:
+    """Whether a worker reported serving something since `before` reports."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if assembly(running).workers.reports > before:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def pair(running: Running, who: str) -> tuple[BlockClient, BlockClient]:
+    """Two TCP bulk clients of `who`; the second connection opened is the worker's."""
+    first = running.client(who, transport="bulk-tcp")
+    second = running.client(who, transport="bulk-tcp")
+    tenant = "beta" if who == "b" else "alpha"
+    # A GET opens the connection that every later call of the thread uses (a lookup
+    # first would open a lookup-only one).
+    assert first.get(tenant, MODEL, [os.urandom(32)]) == []
+    assert second.get(tenant, MODEL, [os.urandom(32)]) == []
+    return first, second
+
+
+def wait_in_lmdb(running: Running) -> None:
+    """Journaled puts reach LMDB at once with workers; wait until none is left."""
+    deadline = time.monotonic() + 10
+    while running.store.undrained_blocks and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def two(start_server: Callable[..., Running]) -> Running:
+    from cacheserver.config import BulkConfig
+
+    return start_server(bulk=BulkConfig(workers=2))
+
+
+def test_reads_are_served_by_the_worker_and_writes_handed_back(two: Running) -> None:
+    digests = [os.urandom(32) for _ in range(4)]
+    payloads = [os.urandom(BLOCK) for _ in digests]
+    main, worker = pair(two, "a")
+    with main, worker:
+        # A put on the worker's connection is handed back: the server stores it.
+        assert worker.put("alpha", MODEL, digests, payloads) == [True] * 4
+        # Read at once: the blocks may be only in the journal, which the worker does
+        # not read, so this is handed back too, and still hits.
+        assert worker.get("alpha", MODEL, digests) == payloads
+        wait_in_lmdb(two)
+        before = assembly(two).workers.reports
+        for _ in range(5):
+            assert worker.lookup("alpha", MODEL, digests) == 4
+            assert worker.get("alpha", MODEL, digests) == payloads
+            assert worker.get("alpha", MODEL, digests[2:]) == payloads[2:]
+        assert served_by_workers(two, before), "the worker served none of the reads"
+        # Misses are handed back and answered by the server, exactly.
+        assert worker.lookup("alpha", MODEL, [*digests, os.urandom(32)]) == 4
+        assert worker.get("alpha", MODEL, [*digests[:1], os.urandom(32)]) == payloads[:1]
+        assert main.get("alpha", MODEL, digests) == payloads
+        assert worker.transport_stats.bulk_fallbacks == 0
+    # What the worker served counts in the server's Stats, as its own reads do.
+    with two.client("a", bulk=False) as grpc_only:
+        alpha = next(t for t in grpc_only.stats().tenants if t.tenant == "alpha")
+    assert alpha.blocks_served >= 5 * (4 + 2)
+    assert alpha.lookups >= 5
+
+
+def test_another_tenant_misses_on_the_worker_while_the_owner_hits(two: Running) -> None:
+    digests = [os.urandom(32) for _ in range(3)]
+    payloads = [os.urandom(BLOCK) for _ in digests]
+    a_main, a_worker = pair(two, "a")
+    b_main, b_worker = pair(two, "b")  # the 4th connection: the worker's too
+    with a_main, a_worker, b_main, b_worker:
+        a_main.put("alpha", MODEL, digests, payloads)
+        wait_in_lmdb(two)
+        before = assembly(two).workers.reports
+        # Positive control: the owner's reads hit on the worker's connection.
+        assert a_worker.get("alpha", MODEL, digests) == payloads
+        assert a_worker.lookup("alpha", MODEL, digests) == 3
+        assert served_by_workers(two, before)
+        # The same digests in tenant beta: other names, an ordinary miss, on both.
+        for client in (b_worker, b_main):
+            assert client.lookup("beta", MODEL, digests) == 0
+            assert client.get("beta", MODEL, digests) == []
+        # A principal bound to beta cannot name alpha at all.
+        with pytest.raises(PermissionDenied):
+            b_worker.get("alpha", MODEL, digests)
+
+
+def test_a_delete_is_seen_by_the_worker_at_once(two: Running) -> None:
+    digests = [os.urandom(32) for _ in range(2)]
+    payloads = [os.urandom(BLOCK) for _ in digests]
+    main, worker = pair(two, "a")
+    with main, worker:
+        main.put("alpha", MODEL, digests, payloads)
+        wait_in_lmdb(two)
+        assert worker.get("alpha", MODEL, digests) == payloads  # control
+        with two.client("root", bulk=False) as root:
+            assert root.delete("alpha", MODEL, digests) == 2
+        assert worker.lookup("alpha", MODEL, digests) == 0
+        assert worker.get("alpha", MODEL, digests) == []
+
+
+def test_one_rate_holds_across_the_server_and_its_worker(
+    start_server: Callable[..., Running],
+) -> None:
+    from cacheserver.config import BulkConfig
+
+    running = start_server(
+        bulk=BulkConfig(workers=2), extra="[limits]\nrequests_per_s = 10\nrequest_burst_s = 1"
+    )
+    digest = os.urandom(32)
+    with running.client("root", bulk=False) as root:
+        root.put("alpha", MODEL, [digest], [b"x"])
+    wait_in_lmdb(running)
+    time.sleep(1.2)  # the bucket refills after the clients' OpenBulks and first lookups
+    main, worker = pair(running, "a")
+    with main, worker:
+        time.sleep(1.2)
+        served = 0
+        started = time.monotonic()
+        with pytest.raises(ResourceExhausted):
+            for _ in range(100):
+                for client in (main, worker):
+                    assert client.lookup("alpha", MODEL, [digest]) == 1
+                    served += 1
+        elapsed = time.monotonic() - started
+    # One bucket of 10 (burst 1 s) refilling at 10/s: two unshared buckets would serve
+    # about twice as many before the first refusal.
+    assert served <= 10 + 10 * elapsed + 2, (served, elapsed)
+
+
+def test_a_killed_worker_is_replaced_and_its_clients_reconnect(two: Running) -> None:
+    digests = [os.urandom(32) for _ in range(2)]
+    payloads = [os.urandom(BLOCK) for _ in digests]
+    workers = assembly(two).workers
+    [old] = workers.pids()
+    main, worker = pair(two, "a")
+    with main, worker:
+        main.put("alpha", MODEL, digests, payloads)
+        wait_in_lmdb(two)
+        assert worker.get("alpha", MODEL, digests) == payloads
+        os.kill(old, signal.SIGKILL)
+        # The client on the dead worker's connection gets its blocks anyway (a retry on
+        # a new connection, or gRPC): inference never fails because a worker died.
+        assert worker.get("alpha", MODEL, digests) == payloads
+        deadline = time.monotonic() + 10
+        while workers.pids() in ([], [old]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        [new] = workers.pids()
+        assert new != old
+    # The new worker serves new connections.
+    time.sleep(0.2)
+    before = workers.reports
+    main, worker = pair(two, "a")
+    with main, worker:
+        for client in (main, worker):
+            assert client.get("alpha", MODEL, digests) == payloads
+    assert served_by_workers(two, before)
+
+
+def test_workers_is_checked(tmp_path: Path) -> None:
+    for bad in ("0", "65"):
+        result = run_cli(
+            "serve", "--data-dir", str(tmp_path / "data"), "--listen", "127.0.0.1:0",
+            "--bulk-workers", bad,
+        )  # fmt: skip
+        assert result.returncode != 0
+        assert "--bulk-workers" in result.stderr, result.stderr

@@ -1,7 +1,7 @@
 """Where a small call's time goes: server CPU per call, and a py-spy profile of it.
 
     python benchmarks/profile_calls.py --op lookup|get|put --clients 1,4 [--seconds 6]
-        [--before DIR] [--rounds 3] [--py-spy OUT_PREFIX] [--json]
+        [--before DIR] [--rounds 3] [--workers 1,2] [--py-spy OUT_PREFIX] [--json]
 
 Starts `kvshare serve` (dev mode, a temp data dir) from this checkout, and with
 `--before DIR` also from another checkout (a `git worktree` of an older commit), in
@@ -11,7 +11,9 @@ client processes (each running that checkout's client) that repeat one call for
 request), `get` (one 64 KiB block) or `put` (one new 64 KiB block), on the client's
 default transports across TCP (the bulk channel; no same-host arena). It reports
 calls/s and the server's CPU time per call (/proc/<pid>/stat: user and system time of
-the whole process, in clock ticks of 10 ms, so runs of a few seconds are needed).
+the whole process and of its bulk workers, in clock ticks of 10 ms, so runs of a few
+seconds are needed). `--workers 1,2` measures each count of bulk-serving processes
+(`kvshare serve --bulk-workers N`) in turn.
 `--py-spy PREFIX` records each measured run with `py-spy record --threads`
 (PREFIX-<tree>-<op>-<clients>.txt, collapsed stacks; `py-spy` from PyPI must be on
 PATH or in this venv).
@@ -79,20 +81,28 @@ def drive(tree: Path, address: str, token: str, op: str, clients: int, seconds: 
 
 def cpu_ns(pid: int) -> int:
     """The process's CPU time, user and system, its ended threads included (a bulk
-    connection's thread ends with its client, before the measurement does)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    ticks = int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
+    connection's thread ends with its client, before the measurement does), and that
+    of its live children (the bulk workers)."""
+    ticks = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue  # a process that ended meanwhile
+        if stat.parent.name == str(pid) or fields[1] == str(pid):  # itself, or a child
+            ticks += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
     return ticks * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
 
 
 class Served:
     """`kvshare serve` in dev mode from the checkout `tree`."""
 
-    def __init__(self, tree: Path, data_dir: Path) -> None:
+    def __init__(self, tree: Path, data_dir: Path, workers: int = 1) -> None:
         env = {**os.environ, "PYTHONPATH": str(tree)}
+        more = ["--bulk-workers", str(workers)] if workers > 1 else []
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvshare.cli", "serve", "--data-dir", str(data_dir),
-             "--listen", "127.0.0.1:0"],
+             "--listen", "127.0.0.1:0", *more],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=tree, env=env,
         )  # fmt: skip
         assert self.proc.stdout is not None
@@ -107,10 +117,10 @@ class Served:
 
 
 def measure(
-    tree: Path, op: str, clients: int, seconds: float, py_spy: str | None
+    tree: Path, op: str, clients: int, seconds: float, py_spy: str | None, workers: int = 1
 ) -> dict[str, Any]:
     data = Path(tempfile.mkdtemp(prefix="kvshare-profile-"))
-    served = Served(tree, data / "data")
+    served = Served(tree, data / "data", workers)
     try:
         drive(tree, served.address, served.token, op, clients, min(seconds, 4))  # warm-up
         time.sleep(2)  # start-up work (the journal's prefault) settles
@@ -134,7 +144,8 @@ def measure(
         shutil.rmtree(data, ignore_errors=True)
     # The clients' own puts before their loop are in `used` too: a few ms per client.
     return {
-        "tree": tree.name,
+        "tree": tree.name + (f"-{workers}w" if workers > 1 else ""),
+        "workers": workers,
         "op": op,
         "clients": clients,
         "calls_per_s": round(calls / seconds),
@@ -153,15 +164,17 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=6.0)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--before", type=Path, help="another checkout, measured alternately")
+    parser.add_argument("--workers", default="1", help="bulk-serving processes, e.g. 1,2")
     parser.add_argument("--py-spy", metavar="PREFIX")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     trees = ([args.before.resolve()] if args.before else []) + [REPO]
     rows = []
+    counts = [int(n) for n in args.workers.split(",")]
     for _ in range(args.rounds):
         for clients in (int(c) for c in args.clients.split(",")):
-            for tree in trees:
-                row = measure(tree, args.op, clients, args.seconds, args.py_spy)
+            for tree, workers in ((t, n) for t in trees for n in counts):
+                row = measure(tree, args.op, clients, args.seconds, args.py_spy, workers)
                 rows.append(row)
                 if not args.json:
                     print(
@@ -173,14 +186,12 @@ def main() -> int:
     if args.json:
         print(json.dumps(rows))
     elif args.rounds > 1:
-        for tree in trees:
+        for name in sorted({r["tree"] for r in rows}):
             for clients in sorted({r["clients"] for r in rows}):
-                mine = [r for r in rows if r["tree"] == tree.name and r["clients"] == clients]
+                mine = [r for r in rows if r["tree"] == name and r["clients"] == clients]
                 cpu = statistics.median(r["server_cpu_us_per_call"] for r in mine)
                 rate = statistics.median(r["calls_per_s"] for r in mine)
-                print(
-                    f"median {tree.name:>14} clients={clients}: {rate:.0f} calls/s, {cpu} us/call"
-                )
+                print(f"median {name:>14} clients={clients}: {rate:.0f} calls/s, {cpu} us/call")
     return 0
 
 

@@ -36,6 +36,7 @@ VARIANTS = {
     "kvshare-sealed": ("kvshare", "cost of sealing"),
     "kvshare-tls-sealed": ("kvshare-tcp", "cost of TLS and sealing"),
     "kvshare-nosync": ("kvshare", "PUT acknowledged before fsync"),
+    "kvshare-tcp-2w": ("kvshare-tcp", "two bulk-serving processes instead of one"),
 }
 
 

@@ -25,7 +25,14 @@ DEFAULT_SYSTEMS = (
 )
 # Over a 3-node Redis Cluster on loopback (docs/scale-out.md): opt-in, each starts a cluster.
 CLUSTER_SYSTEMS = ("redis-cluster", "kvshare-cluster", "kvshare-cluster-warm")
-KNOWN_SYSTEMS = (*DEFAULT_SYSTEMS, "tcp-tls", "kvshare-nosync", "kvshare-grpc", *CLUSTER_SYSTEMS)
+KNOWN_SYSTEMS = (
+    *DEFAULT_SYSTEMS,
+    "tcp-tls",
+    "kvshare-nosync",
+    "kvshare-grpc",
+    "kvshare-tcp-2w",
+    *CLUSTER_SYSTEMS,
+)
 # Across hosts: no Unix socket (redis-unix), and plain `kvshare` would measure what
 # kvshare-tcp does (its same-host transport finds another namespace and uses TCP).
 TWO_HOST_SYSTEMS = tuple(s for s in DEFAULT_SYSTEMS if s not in ("redis-unix", "kvshare"))

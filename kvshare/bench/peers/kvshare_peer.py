@@ -30,6 +30,8 @@ ratio to a base within a round is the cost of an option:
 - `kvshare-nosync`: `--no-sync-writes` (PUT acknowledged before fsync). Opt-in.
 - `kvshare-grpc`: the client's bulk channel off, payloads over gRPC streams only (the
   fallback path). Opt-in.
+- `kvshare-tcp-2w`: `kvshare-tcp` with `--bulk-workers 2`: two processes serve the
+  bulk channel (docs/architecture.md, "Bulk workers"). Opt-in.
 
 Across two hosts (`--two-host`) the server listens on the wildcard address, as a store
 beside a pool of replica hosts does (`--listen 0.0.0.0:0`, so the bulk listener is on
@@ -156,13 +158,17 @@ class KvshareSystem:
         sync_writes: bool = True,
         bulk: bool = True,
         same_host: bool = True,
+        bulk_workers: int = 1,
         placement: Placement = LOOPBACK,
     ) -> None:
+        """`bulk_workers`: `kvshare serve --bulk-workers N` (docs/architecture.md)."""
         self._at = placement
+        self._bulk_workers = bulk_workers
         self._same_host = same_host and not tls and bulk
         suffix = "-tcp" if bulk and not tls and not same_host else ""
         suffix += ("-tls" if tls else "") + ("-sealed" if sealed else "")
         suffix += ("" if sync_writes else "-nosync") + ("" if bulk else "-grpc")
+        suffix += f"-{bulk_workers}w" if bulk_workers > 1 else ""
         self._bulk = bulk
         self.name = "kvshare" + suffix
         self._tls = tls
@@ -206,6 +212,8 @@ class KvshareSystem:
         argv += ["--config", str(config)]
         if not self._sync_writes:
             argv.append("--no-sync-writes")
+        if self._bulk_workers > 1:
+            argv += ["--bulk-workers", str(self._bulk_workers)]
         argv += ["--metrics-listen", f"{self._at.server_host}:0"]  # where the harness can reach
         self._server = ServerProcess.launch(
             self._at.server_command(argv), workdir / f"{self.name}-server.log"

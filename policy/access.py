@@ -189,8 +189,9 @@ class AccessPolicy:
     # -- authorization ----------------------------------------------------------------
 
     def admit(self, principal: Principal, tenant: str, action: Action) -> TenantId:
-        """The checked tenant id, or PermissionDenied. Validates the id's shape first."""
-        tenant_id = parse_tenant_id(tenant)
+        """The checked tenant id, or PermissionDenied. Validates the id's shape first
+        (a tenant of the principal's own was validated when the config was read)."""
+        tenant_id = TenantId(tenant) if tenant in principal.tenants else parse_tenant_id(tenant)
         if not self._allows(principal, tenant_id, action):
             self.audit.record(
                 "denied", principal=principal.name, tenant=tenant_id, action=action.value

@@ -29,7 +29,7 @@ class PutJob:
     payload: Payload
     model_tag: ModelTag
     clock: int = 0
-    future: concurrent.futures.Future[bool] = field(default_factory=concurrent.futures.Future)
+    _future: concurrent.futures.Future[bool] | None = field(default=None, repr=False)
     # Journaled puts only: the record (its view is `payload`), the blocks its admission
     # evicted (deleted from LMDB by the commit that drains this job), and whether the
     # put was given up (refused or broken off): the writer then only passes its record.
@@ -37,6 +37,21 @@ class PutJob:
     evicted: tuple[StorageKey, ...] = ()
     void: bool = False
     landed: bool = False  # its bytes all arrived (WriteBacklog.landed)
+
+    @property
+    def future(self) -> concurrent.futures.Future[bool]:
+        """The put's outcome, made on first use: a journaled put is settled on its own
+        thread and needs one only when refused or already present (making one costs
+        ~5 µs of a small put's ~100: a Condition and its lock). Whoever hands the job to
+        another thread (Writer.submit) makes it first."""
+        if self._future is None:
+            self._future = concurrent.futures.Future()
+        return self._future
+
+    def refusal(self) -> BaseException | None:
+        """The exception the job was settled with, if any (makes no future)."""
+        future = self._future
+        return future.exception() if future is not None and future.done() else None
 
     def as_write(self) -> PendingWrite:
         return PendingWrite(

@@ -152,7 +152,7 @@ class JournaledPuts:
                 job.void = True
             tiers.last_activity = time.monotonic()
         self._enqueue(job)
-        failure = job.future.exception() if job.future.done() else None
+        failure = job.refusal()
         if failure is not None:
             raise failure
         return bool(admitted)

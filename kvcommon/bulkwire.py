@@ -138,17 +138,26 @@ class Timer(Protocol):
 class Deadline:
     """A total time limit on one transfer, however slowly its bytes trickle in or are
     taken: before each system call the socket's timeout is set to what is left, and
-    afterwards back to `idle_s` (the connection's timeout between requests)."""
+    afterwards back to `idle_s` (the connection's timeout between requests).
+
+    On a blocking plain socket `recv_exact` and `send_parts` first move what can move
+    without waiting, and arm only for the rest: a small reply or request then costs no
+    setsockopt, while a peer that drips or stops reading is bounded as before. (Only
+    this timer: the client's `SocketTimer` sets no timeout on its fast path anyway.)"""
 
     def __init__(self, seconds: float, idle_s: float) -> None:
         self.at = time.monotonic() + seconds
         self.idle_s = idle_s
 
-    def arm(self, sock: socket.socket) -> None:
+    def left_s(self) -> float:
+        """Seconds left; TimeoutError, as a timed-out socket would raise, once none are."""
         left = self.at - time.monotonic()
         if left <= 0:
             raise TimeoutError("the transfer did not complete within its deadline")
-        set_timeout(sock, left)
+        return left
+
+    def arm(self, sock: socket.socket) -> None:
+        set_timeout(sock, self.left_s())
 
     def disarm(self, sock: socket.socket) -> None:
         set_timeout(sock, self.idle_s)
@@ -168,10 +177,16 @@ def recv_exact(sock: socket.socket, view: memoryview, deadline: Timer | None = N
 
     On a blocking plain socket (timeouts set with SO_RCVTIMEO, see `kernel_timeouts`),
     MSG_WAITALL has the kernel fill the whole view in one call: one wake-up per block
-    instead of one per ~64 KiB that arrived."""
+    instead of one per ~64 KiB that arrived. There a `Deadline` is armed only for bytes
+    that have not arrived yet (`_recv_now`)."""
     flags = 0
-    if sock.gettimeout() is None and not isinstance(sock, ssl.SSLSocket):
+    if _waits_in_kernel(sock):
         flags = socket.MSG_WAITALL
+        if isinstance(deadline, Deadline) and view.nbytes:
+            deadline.left_s()  # a spent deadline fails before any byte moves, as arm does
+            view = view[_recv_now(sock, view) :]
+            if not view.nbytes:
+                return
     try:
         while view.nbytes:
             if deadline is not None:
@@ -183,6 +198,51 @@ def recv_exact(sock: socket.socket, view: memoryview, deadline: Timer | None = N
     finally:
         if deadline is not None:
             deadline.disarm(sock)
+
+
+def _waits_in_kernel(sock: socket.socket) -> bool:
+    """A blocking plain socket: its timeouts are the kernel's (`kernel_timeouts`), so
+    arming a `Deadline` costs two setsockopt calls and restoring it two more. A TLS
+    socket takes no flags on its calls; one with Python's timeout is polled anyway."""
+    return sock.gettimeout() is None and not isinstance(sock, ssl.SSLSocket)
+
+
+def _recv_now(sock: socket.socket, view: memoryview) -> int:
+    """How many bytes of `view` were filled from what had arrived already, without
+    waiting (MSG_DONTWAIT): a small request's body or a block in the receive buffer
+    then needs no timeout set around it. ConnectionClosed if the peer has closed."""
+    try:
+        received = sock.recv_into(view, 0, socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return 0  # nothing there yet
+    if received == 0:
+        raise ConnectionClosed("peer closed the bulk connection")
+    return received
+
+
+def _send_now(sock: socket.socket, views: list[memoryview]) -> None:
+    """Send from the front of `views` (dropping what went) as much as the socket buffer
+    takes at once (MSG_DONTWAIT): a reply that fits then needs no timeout set around it.
+    Stops at the first send that takes less than it was offered: the buffer is full."""
+    while views:
+        batch = views[:MAX_IOV]
+        try:
+            sent = sock.sendmsg(batch, (), socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return  # the buffer is full
+        offered = len(views)
+        _drop_sent(views, sent)
+        if offered - len(views) < len(batch):  # a view it was offered is left: full
+            return
+
+
+def _drop_sent(views: list[memoryview], sent: int) -> None:
+    """Drop the first `sent` bytes of `views`, without copying the payloads."""
+    while views and sent >= views[0].nbytes:
+        sent -= views[0].nbytes
+        views.pop(0)
+    if views and sent:
+        views[0] = views[0][sent:]
 
 
 def kernel_timeouts(sock: socket.socket, seconds: float) -> None:
@@ -209,9 +269,16 @@ def send_parts(
     (within `deadline`, when given: a peer that stops reading cannot hold the sender).
 
     A socket with a timeout is non-blocking underneath, so one `sendmsg` may send only a
-    prefix: resume from where it stopped, without copying the payloads.
+    prefix: resume from where it stopped, without copying the payloads. On a blocking
+    plain socket a `Deadline` is armed only for what the socket buffer did not take at
+    once (`_send_now`).
     """
     views = [memoryview(p).cast("B") for p in parts]
+    if isinstance(deadline, Deadline) and views and _waits_in_kernel(sock):
+        deadline.left_s()  # a spent deadline fails before any byte moves, as arm does
+        _send_now(sock, views)
+        if not views:
+            return
     try:
         while views:
             if deadline is not None:
@@ -220,11 +287,7 @@ def send_parts(
                 sock.sendall(views.pop(0))
                 continue
             sent = sock.sendmsg(views[:MAX_IOV])  # the kernel takes at most IOV_MAX buffers
-            while views and sent >= views[0].nbytes:
-                sent -= views[0].nbytes
-                views.pop(0)
-            if views and sent:
-                views[0] = views[0][sent:]
+            _drop_sent(views, sent)
     finally:
         if deadline is not None:
             deadline.disarm(sock)

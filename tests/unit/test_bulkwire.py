@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import struct
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
 
+from kvcommon import bulkwire
 from kvcommon.bulkwire import (
     ARENA_ALIGN,
     ERROR,
@@ -17,6 +21,7 @@ from kvcommon.bulkwire import (
     MAX_MESSAGE_CHARS,
     ChannelBroken,
     ConnectionClosed,
+    Deadline,
     arena_offsets,
     copy_into,
     error_frame,
@@ -208,3 +213,170 @@ def test_a_sealed_frame_of_a_length_the_exchange_does_not_allow_is_refused(
     left.sendall(b"\xff\xff\xff\xff")
     with pytest.raises(ChannelBroken):
         recv_frame(right, 17, 64)  # 4 GiB announced: refused, not allocated
+
+
+# -- the server's per-transfer Deadline on a blocking plain socket ---------------------
+
+IDLE_S = 300.0  # the connection's timeout between requests (the listener's)
+
+
+def tcp_pair() -> tuple[socket.socket, socket.socket]:
+    """Two ends of a loopback TCP connection, with small fixed buffers (no autotuning),
+    so a few MiB cannot all fit in flight."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        left = socket.create_connection(server.getsockname())
+        right, _ = server.accept()
+    for sock in (left, right):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 10)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+    return left, right
+
+
+@pytest.fixture(params=["unix", "tcp"])
+def served(request: pytest.FixtureRequest) -> Iterator[tuple[socket.socket, socket.socket]]:
+    """(the server's end, with kernel timeouts as the listener sets them; the peer)."""
+    ours, peer = socket.socketpair() if request.param == "unix" else tcp_pair()
+    kernel_timeouts(ours, IDLE_S)
+    yield ours, peer
+    ours.close()
+    peer.close()
+
+
+@pytest.fixture
+def timeouts_set(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """Every timeout a Deadline sets (arm: what is left; disarm: the idle timeout)."""
+    sets: list[float] = []
+    real = bulkwire.set_timeout
+
+    def counted(sock: socket.socket, seconds: float) -> None:
+        sets.append(seconds)
+        real(sock, seconds)
+
+    monkeypatch.setattr(bulkwire, "set_timeout", counted)
+    return sets
+
+
+def send_timeout_s(sock: socket.socket) -> float:
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.calcsize("ll"))
+    seconds, micros = struct.unpack("ll", raw)
+    return float(seconds + micros / 1e6)
+
+
+def test_a_transfer_that_moves_at_once_sets_no_timeout(
+    served: tuple[socket.socket, socket.socket], timeouts_set: list[float]
+) -> None:
+    """A reply that fits the socket buffer, and a request body already received, cost no
+    setsockopt: the deadline is only checked."""
+    ours, peer = served
+    reply: list[bytes | bytearray | memoryview] = [
+        b"\0",
+        bulkwire.SIZE.pack(4000),
+        os.urandom(4000),
+        bulkwire.END,
+    ]
+    send_parts(ours, reply, Deadline(2.0, IDLE_S))
+    assert recv_bytes(peer, 4017) == b"".join(bytes(p) for p in reply)
+    body = os.urandom(3000)
+    peer.sendall(body)
+    time.sleep(0.05)  # all of it has arrived
+    assert recv_bytes(ours, 3000, Deadline(2.0, IDLE_S)) == body
+    assert timeouts_set == []  # neither armed nor restored
+
+
+def test_the_rest_of_a_transfer_is_armed_and_restored(
+    served: tuple[socket.socket, socket.socket], timeouts_set: list[float]
+) -> None:
+    """What does not move at once (a send larger than the buffers, a receive of bytes
+    still on their way) waits within the deadline, then the idle timeout is back."""
+    ours, peer = served
+    data = os.urandom(8 << 20)
+    received = bytearray(len(data))
+
+    def read_later() -> None:
+        time.sleep(0.1)  # the buffers fill up first
+        recv_exact(peer, memoryview(received))
+
+    reader = in_thread(read_later)
+    send_parts(ours, [data[:1000], memoryview(data)[1000:]], Deadline(10.0, IDLE_S))
+    reader.join(10)
+    assert received == data
+    assert timeouts_set[-1] == IDLE_S and all(0 < s <= 10.0 for s in timeouts_set[:-1])
+    timeouts_set.clear()
+    peer.sendall(data[:100])  # the first part is there, the rest follows later
+
+    def rest() -> None:
+        time.sleep(0.1)
+        peer.sendall(data[100:])
+
+    in_thread(rest)
+    assert recv_bytes(ours, len(data), Deadline(10.0, IDLE_S)) == data
+    assert timeouts_set[-1] == IDLE_S and len(timeouts_set) >= 2
+    assert send_timeout_s(ours) == pytest.approx(IDLE_S, abs=0.05)
+
+
+def test_a_peer_that_never_reads_fails_a_large_send_by_its_deadline(
+    served: tuple[socket.socket, socket.socket],
+) -> None:
+    ours, _peer = served
+    started = time.monotonic()
+    with pytest.raises(OSError):  # EAGAIN from the kernel's timeout, or TimeoutError
+        send_parts(ours, [bytes(32 << 20)], Deadline(0.3, IDLE_S))
+    assert 0.25 < time.monotonic() - started < 2.0  # the deadline, not the idle timeout
+    assert send_timeout_s(ours) == pytest.approx(IDLE_S, abs=0.05)
+
+
+def test_a_dripping_sender_makes_recv_exact_hit_its_deadline(
+    served: tuple[socket.socket, socket.socket],
+) -> None:
+    """Every byte comes well within one receive's timeout; the transfer still ends."""
+    ours, peer = served
+    peer.sendall(b"ab")  # moves at once; the rest drips
+
+    def drip() -> None:
+        with contextlib.suppress(OSError):
+            for _ in range(40):
+                time.sleep(0.05)
+                peer.sendall(b"x")
+
+    in_thread(drip)
+    started = time.monotonic()
+    with pytest.raises(OSError):
+        recv_bytes(ours, 42, Deadline(0.4, IDLE_S))
+    assert time.monotonic() - started < 1.0  # 2 s of drip in all
+
+
+def test_a_spent_deadline_raises_before_any_byte_moves(
+    served: tuple[socket.socket, socket.socket],
+) -> None:
+    ours, peer = served
+    spent = Deadline(0.0, IDLE_S)
+    with pytest.raises(TimeoutError):
+        send_parts(ours, [b"reply"], spent)
+    peer.setblocking(False)
+    with pytest.raises(BlockingIOError):
+        peer.recv(1)  # nothing was sent
+    peer.setblocking(True)
+    peer.sendall(b"body")
+    time.sleep(0.05)
+    with pytest.raises(TimeoutError):
+        recv_bytes(ours, 4, spent)
+    assert recv_bytes(ours, 4) == b"body"  # nothing was taken
+
+
+def test_a_closed_peer_fails_a_transfer_as_before(
+    served: tuple[socket.socket, socket.socket],
+) -> None:
+    ours, peer = served
+    peer.sendall(b"12345")
+    peer.shutdown(socket.SHUT_WR)
+    time.sleep(0.05)
+    with pytest.raises(ConnectionClosed):  # the bytes that came, then the end
+        recv_bytes(ours, 10, Deadline(2.0, IDLE_S))
+    with pytest.raises(ConnectionClosed):  # only the end
+        recv_bytes(ours, 10, Deadline(2.0, IDLE_S))
+    peer.close()
+    time.sleep(0.05)
+    with pytest.raises((BrokenPipeError, ConnectionResetError)):
+        for _ in range(3):  # TCP: the first send may only draw the peer's reset
+            send_parts(ours, [b"reply"], Deadline(2.0, IDLE_S))
+            time.sleep(0.05)

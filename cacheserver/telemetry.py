@@ -25,7 +25,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import context as otel_context
@@ -41,7 +40,7 @@ from cacheserver import telemetry_export as export
 from cacheserver.config import TelemetryConfig
 from cacheserver.events import EvictReason, PutOutcome, Tier
 from kvcommon.errors import KvshareError
-from kvcommon.logs import new_request_id
+from kvcommon.logs import RequestId, bind_request_id
 from policy.types import TenantId
 
 if TYPE_CHECKING:
@@ -67,13 +66,34 @@ _STATUS_NAMES = (
 GRPC_CODES = {name: number for number, name in enumerate(_STATUS_NAMES)}
 
 
-@dataclass
 class RpcCall:
-    """One observed call; the wire edge sets `status` when it knows it better."""
+    """One observed call; the wire edge sets `status` when it knows it better.
 
-    method: str
-    request_id: str
-    status: str | None = None
+    `request_id` is the call's id as every reader sees it (kvcommon.logs): given as a
+    `RequestId`, it is drawn only when read."""
+
+    __slots__ = ("_request_id", "method", "status")
+
+    def __init__(self, method: str, request_id: str | RequestId, status: str | None = None) -> None:
+        self.method = method
+        self._request_id = request_id
+        self.status = status
+
+    @property
+    def request_id(self) -> str:
+        if isinstance(self._request_id, str):
+            return self._request_id
+        return self._request_id.value
+
+    def __repr__(self) -> str:
+        return f"RpcCall({self.method!r}, {self._request_id!r}, {self.status!r})"
+
+
+def _end_span(span: trace.Span, status: str) -> None:
+    span.set_attribute("rpc.grpc.status_code", GRPC_CODES.get(status, 2))
+    if status != "OK":
+        span.set_status(Status(StatusCode.ERROR, status))
+    span.end()
 
 
 def status_of(error: BaseException) -> str:
@@ -164,6 +184,7 @@ class ServerTelemetry:
         else:
             self._tracer_provider = trace.NoOpTracerProvider()
         self._tracer = self._tracer_provider.get_tracer(SCOPE)
+        self._records_spans = bool(processors)  # else the tracer is the API's no-op
         self._make_instruments(self._meter_provider.get_meter(SCOPE), enabled=bool(readers))
 
     def _make_instruments(self, meter: metrics.Meter, *, enabled: bool) -> None:
@@ -292,21 +313,15 @@ class ServerTelemetry:
     ) -> Iterator[RpcCall]:
         """Observe one call: request id, server span (child of `parent`), count, latency.
 
+        The request id is bound now and drawn when something reads it; the span exists
+        only where spans are recorded (`_start_span`).
+
         `restore_context=False` for async generators, which may be finished from another
         task: the call's own task context is discarded with it anyway."""
-        call = RpcCall(method, new_request_id())
+        call = RpcCall(method, bind_request_id())
         started = time.perf_counter()
-        span = self._tracer.start_span(
-            method,
-            context=parent,
-            kind=SpanKind.SERVER,
-            attributes={
-                "rpc.system": system,
-                "rpc.method": method,
-                "kvshare.request_id": call.request_id,
-            },
-        )
-        token = otel_context.attach(trace.set_span_in_context(span))
+        span = self._start_span(call, parent, system)
+        token = None if span is None else otel_context.attach(trace.set_span_in_context(span))
         try:
             yield call
         except BaseException as error:
@@ -314,15 +329,32 @@ class ServerTelemetry:
             raise
         finally:
             status = call.status or "OK"
-            span.set_attribute("rpc.grpc.status_code", GRPC_CODES.get(status, 2))
-            if status != "OK":
-                span.set_status(Status(StatusCode.ERROR, status))
-            span.end()
+            if span is not None:
+                _end_span(span, status)
             labels = {"method": method, "status": status}
             self._rpc_requests.add(1, labels)
             self._rpc_duration.record(time.perf_counter() - started, labels)
-            if restore_context:
+            if token is not None and restore_context:
                 otel_context.detach(token)
+
+    def _start_span(
+        self, call: RpcCall, parent: otel_context.Context | None, system: str
+    ) -> trace.Span | None:
+        """The call's server span, made current by `rpc`; None where no span processor
+        is configured: the API's no-op tracer would return an invalid span anyway, and
+        its attributes would draw the request id for nothing."""
+        if not self._records_spans:
+            return None
+        return self._tracer.start_span(
+            call.method,
+            context=parent,
+            kind=SpanKind.SERVER,
+            attributes={
+                "rpc.system": system,
+                "rpc.method": call.method,
+                "kvshare.request_id": call.request_id,
+            },
+        )
 
     # -- StoreEvents ----------------------------------------------------------------
 

@@ -4,6 +4,7 @@ The server gives every RPC (and every bulk-channel request) a request id, kept i
 context variable for the call's task or thread; every log record and audit record made
 during the call carries it, and an INTERNAL error quotes it to the client, so an
 operator can go from a client's error to the server's log lines and the call's trace.
+The id is drawn when first read (`RequestId`): a call that nothing records costs none.
 
 What a record may hold is the caller's business (names and counts, never tokens,
 digests, payloads or storage names: see policy/audit.py); this module only renders.
@@ -24,6 +25,7 @@ import json
 import logging
 import secrets
 import sys
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -32,20 +34,56 @@ TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s"
 # `extra={"fields": {...}}` on a log call adds these keys to the JSON object.
 FIELDS_ATTR = "fields"
 
-_request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+# Taken only to draw an id: two threads sharing a call's context (a copied one) that
+# read a fresh id at once must both get the one that is kept.
+_DRAW_LOCK = threading.Lock()
+
+
+class RequestId:
+    """One call's request id, drawn when first read (`value`), then the same for every
+    reader. Most calls write no log line, audit record or span that would show it, so
+    most never pay for the draw (a getrandom system call)."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self) -> None:
+        self._value: str | None = None
+
+    @property
+    def value(self) -> str:
+        value = self._value
+        if value is None:
+            with _DRAW_LOCK:
+                if self._value is None:
+                    self._value = secrets.token_hex(8)  # 16 hex digits, as uuid4().hex[:16]
+                value = self._value
+        return value
+
+    def __repr__(self) -> str:
+        return f"RequestId({self._value or 'not drawn'})"
+
+
+_request_id: contextvars.ContextVar[RequestId | None] = contextvars.ContextVar(
     "kvshare_request_id", default=None
 )
 
 
-def new_request_id() -> str:
-    """A fresh id, bound to the current call (task or thread) from now on."""
-    request_id = secrets.token_hex(8)  # 16 hex digits, as uuid4().hex[:16] was, faster
+def bind_request_id() -> RequestId:
+    """A fresh id, bound to the current call (task or thread) from now on, drawn only
+    when something reads it (`current_request_id`, or the returned object's `value`)."""
+    request_id = RequestId()
     _request_id.set(request_id)
     return request_id
 
 
+def new_request_id() -> str:
+    """A fresh id, bound to the current call (task or thread) from now on."""
+    return bind_request_id().value
+
+
 def current_request_id() -> str | None:
-    return _request_id.get()
+    request_id = _request_id.get()
+    return None if request_id is None else request_id.value
 
 
 def utc_now() -> str:

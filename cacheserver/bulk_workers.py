@@ -38,7 +38,7 @@ class WorkerAssembly:
             limiter.shared,
             config.telemetry.log_format,
         )
-        self.workers = BulkWorkers(config.bulk.workers, spec, self.apply_report)
+        self.workers = BulkWorkers(config.bulk.processes(), spec, self.apply_report)
 
     def start(self) -> None:
         self.workers.start()

@@ -60,8 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--bulk-workers",
         metavar="N",
         type=int,
-        help="processes serving bulk requests (overrides [bulk] workers; default 1: the "
-        "server alone; N > 1 adds N - 1 worker processes for plain-TCP reads)",
+        help="processes serving bulk requests (overrides [bulk] workers; N > 1 adds N - 1 "
+        "worker processes for plain-TCP reads; default: 1 on hosts of 1-2 cores, else half "
+        "the cores, at most 8)",
     )
     parser.add_argument(
         "--data-dir",

@@ -76,7 +76,7 @@ class Server:
         self.audit = AuditLog(config.audit_log_path)
         # With bulk workers, every process draws a principal's requests from one bucket.
         shared = None
-        if config.bulk.workers > 1:
+        if config.bulk.processes() > 1:
             shared = SharedBuckets([principal.name for principal in access.principals()])
         limiter = RequestRateLimiter(
             config.limits.requests_per_s, config.limits.request_burst_s, shared=shared
@@ -129,7 +129,7 @@ class Server:
             )
         self.tickets = TicketBook()
         self.workers: WorkerAssembly | None = None
-        if config.bulk.workers > 1:
+        if config.bulk.processes() > 1:
             self.workers = WorkerAssembly(config, self.policy, limiter, self.store)
         self.bulk: BulkServer | None = None
         self._service: BlockStoreService | None = None
@@ -264,7 +264,7 @@ def _storage(config: ServerConfig) -> StorageConfig:
     keep new blocks where only it can serve them), unless drain_idle_ms is set to
     another value than its default."""
     default = StorageConfig.drain_idle_ms
-    if config.bulk.workers > 1 and config.storage.drain_idle_ms == default:
+    if config.bulk.processes() > 1 and config.storage.drain_idle_ms == default:
         return replace(config.storage, drain_idle_ms=0)
     return config.storage
 

@@ -215,7 +215,7 @@ TEST_BULK_WORKERS = int(os.environ.get("KVSHARE_TEST_BULK_WORKERS", "1"))
 
 def with_test_workers(config: ServerConfig) -> ServerConfig:
     """`config` with KVSHARE_TEST_BULK_WORKERS applied (unless it sets workers itself)."""
-    if TEST_BULK_WORKERS <= 1 or config.bulk.workers > 1:
+    if TEST_BULK_WORKERS <= 1 or config.bulk.processes() > 1:
         return config
     return dataclasses.replace(
         config, bulk=dataclasses.replace(config.bulk, workers=TEST_BULK_WORKERS)

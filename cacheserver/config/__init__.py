@@ -14,6 +14,7 @@ the key and what is allowed, so `kvshare serve` prints one line and exits 2.
 
 from __future__ import annotations
 
+import os
 import re
 import tomllib
 from collections.abc import Mapping
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from cacheserver.config.specs import (
+    AUTO_MAX_WORKERS,
     BULK_SPECS,
     DEFAULT_DATA_DIR,
     DEFAULT_LISTEN,
@@ -160,9 +162,19 @@ class BulkConfig:
     # (cacheserver.worker), each with a GIL of its own. Plain-TCP connections are shared
     # among them in turn; a worker answers the reads it finds whole in LMDB and hands
     # everything else back (docs/architecture.md, "Bulk workers"). 1: the server alone.
-    # Worth it where the host has cores to spare beside the replicas' own clients:
-    # about one per process (docs/benchmarks.md has 1 -> 2 on 2 cores).
-    workers: int = 1
+    # 0 (the default): what suits the host, `processes()`.
+    workers: int = 0
+
+    def processes(self) -> int:
+        """`workers`, or for 0: the server alone on a host of 1 or 2 cores (there a
+        worker takes CPU from the server's puts and from anything else on the host;
+        measured in docs/benchmarks.md), else half the cores, at most AUTO_MAX_WORKERS:
+        the other half stays with the server's own threads (puts, gRPC, TLS
+        connections, the writer) and the host."""
+        if self.workers:
+            return self.workers
+        cores = len(os.sched_getaffinity(0))
+        return 1 if cores <= 2 else min(cores // 2, AUTO_MAX_WORKERS)
 
 
 @dataclass(frozen=True)

@@ -80,6 +80,7 @@ LIMITS_SPECS: dict[str, Spec] = {
     "request_burst_s": int_in(1, 3600),
 }
 MAX_BULK_WORKERS = 64  # processes; more than a host's cores only adds switching
+AUTO_MAX_WORKERS = 8  # `[bulk] workers = 0` never picks more (BulkConfig.processes)
 BULK_SPECS: dict[str, Spec] = {
     **BULK_ADDRESSES,
     "same_host": Flag(),
@@ -88,7 +89,11 @@ BULK_SPECS: dict[str, Spec] = {
     "max_arenas_per_principal": int_in(1, 4096),
     # Transfer deadlines divide by it: 0 would fail every bulk transfer.
     "min_transfer_bytes_per_s": int_in(KiB, TiB, "bytes"),
-    "workers": int_in(1, MAX_BULK_WORKERS),
+    "workers": int_in(
+        0,
+        MAX_BULK_WORKERS,
+        zero="what suits the host: 1 on 1-2 cores, else half the cores, at most 8",
+    ),
 }
 TLS_SPECS: dict[str, Spec] = {
     "cert": PathText(),

@@ -192,7 +192,7 @@ def test_a_killed_worker_is_replaced_and_its_clients_reconnect(two: Running) -> 
 
 
 def test_workers_is_checked(tmp_path: Path) -> None:
-    for bad in ("0", "65"):
+    for bad in ("-1", "65"):
         result = run_cli(
             "serve", "--data-dir", str(tmp_path / "data"), "--listen", "127.0.0.1:0",
             "--bulk-workers", bad,

@@ -132,20 +132,31 @@ def connect_tcp(
             channel = SealedChannel.hello(
                 sock, ticket.channel_secret, ticket.ticket, ticket.traced, timer
             )
-            left = deadline.left_s()
-            if left is not None:  # kernel timeouts: receives wait for whole blocks
-                w.kernel_timeouts(sock, left)
-                timer.timeout_s = left
+            _wait_in_kernel(sock, deadline, timer)
             return Connection(sock, ticket.traced, None, Buffers(), timer, channel)
         if tls is not None:
             timer.arm(sock)  # the handshake gets what is left
             sock = tls.wrap_socket(sock, server_hostname=server_name or host)
         w.send_parts(sock, [w.HELLO.pack(w.MAGIC, ticket.ticket)], timer)
         expect_ok(sock, timer)
+        if tls is None:
+            _wait_in_kernel(sock, deadline, timer)
     except BaseException:
         sock.close()
         raise
     return Connection(sock, ticket.traced, None, Buffers(), timer)
+
+
+def _wait_in_kernel(sock: socket.socket, deadline: CallDeadline, timer: SocketTimer) -> None:
+    """A plain TCP connection's timeouts become the kernel's (SO_RCVTIMEO/SO_SNDTIMEO on a
+    blocking socket), still kept within each call's deadline by `timer`: a receive then
+    waits for a whole block in one call (MSG_WAITALL), and no call polls before it
+    moves bytes (Python's own timeouts poll before every send and receive: a 64 KiB
+    GET made 6 polls beside its 5 sends and receives). TLS keeps Python's timeouts."""
+    left = deadline.left_s()
+    if left is not None:
+        w.kernel_timeouts(sock, left)
+        timer.timeout_s = left
 
 
 def _timer(deadline: CallDeadline) -> SocketTimer:

@@ -108,6 +108,7 @@ class Connection:
         self._buckets = buckets
         self._tally = tally
         self._scratch = bytearray(MAX_PEEK_BYTES)
+        self._puts_in_a_row = 0
 
     def serve(self) -> None:
         try:
@@ -126,6 +127,10 @@ class Connection:
             return False
         op, model_len, count = w.REQUEST.unpack_from(head)
         size = w.REQUEST.size + model_len + DIGEST_BYTES * count
+        self._puts_in_a_row = self._puts_in_a_row + 1 if op == w.OP_PUT else 0
+        if self._puts_in_a_row >= d.GIVE_BACK_AFTER_PUTS:
+            self._handback.sendall(d.GIVE_BACK)
+            return False  # the server serves this request and the rest
         eligible = (
             op in (w.OP_GET, w.OP_LOOKUP)
             and self._d.may_read

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from cacheserver.bulk_workers import WorkerAssembly
+from cacheserver.transport.bulk.delegation import REPORT_INTERVAL_S
 from kvcommon.errors import PermissionDenied, ResourceExhausted
 from replica_agent.client import BlockClient
 from tests.conftest import Running, run_cli
@@ -199,3 +200,28 @@ def test_workers_is_checked(tmp_path: Path) -> None:
         )  # fmt: skip
         assert result.returncode != 0
         assert "--bulk-workers" in result.stderr, result.stderr
+
+
+def test_a_connection_that_only_puts_is_given_back_to_the_server(two: Running) -> None:
+    from cacheserver.transport.bulk.delegation import GIVE_BACK_AFTER_PUTS
+
+    digests = [os.urandom(32) for _ in range(GIVE_BACK_AFTER_PUTS + 2)]
+    payloads = [os.urandom(4096) for _ in digests]
+    main, worker = pair(two, "a")
+    with main, worker:
+        main.put("alpha", MODEL, digests[:1], payloads[:1])
+        wait_in_lmdb(two)
+        before = assembly(two).workers.reports
+        assert worker.get("alpha", MODEL, digests[:1]) == payloads[:1]  # control: the worker's
+        assert served_by_workers(two, before)
+        for digest, payload in zip(digests[1:], payloads[1:], strict=True):
+            assert worker.put("alpha", MODEL, [digest], [payload]) == [True]
+        wait_in_lmdb(two)
+        time.sleep(2 * REPORT_INTERVAL_S)  # any report of the control's read has arrived
+        before = assembly(two).workers.reports
+        # Puts in a row: the worker gave the connection back; the server serves it now.
+        for _ in range(3):
+            assert worker.get("alpha", MODEL, digests) == payloads
+            assert worker.lookup("alpha", MODEL, digests) == len(digests)
+        assert not served_by_workers(two, before, timeout_s=1.0)
+        assert worker.transport_stats.bulk_fallbacks == 0

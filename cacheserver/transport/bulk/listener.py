@@ -50,7 +50,13 @@ from cacheserver.core.requests import RequestCore
 from cacheserver.telemetry import ServerTelemetry
 from cacheserver.transport.arena import Arena, ArenaCount, listen_locally
 from cacheserver.transport.bulk.accepting import AcceptLoop, bind_listener
-from cacheserver.transport.bulk.delegation import CLOSED, HAND_BACK, RATE_DRAWN, SERVED_ON
+from cacheserver.transport.bulk.delegation import (
+    CLOSED,
+    GIVE_BACK,
+    HAND_BACK,
+    RATE_DRAWN,
+    SERVED_ON,
+)
 from cacheserver.transport.bulk.handler import OPS, BulkHandler, Pace, send_error_frame
 from cacheserver.transport.bulk.sealed import SealedHello
 from cacheserver.transport.bulk.slots import ConnectionSlots
@@ -213,8 +219,7 @@ class BulkServer:
                 if conn is raw:  # plain TCP: kernel timeouts, so receives can wait for all
                     w.kernel_timeouts(raw, IDLE_TIMEOUT_S)
                     handback = self._delegate(raw, handler)
-                    if handback is not None:
-                        self._serve_handed_back(handler, handback)
+                    if handback is not None and not self._serve_handed_back(handback, handler):
                         return
                 else:
                     conn.settimeout(IDLE_TIMEOUT_S)
@@ -232,15 +237,19 @@ class BulkServer:
             return None  # the sealed channel and the public scope stay in the server
         return self._delegate_to(raw, grant)
 
-    def _serve_handed_back(self, handler: BulkHandler, handback: socket.socket) -> None:
+    def _serve_handed_back(self, handback: socket.socket, handler: BulkHandler) -> bool:
         """A delegated connection: serve each request its worker hands back, on this
-        process's own descriptor of the connection, until the worker lets it go."""
+        process's own descriptor of the connection, until the worker lets it go. True:
+        the worker gave the connection back for good, and it serves on here."""
         with handback:
-            while (message := handback.recv(8))[:1] == HAND_BACK:
+            while (message := handback.recv(8))[:1] in (HAND_BACK, GIVE_BACK):
                 serves_on = self._serve_one(handler, rate_drawn=message[1:2] == RATE_DRAWN)
+                if message[:1] == GIVE_BACK:
+                    return serves_on
                 handback.sendall(SERVED_ON if serves_on else CLOSED)
                 if not serves_on:
-                    return
+                    return False
+        return False
 
     def _hello_tcp(self, conn: socket.socket, raw: socket.socket) -> BulkHandler | None:
         """The TCP listener's hello: a ticket over TLS (plain TCP where the server has

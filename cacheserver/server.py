@@ -12,7 +12,6 @@ import asyncio
 import logging
 import signal
 import ssl
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import grpc
@@ -52,6 +51,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 SERVICE_NAME = kvshare_pb2.DESCRIPTOR.services_by_name["BlockStore"].full_name
 SHUTDOWN_GRACE_S = 10.0
+# With bulk workers: how long a journaled put may wait to reach LMDB under load. Short
+# enough that workers soon serve a block put a moment ago (until then it is a hand-back),
+# long enough that one LMDB commit takes many puts.
+WORKERS_DRAIN_WITHIN_S = 0.02
 CLUSTER_HEALTH_SERVICE = "kvshare.cluster"  # SERVING while every Redis node answers
 BULK_HEALTH_SERVICE = "kvshare.bulk"  # SERVING while the bulk listeners can accept
 
@@ -93,13 +96,14 @@ class Server:
         self.cluster = _open_cluster(config, self.policy)
         self.store = BlockStore(
             config.data_dir,
-            _storage(config),
+            config.storage,
             self.policy.quotas_bytes,
             epochs,
             on_integrity_failure=self.policy.record_integrity_failure,
             events=FanOut(self.telemetry, self.counters),
             lower_tiers=[self.cluster] if self.cluster is not None else (),
             fixed_order=frozenset({PUBLIC}) if access.public is not None else frozenset(),
+            drain_within_s=_drain_within_s(config),
         )
         self.telemetry.watch(self.store.tier_usage, self._tenant_usage)
         if self.store.reclaimed_at_start:
@@ -258,15 +262,15 @@ class Server:
         self._lock_file.close()
 
 
-def _storage(config: ServerConfig) -> StorageConfig:
-    """The store's settings: with bulk workers, which read only LMDB, journaled puts move
-    into LMDB at once rather than when requests pause (a busy server would otherwise
-    keep new blocks where only it can serve them), unless drain_idle_ms is set to
-    another value than its default."""
+def _drain_within_s(config: ServerConfig) -> float | None:
+    """With bulk workers, which read only LMDB, a journaled put moves into LMDB within
+    WORKERS_DRAIN_WITHIN_S even while requests never pause (a busy server would
+    otherwise keep new blocks where only it can serve them), unless drain_idle_ms is
+    set to another value than its default."""
     default = StorageConfig.drain_idle_ms
     if config.bulk.processes() > 1 and config.storage.drain_idle_ms == default:
-        return replace(config.storage, drain_idle_ms=0)
-    return config.storage
+        return WORKERS_DRAIN_WITHIN_S
+    return None
 
 
 def _open_cluster(config: ServerConfig, policy: AccessPolicy) -> ClusterTier | None:

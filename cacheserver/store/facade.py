@@ -57,6 +57,7 @@ class BlockStore:
         events: StoreEvents | None = None,
         lower_tiers: Sequence[Tier] = (),
         fixed_order: frozenset[TenantId] = frozenset(),
+        drain_within_s: float | None = None,
     ) -> None:
         """`lower_tiers`: tiers behind LMDB, in order (see the package docstring). The
         store starts them once it exists (`Tier.start`), and stops and closes them.
@@ -95,6 +96,7 @@ class BlockStore:
             storage.max_pending_write_bytes_per_tenant,
             storage.drain_idle_ms / 1000,
             self._closing,
+            drain_within_s,
         )
         self.reclaimed_at_start = rebuild_index(self._tiers, self._epochs)
         recorded = disk.journal_position()

@@ -55,15 +55,19 @@ class Writer:
         max_pending_tenant_bytes: int,
         drain_idle_s: float,
         closing: threading.Event,
+        drain_within_s: float | None = None,
     ) -> None:
         """`closing` is set when the store stops: a writer retrying a failed drain gives
-        up (the journal keeps those blocks for the next start)."""
+        up (the journal keeps those blocks for the next start). `drain_within_s`: a
+        journaled put moves into LMDB at most this long after it was acknowledged, even
+        while requests never pause (bulk workers read LMDB only)."""
         self._tiers = tiers
         self._queue: queue.Queue[Message] = queue.Queue()
         self._reclaim_asked = threading.Event()
         self._drain_now = threading.Event()  # wakes a writer waiting for a quiet moment
         # Journaled puts move into LMDB once puts pause this long ([storage] drain_idle_ms)
         self._drain_idle_s = drain_idle_s
+        self._drain_within_s = drain_within_s
         self._barriers = 0  # deletes waiting for the writer (under _barriers_lock)
         self._barriers_lock = threading.Lock()
         # The journaled puts it drains, once the store has opened the journal
@@ -142,7 +146,7 @@ class Writer:
             if first is None:
                 return
             if isinstance(first, PutJob) and first.record is not None:
-                self._wait_for_quiet()
+                self._wait_for_quiet(time.monotonic())
             batch = self._gather(first)
             jobs = [j for j in batch if isinstance(j, PutJob)]
             if jobs and jobs[0].record is not None:
@@ -215,19 +219,27 @@ class Writer:
         self._reclaim_asked.clear()
         journaled.reclaim()
 
-    def _wait_for_quiet(self) -> None:
+    def _wait_for_quiet(self, since: float) -> None:
         """Hold journaled puts back until requests pause, unless something needs them
-        now. Draining copies every byte again and faults in page-cache pages; on a small
-        host (two vCPUs here, likely one core's hyperthreads) it slowed concurrent gets
-        by a quarter or more even at nice 19, so it waits for the store to be idle."""
+        now, or (`drain_within_s`) the oldest waited that long since `since`. Draining
+        copies every byte again and faults in page-cache pages; on a small host (two
+        vCPUs here, likely one core's hyperthreads) it slowed concurrent gets by a
+        quarter or more even at nice 19, so it waits for the store to be idle."""
         journaled = self._journaled
+        within = self._drain_within_s
         while journaled is not None and not self._closing.is_set() and not self._barriers:
-            quiet_for = time.monotonic() - self._tiers.last_activity
+            now = time.monotonic()
+            quiet_for = now - self._tiers.last_activity
+            waited = now - since
             if (
                 quiet_for >= self._drain_idle_s
+                or (within is not None and waited >= within)
                 or journaled.journal.under_pressure()
                 or self.backlog.has_waiters
             ):
                 return
-            self._drain_now.wait(self._drain_idle_s - quiet_for)
+            wait_s = self._drain_idle_s - quiet_for
+            if within is not None:
+                wait_s = min(wait_s, within - waited)
+            self._drain_now.wait(wait_s)
             self._drain_now.clear()

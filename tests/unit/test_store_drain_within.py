@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from cacheserver.store import BlockStore
-from tests.unit.test_store_facade import A, TAG, FillSource, keys, storage
+from tests.unit.test_store_facade import TAG, A, FillSource, keys, storage
 
 BUSY_S = 1.5
 

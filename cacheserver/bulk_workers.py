@@ -46,8 +46,11 @@ class WorkerAssembly:
     def stop(self) -> None:
         self.workers.stop()
 
-    def delegate(self, conn: socket.socket, grant: Grant) -> socket.socket | None:
-        """BulkServer's `delegate_to`: the connection to the next worker in turn, or None."""
+    def delegate(
+        self, conn: socket.socket, grant: Grant, to_a_worker: bool = False
+    ) -> socket.socket | None:
+        """BulkServer's `delegate_to`: the connection to the next worker in turn (or, with
+        `to_a_worker`, skipping the server's own), or None."""
         principal = grant.principal
         delegation = Delegation(
             principal=principal.name,
@@ -60,7 +63,7 @@ class WorkerAssembly:
             idle_s=IDLE_TIMEOUT_S,
             min_transfer_bytes_per_s=self._config.bulk.min_transfer_bytes_per_s,
         )
-        return self.workers.delegate(conn, delegation)
+        return self.workers.delegate(conn, delegation, to_a_worker)
 
     def apply_report(self, tenant: TenantId, report: TenantReport) -> None:
         """What a worker served: recently used in the index, counted in the metrics and

@@ -37,6 +37,7 @@ VARIANTS = {
     "kvshare-tls-sealed": ("kvshare-tcp", "cost of TLS and sealing"),
     "kvshare-nosync": ("kvshare", "PUT acknowledged before fsync"),
     "kvshare-tcp-2w": ("kvshare-tcp", "two bulk-serving processes instead of one"),
+    "kvshare-tcp-4w": ("kvshare-tcp", "four bulk-serving processes instead of one"),
 }
 
 

@@ -31,6 +31,7 @@ KNOWN_SYSTEMS = (
     "kvshare-nosync",
     "kvshare-grpc",
     "kvshare-tcp-2w",
+    "kvshare-tcp-4w",
     *CLUSTER_SYSTEMS,
 )
 # Across hosts: no Unix socket (redis-unix), and plain `kvshare` would measure what

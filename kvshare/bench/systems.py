@@ -38,6 +38,8 @@ def build_system(name: str, lmcache_python: Path | None, at: Placement = LOOPBAC
             return KvshareSystem(tls=True, sealed=True, placement=at)
         case "kvshare-tcp-2w":
             return KvshareSystem(same_host=False, bulk_workers=2, placement=at)
+        case "kvshare-tcp-4w":
+            return KvshareSystem(same_host=False, bulk_workers=4, placement=at)
         case "kvshare-nosync":
             return KvshareSystem(sync_writes=False, placement=at)
         case "kvshare-grpc":

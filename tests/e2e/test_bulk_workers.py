@@ -225,3 +225,23 @@ def test_a_connection_that_only_puts_is_given_back_to_the_server(two: Running) -
             assert worker.lookup("alpha", MODEL, digests) == len(digests)
         assert not served_by_workers(two, before, timeout_s=1.0)
         assert worker.transport_stats.bulk_fallbacks == 0
+
+
+def test_a_connection_given_back_goes_to_a_worker_again_once_it_reads(two: Running) -> None:
+    from cacheserver.transport.bulk.delegation import GIVE_BACK_AFTER_PUTS, REDELEGATE_AFTER_READS
+
+    digests = [os.urandom(32) for _ in range(GIVE_BACK_AFTER_PUTS)]
+    payloads = [os.urandom(4096) for _ in digests]
+    main, worker = pair(two, "a")
+    with main, worker:
+        for digest, payload in zip(digests, payloads, strict=True):  # given back
+            assert worker.put("alpha", MODEL, [digest], [payload]) == [True]
+        wait_in_lmdb(two)
+        for _ in range(REDELEGATE_AFTER_READS):  # served by the server; then handed over
+            assert worker.get("alpha", MODEL, digests) == payloads
+        time.sleep(2 * REPORT_INTERVAL_S)
+        before = assembly(two).workers.reports
+        for _ in range(3):
+            assert worker.get("alpha", MODEL, digests) == payloads
+        assert served_by_workers(two, before)
+        assert worker.transport_stats.bulk_fallbacks == 0

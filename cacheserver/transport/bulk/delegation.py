@@ -11,7 +11,8 @@ SOCK_SEQPACKET datagram:
   request's rate was already drawn): "serve the request at the head of the socket";
   the server answers `SERVED_ON` or `CLOSED` once its reply went out. `GIVE_BACK`:
   the same, and the connection is the server's from then on (it only writes: each of
-  its requests would come back anyway, at the cost of a round trip here);
+  its requests would come back anyway, at the cost of a round trip here), until it
+  reads again (`REDELEGATE_AFTER_READS`): then the server hands it to a worker anew;
 - worker -> server, on the control socket, every `REPORT_INTERVAL_S`: a `Report` of
   what the worker served (per tenant: calls, digests, blocks, bytes, and the storage
   keys read, so the server's index sees them as recently used).
@@ -31,9 +32,11 @@ from policy.types import StorageKey, TenantId
 
 HAND_BACK = b"H"
 GIVE_BACK = b"G"
-# A connection whose requests were this many puts in a row is given back for good: an
-# agent saves on threads (and so connections) of their own, which never read.
+# A connection whose requests were this many puts in a row is given back (an agent saves
+# on threads, and so connections, of their own); one the server then sees make this many
+# reads in a row goes to a worker again. At most one move per 8 requests.
 GIVE_BACK_AFTER_PUTS = 8
+REDELEGATE_AFTER_READS = 8
 RATE_DRAWN = b"R"  # follows HAND_BACK: the worker drew the request's rate already
 SERVED_ON = b"D"  # the server served the request; the worker reads the next one
 CLOSED = b"C"  # the server refused the request and closed the connection

@@ -73,6 +73,7 @@ class BulkHandler:
         self._arena = arena
         self._pace = pace
         self._accept: Accept | None = None  # None: every block the store returns is sent
+        self.last_verb: Verb | None = None  # the last request's (bulk workers: where to serve)
         # Where the current request stands on the wire, for `in_step`.
         self._body_read = False
         self._payloads: list[_Incoming] = []
@@ -121,7 +122,7 @@ class BulkHandler:
         """One request whose header was read; raises KvshareError to refuse it.
         `rate_drawn`: a bulk worker handed it back after drawing its rate."""
         self._body_read, self._payloads, self._replied = False, [], False
-        verb = VERBS.get(op)
+        verb = self.last_verb = VERBS.get(op)
         if verb is None:
             raise InvalidArgument(f"unknown bulk operation {op}")
         # The header is admitted before the body is read.

@@ -47,6 +47,7 @@ from collections.abc import Callable, Iterator
 
 from cacheserver.config import BulkConfig
 from cacheserver.core.requests import RequestCore
+from cacheserver.core.values import Verb
 from cacheserver.telemetry import ServerTelemetry
 from cacheserver.transport.arena import Arena, ArenaCount, listen_locally
 from cacheserver.transport.bulk.accepting import AcceptLoop, bind_listener
@@ -55,6 +56,7 @@ from cacheserver.transport.bulk.delegation import (
     GIVE_BACK,
     HAND_BACK,
     RATE_DRAWN,
+    REDELEGATE_AFTER_READS,
     SERVED_ON,
 )
 from cacheserver.transport.bulk.handler import OPS, BulkHandler, Pace, send_error_frame
@@ -68,9 +70,10 @@ from policy.tickets import Grant, Route, TicketBook
 from policy.types import PUBLIC
 
 log = logging.getLogger(__name__)
-# Hands a connection past its hello to a bulk worker: the server's end of the
-# connection's hand-back pair, or None to serve it here.
-DelegateTo = Callable[[socket.socket, Grant], socket.socket | None]
+# Hands a connection past its hello to a bulk worker (True: to a worker, skipping the
+# server's own turn): the server's end of the connection's hand-back pair, or None to
+# serve it here.
+DelegateTo = Callable[[socket.socket, Grant, bool], socket.socket | None]
 IDLE_TIMEOUT_S = 300.0  # an authenticated connection may idle between requests this long
 # Before its ticket is accepted a peer is unauthenticated: it gets only this long, in
 # total, to finish TLS and present the ticket (cacheserver.transport.bulk.slots).
@@ -218,9 +221,8 @@ class BulkServer:
                     return
                 if conn is raw:  # plain TCP: kernel timeouts, so receives can wait for all
                     w.kernel_timeouts(raw, IDLE_TIMEOUT_S)
-                    handback = self._delegate(raw, handler)
-                    if handback is not None and not self._serve_handed_back(handback, handler):
-                        return
+                    self._serve_plain(raw, handler)
+                    return
                 else:
                     conn.settimeout(IDLE_TIMEOUT_S)
                 while self._serve_one(handler):
@@ -229,13 +231,39 @@ class BulkServer:
                 _close_quietly(conn)
                 self._forget(conn)  # the wrapped socket, if TLS; `raw` is forgotten too
 
-    def _delegate(self, raw: socket.socket, handler: BulkHandler) -> socket.socket | None:
+    def _serve_plain(self, raw: socket.socket, handler: BulkHandler) -> None:
+        """A plain-TCP connection: here, or (with bulk workers, in turn) on a worker;
+        one the worker gives back (it only wrote) goes to a worker again once it reads."""
+        to_a_worker = False
+        while (handback := self._delegate(raw, handler, to_a_worker)) is not None:
+            if not self._serve_handed_back(handback, handler):
+                return
+            if not self._serve_until_reads(handler):
+                return
+            to_a_worker = True
+        while self._serve_one(handler):
+            pass
+
+    def _serve_until_reads(self, handler: BulkHandler) -> bool:
+        """Serve a connection a worker gave back until its last REDELEGATE_AFTER_READS
+        requests were reads (True); False when it closes."""
+        reads = 0
+        while self._serve_one(handler):
+            reads = reads + 1 if handler.last_verb in (Verb.GET, Verb.LOOKUP) else 0
+            if reads >= REDELEGATE_AFTER_READS:
+                return True
+        return False
+
+    def _delegate(
+        self, raw: socket.socket, handler: BulkHandler, to_a_worker: bool = False
+    ) -> socket.socket | None:
         """Hand a plain-TCP connection to a bulk worker, in turn (cacheserver.transport.bulk
-        .workers): the server's end of its hand-back pair, or None to serve it here."""
+        .workers; `to_a_worker`: skipping the server's own turn): the server's end of its
+        hand-back pair, or None to serve it here."""
         grant = handler.grant
         if self._delegate_to is None or grant.channel_secret or grant.tenant == PUBLIC:
             return None  # the sealed channel and the public scope stay in the server
-        return self._delegate_to(raw, grant)
+        return self._delegate_to(raw, grant, to_a_worker)
 
     def _serve_handed_back(self, handback: socket.socket, handler: BulkHandler) -> bool:
         """A delegated connection: serve each request its worker hands back, on this

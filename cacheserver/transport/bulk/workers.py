@@ -147,10 +147,16 @@ class BulkWorkers:
             proc.control.close()
         threading.Timer(RESTART_DELAY_S, self._launch, args=(slot,)).start()
 
-    def delegate(self, conn: socket.socket, delegation: d.Delegation) -> socket.socket | None:
-        """Hand `conn` to the next worker in turn: the server's end of its hand-back pair,
-        or None when the turn is the server's own (or that worker is down)."""
-        turn = next(self._turn) % self.count
+    def delegate(
+        self, conn: socket.socket, delegation: d.Delegation, to_a_worker: bool = False
+    ) -> socket.socket | None:
+        """Hand `conn` to the next worker in turn (`to_a_worker`: never the server's own
+        turn): the server's end of its hand-back pair, or None when the turn is the
+        server's (or that worker is down)."""
+        if to_a_worker:
+            turn = 1 + next(self._turn) % len(self._procs)
+        else:
+            turn = next(self._turn) % self.count
         if turn == 0:
             return None
         proc = self._procs[turn - 1]

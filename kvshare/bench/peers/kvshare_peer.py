@@ -30,8 +30,9 @@ ratio to a base within a round is the cost of an option:
 - `kvshare-nosync`: `--no-sync-writes` (PUT acknowledged before fsync). Opt-in.
 - `kvshare-grpc`: the client's bulk channel off, payloads over gRPC streams only (the
   fallback path). Opt-in.
-- `kvshare-tcp-2w`: `kvshare-tcp` with `--bulk-workers 2`: two processes serve the
-  bulk channel (docs/architecture.md, "Bulk workers"). Opt-in.
+- `kvshare-tcp-2w`, `kvshare-tcp-4w`: `kvshare-tcp` with `--bulk-workers 2` (or 4):
+  that many processes serve the bulk channel (docs/architecture.md, "Bulk workers").
+  Opt-in.
 
 Across two hosts (`--two-host`) the server listens on the wildcard address, as a store
 beside a pool of replica hosts does (`--listen 0.0.0.0:0`, so the bulk listener is on

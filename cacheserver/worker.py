@@ -8,9 +8,10 @@ are past their hello (authenticated and bound to a principal and tenant by the
 server: a worker never sees a ticket or a credential). Per request, the worker
 answers only what it can answer exactly as the server would:
 
-- a LOOKUP or GET whose every block is committed in LMDB (a consistent snapshot in
-  one read transaction), for a principal that may read, within its rate (drawn from
-  the buckets the server shares: policy.ratelimit.SharedBuckets) and limits, named
+- a LOOKUP, or a GET of at most MAX_GET_BYTES, whose every block is committed in LMDB
+  (a consistent snapshot in one read transaction), for a principal that may read,
+  within its rate (drawn from the buckets the server shares:
+  policy.ratelimit.SharedBuckets) and limits, named
   with the tenant's naming key (policy.naming.TenantNamer), each block's checksum
   verified before it is sent;
 - anything else it hands back, unread: it only peeks at a request (MSG_PEEK), so the
@@ -53,6 +54,10 @@ log = logging.getLogger("cacheserver.worker")
 # A request's header and body are peeked at whole: at most this many bytes, well
 # inside a socket's receive buffer (1,000 digests); a larger one is handed back.
 MAX_PEEK_BYTES = 32 << 10
+# A GET of more bytes goes back to the server: it serves large blocks from its memory
+# tier (a worker's first read of LMDB pages faults each one in, and it checksums every
+# byte), and large transfers are few calls, where one process is not the limit.
+MAX_GET_BYTES = 1 << 20
 TRANSFER_SLACK_S = 2.0  # as cacheserver.transport.bulk.handler.Pace
 # Plain ints: or-ing socket's flag enums costs microseconds a call.
 _PEEK = int(socket.MSG_PEEK)
@@ -177,8 +182,8 @@ class Connection:
                 self._conn.sendall(bytes([w.OK]) + w.PRESENT.pack(count))
                 self._tally.lookup(self._tenant, keys)
                 return True
-            views = reads.leading(self._tenant, keys)
-            if len(views) < count:
+            views = reads.leading(self._tenant, keys, MAX_GET_BYTES)
+            if views is None or len(views) < count:
                 return False
             self._consume(len(request))
             nbytes = sum(len(view) for view in views)

@@ -348,17 +348,30 @@ class BlockReads:
                 return index
         return len(keys)
 
-    def leading(self, tenant: TenantId, keys: Sequence[StorageKey]) -> list[memoryview]:
+    def leading(
+        self, tenant: TenantId, keys: Sequence[StorageKey], max_bytes: int
+    ) -> list[memoryview] | None:
         """Zero-copy views of the leading blocks of `keys` that are committed for
-        `tenant` and whose checksum matches; the first that is not ends the list."""
-        out: list[memoryview] = []
+        `tenant` and whose checksum matches; the first that is not ends the list. None
+        when they come to more than `max_bytes` (known from their sizes before any of
+        their pages is touched)."""
+        found: list[tuple[bytes, memoryview]] = []
+        total = 0
         for key in keys:
             raw_meta = self._txn.get(key, db=self._meta)
             raw = self._txn.get(key, db=self._blocks)
             if raw_meta is None or raw is None:
                 break
             digest, meta = _unpack_meta(key, raw_meta)
-            if meta.tenant != tenant or len(raw) != meta.size or checksum(raw) != digest:
+            if meta.tenant != tenant or len(raw) != meta.size:
                 break
-            out.append(memoryview(raw))
+            total += meta.size
+            if total > max_bytes:
+                return None
+            found.append((digest, memoryview(raw)))
+        out: list[memoryview] = []
+        for digest, view in found:
+            if checksum(view) != digest:
+                break
+            out.append(view)
         return out

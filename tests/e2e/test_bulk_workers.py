@@ -245,3 +245,23 @@ def test_a_connection_given_back_goes_to_a_worker_again_once_it_reads(two: Runni
             assert worker.get("alpha", MODEL, digests) == payloads
         assert served_by_workers(two, before)
         assert worker.transport_stats.bulk_fallbacks == 0
+
+
+def test_a_large_get_is_handed_back_and_a_small_one_is_the_workers(two: Running) -> None:
+    from cacheserver.worker import MAX_GET_BYTES
+
+    large = [os.urandom(32) for _ in range(2)]
+    large_payloads = [os.urandom(MAX_GET_BYTES // 2 + 4096) for _ in large]
+    small, small_payload = os.urandom(32), os.urandom(4096)
+    main, worker = pair(two, "a")
+    with main, worker:
+        main.put("alpha", MODEL, [*large, small], [*large_payloads, small_payload])
+        wait_in_lmdb(two)
+        time.sleep(2 * REPORT_INTERVAL_S)
+        before = assembly(two).workers.reports
+        for _ in range(3):  # more than MAX_GET_BYTES together: the server's
+            assert worker.get("alpha", MODEL, large) == large_payloads
+        assert not served_by_workers(two, before, timeout_s=1.0)
+        assert worker.get("alpha", MODEL, large[:1]) == large_payloads[:1]  # one fits
+        assert worker.get("alpha", MODEL, [small]) == [small_payload]
+        assert served_by_workers(two, before)

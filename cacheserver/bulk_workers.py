@@ -8,13 +8,20 @@ import socket
 
 from cacheserver.config import ServerConfig
 from cacheserver.store import BlockStore
+from cacheserver.telemetry import ServerTelemetry
 from cacheserver.transport.bulk.delegation import Delegation, TenantReport
+from cacheserver.transport.bulk.handler import OPS
 from cacheserver.transport.bulk.listener import IDLE_TIMEOUT_S
 from cacheserver.transport.bulk.workers import BulkWorkers, WorkerSpec
+from kvcommon import bulkwire
 from policy import AccessPolicy, Action
 from policy.ratelimit import RequestRateLimiter
 from policy.tickets import Grant
 from policy.types import TenantId
+
+# The methods of the bulk channel's calls, as the listener names them.
+BULK_GET = f"kvshare.bulk/{OPS[bulkwire.OP_GET]}"
+BULK_LOOKUP = f"kvshare.bulk/{OPS[bulkwire.OP_LOOKUP]}"
 
 
 class WorkerAssembly:
@@ -26,12 +33,14 @@ class WorkerAssembly:
         policy: AccessPolicy,
         limiter: RequestRateLimiter,
         store: BlockStore,
+        telemetry: ServerTelemetry,
     ) -> None:
         assert limiter.shared is not None, "workers draw from the server's shared buckets"
         self._config = config
         self._policy = policy
         self._limiter = limiter
         self._store = store
+        self._telemetry = telemetry
         spec = WorkerSpec(
             store.lmdb_path,
             config.storage.effective_map_bytes(),
@@ -68,8 +77,10 @@ class WorkerAssembly:
     def apply_report(self, tenant: TenantId, report: TenantReport) -> None:
         """What a worker served: recently used in the index, counted in the metrics and
         Stats as the server's own lookups and GETs are (all of them hits: a worker hands
-        back every request that misses)."""
+        back every request that misses), and in the bulk channel's call counts."""
         self._store.touch(report.keys)
+        self._telemetry.rpcs_served_elsewhere(BULK_LOOKUP, report.lookups)
+        self._telemetry.rpcs_served_elsewhere(BULK_GET, report.gets)
         events = self._store.events
         for lookup in range(report.lookups):  # one event per call; the digests in the first
             digests = report.lookup_digests if lookup == 0 else 0

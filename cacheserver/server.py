@@ -134,7 +134,7 @@ class Server:
         self.tickets = TicketBook()
         self.workers: WorkerAssembly | None = None
         if config.bulk.processes() > 1:
-            self.workers = WorkerAssembly(config, self.policy, limiter, self.store)
+            self.workers = WorkerAssembly(config, self.policy, limiter, self.store, self.telemetry)
         self.bulk: BulkServer | None = None
         self._service: BlockStoreService | None = None
         self.bulk_announced = ""  # what OpenBulk tells clients (bulk_announced_address)

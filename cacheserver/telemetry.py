@@ -337,6 +337,12 @@ class ServerTelemetry:
             if token is not None and restore_context:
                 otel_context.detach(token)
 
+    def rpcs_served_elsewhere(self, method: str, calls: int) -> None:
+        """Count `calls` of `method` that a bulk worker answered (cacheserver.worker), all
+        OK: call counts stay whole; their latencies are not observed here."""
+        if calls:
+            self._rpc_requests.add(calls, {"method": method, "status": "OK"})
+
     def _start_span(
         self, call: RpcCall, parent: otel_context.Context | None, system: str
     ) -> trace.Span | None:

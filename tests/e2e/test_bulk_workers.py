@@ -265,3 +265,37 @@ def test_a_large_get_is_handed_back_and_a_small_one_is_the_workers(two: Running)
         assert worker.get("alpha", MODEL, large[:1]) == large_payloads[:1]  # one fits
         assert worker.get("alpha", MODEL, [small]) == [small_payload]
         assert served_by_workers(two, before)
+
+
+def test_calls_a_worker_served_are_counted_in_the_servers_metrics(
+    start_server: Callable[..., Running],
+) -> None:
+    from cacheserver.config import BulkConfig, TelemetryConfig
+    from tests.observability.scrape import parse, scrape_text, value
+
+    running = start_server(
+        bulk=BulkConfig(workers=2), telemetry=TelemetryConfig(metrics_listen="127.0.0.1:0")
+    )
+    assert running.server.server is not None
+    metrics = running.server.server.metrics_address
+
+    def calls(method: str) -> float:
+        samples = parse(scrape_text(metrics))
+        return value(samples, "kvshare_rpc_requests_total", method=method, status="OK")
+
+    digests = [os.urandom(32) for _ in range(2)]
+    payloads = [os.urandom(4096) for _ in digests]
+    main, worker = pair(running, "a")
+    with main, worker:
+        main.put("alpha", MODEL, digests, payloads)
+        wait_in_lmdb(running)
+        time.sleep(2 * REPORT_INTERVAL_S)
+        before_get, before_lookup = calls("kvshare.bulk/Get"), calls("kvshare.bulk/Lookup")
+        reports = assembly(running).workers.reports
+        for _ in range(5):
+            assert worker.get("alpha", MODEL, digests) == payloads
+            assert worker.lookup("alpha", MODEL, digests) == 2
+        assert served_by_workers(running, reports)  # control: the worker answered them
+        time.sleep(2 * REPORT_INTERVAL_S)  # every report of them arrived
+        assert calls("kvshare.bulk/Get") - before_get == 5
+        assert calls("kvshare.bulk/Lookup") - before_lookup == 5

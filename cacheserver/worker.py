@@ -37,7 +37,6 @@ import logging
 import socket
 import sys
 import threading
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import cast
@@ -46,8 +45,9 @@ from cacheserver.tiers.lmdb import LmdbReader
 from cacheserver.transport.bulk import delegation as d
 from kvcommon import bulkwire as w
 from kvcommon.logs import configure_logging
+from policy.identity import Principal
 from policy.naming import TenantNamer
-from policy.ratelimit import SharedBuckets
+from policy.ratelimit import RequestRateLimiter, SharedBuckets
 from policy.types import DIGEST_BYTES, MAX_MODEL_CHARS, BlockDigest, ModelName, TenantId
 
 log = logging.getLogger("cacheserver.worker")
@@ -110,7 +110,12 @@ class Connection:
         self._tenant = TenantId(delegation.tenant)
         self._namer = TenantNamer(self._tenant, delegation.naming_key)
         self._reader = reader
-        self._buckets = buckets
+        # The principal as far as its rate goes (the server checked everything else);
+        # its buckets are the server's (SharedBuckets).
+        self._principal = Principal(
+            delegation.principal, frozenset(), frozenset(), delegation.requests_per_s
+        )
+        self._limiter = RequestRateLimiter(burst_s=delegation.burst_s, shared=buckets)
         self._tally = tally
         self._scratch = bytearray(MAX_PEEK_BYTES)
         self._puts_in_a_row = 0
@@ -155,11 +160,7 @@ class Connection:
     def _draw_rate(self) -> bool:
         """One request from the principal's shared bucket; a refusal is the server's to
         answer (and audit), so it is handed back with its rate not drawn."""
-        if self._d.requests_per_s <= 0:
-            return True
-        capacity = float(max(1, self._d.requests_per_s * self._d.burst_s))
-        rate = float(self._d.requests_per_s)
-        return bool(self._buckets.take(self._d.principal, rate, capacity, time.monotonic()))
+        return self._limiter.try_admit(self._principal)
 
     def _answer(self, op: int, request: bytes, model_len: int, count: int) -> bool:
         """Serve the peeked request if every block it names is in LMDB; False: not."""

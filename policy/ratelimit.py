@@ -77,9 +77,19 @@ class SharedBuckets:
         buckets._lock = threading.Lock()
         return buckets
 
-    def take(self, name: str, rate_per_s: float, capacity: float, now_s: float) -> bool | None:
+    def take(
+        self,
+        name: str,
+        rate_per_s: float,
+        capacity: float,
+        now_s: float,
+        *,
+        note_refusal: bool = True,
+    ) -> bool | None:
         """Draw one request from `name`'s bucket: True (taken), False (refused, and the
-        last draw was taken: the first refusal of an episode), None (refused again)."""
+        last draw was taken: the first refusal of an episode), None (refused again).
+        `note_refusal=False`: a refusal leaves the episode as it was, for whoever answers
+        the request to note (and audit)."""
         offset = self.slots[name] * _SLOT.size
         with self._lock:
             fcntl.lockf(self.fd, fcntl.LOCK_EX, _SLOT.size, offset)
@@ -90,7 +100,8 @@ class SharedBuckets:
                     bucket.tokens, bucket.updated_s = capacity, now_s
                 taken = bucket.take(now_s)
                 first_refusal = not taken and not bucket.limited
-                _SLOT.pack_into(self._map, offset, bucket.tokens, bucket.updated_s, 1, not taken)
+                limited = not taken if note_refusal or taken else bucket.limited
+                _SLOT.pack_into(self._map, offset, bucket.tokens, bucket.updated_s, 1, limited)
             finally:
                 fcntl.lockf(self.fd, fcntl.LOCK_UN, _SLOT.size, offset)
         if taken:
@@ -127,16 +138,28 @@ class RequestRateLimiter:
         `RateLimited.first_in_episode` marks the first refusal after accepted calls, so
         a flood costs one audit record, not one per refused call.
         """
+        taken = self._draw(principal, note_refusal=True)
+        if not taken:
+            raise RateLimited(principal.name, self.rate_of(principal), taken is False)
+
+    def try_admit(self, principal: Principal) -> bool:
+        """Take one request from the principal's bucket if it holds one. A refusal is not
+        noted: a bulk worker hands the request to the server, whose `admit` refuses it
+        and so starts (and audits) the episode."""
+        return bool(self._draw(principal, note_refusal=False))
+
+    def _draw(self, principal: Principal, *, note_refusal: bool) -> bool | None:
+        """True (taken), False (the first refusal of an episode), None (refused again)."""
         rate = self.rate_of(principal)
         if rate <= 0:
-            return
+            return True
         now = self._clock()
         shared = self.shared
         if shared is not None and principal.name in shared.slots:
-            taken = shared.take(principal.name, float(rate), self._capacity(rate), now)
-            if taken:
-                return
-            raise RateLimited(principal.name, rate, taken is False)
+            capacity = self._capacity(rate)
+            return shared.take(
+                principal.name, float(rate), capacity, now, note_refusal=note_refusal
+            )
         with self._lock:
             bucket = self._buckets.get(principal.name)
             if bucket is None:
@@ -145,10 +168,10 @@ class RequestRateLimiter:
                 self._buckets[principal.name] = bucket
             if bucket.take(now):
                 bucket.limited = False
-                return
+                return True
             first = not bucket.limited
-            bucket.limited = True
-        raise RateLimited(principal.name, rate, first)
+            bucket.limited = bucket.limited or note_refusal
+        return False if first else None
 
     def _capacity(self, rate: int) -> float:
         return float(max(1, rate * self.burst_s))

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from cacheserver.bulk_workers import WorkerAssembly
+from cacheserver.config import BulkConfig
 from cacheserver.transport.bulk.delegation import REPORT_INTERVAL_S
 from kvcommon.errors import PermissionDenied, ResourceExhausted
 from replica_agent.client import BlockClient
@@ -302,3 +303,30 @@ def test_calls_a_worker_served_are_counted_in_the_servers_metrics(
         time.sleep(2 * REPORT_INTERVAL_S)  # nothing more arrives: each call counted once
         assert calls("kvshare.bulk/Get") - before_get == 5
         assert calls("kvshare.bulk/Lookup") - before_lookup == 5
+
+
+def test_a_rate_refusal_met_first_by_the_worker_is_still_audited(
+    start_server: Callable[..., Running],
+) -> None:
+    from policy.audit import read_records
+
+    running = start_server(
+        bulk=BulkConfig(workers=2), extra="[limits]\nrequests_per_s = 10\nrequest_burst_s = 1"
+    )
+    digest = os.urandom(32)
+    with running.client("root", bulk=False) as root:
+        root.put("alpha", MODEL, [digest], [b"x"])
+    wait_in_lmdb(running)
+    main, worker = pair(running, "a")
+    with main, worker:
+        time.sleep(1.2)  # a full bucket
+        reports = assembly(running).workers.reports
+        with pytest.raises(ResourceExhausted):
+            for _ in range(100):  # only the worker's connection: the worker draws first
+                assert worker.lookup("alpha", MODEL, [digest]) == 1
+        assert served_by_workers(running, reports)  # control: the worker drew them
+    running.stop()
+    limited = [
+        r for r in read_records(running.config.audit_log_path) if r["event"] == "rate_limited"
+    ]
+    assert [r["principal"] for r in limited] == ["a"]  # the episode's one record

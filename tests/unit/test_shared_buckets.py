@@ -76,3 +76,19 @@ print(sum(bool(buckets.take("a", 1.0, 5.0, time.monotonic())) for _ in range(3))
     taken = [buckets.take("a", 1.0, 5.0, time.monotonic()) for _ in range(3)]
     assert taken[:2] == [True, True]  # 5 in the bucket, 3 drawn by the other process
     assert taken[2] is False  # so the third here is refused
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["local", "shared"])
+def test_try_admit_leaves_a_refusal_for_admit_to_note(shared: bool) -> None:
+    clock = Clock()
+    buckets = SharedBuckets(["a"]) if shared else None
+    limiter = RequestRateLimiter(2, burst_s=1, clock=clock, shared=buckets)
+    assert limiter.try_admit(principal("a")) and limiter.try_admit(principal("a"))
+    assert not limiter.try_admit(principal("a"))  # empty: refused, not noted
+    with pytest.raises(RateLimited) as first:
+        limiter.admit(principal("a"))
+    assert first.value.first_in_episode  # so the server's refusal still starts the episode
+    assert not limiter.try_admit(principal("a"))
+    with pytest.raises(RateLimited) as again:
+        limiter.admit(principal("a"))
+    assert not again.value.first_in_episode

@@ -41,14 +41,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import cast
 
+from cacheserver.core.values import parse_model_bytes
 from cacheserver.tiers.lmdb import LmdbReader
 from cacheserver.transport.bulk import delegation as d
+from cacheserver.transport.bulk.handler import Pace
 from kvcommon import bulkwire as w
+from kvcommon.errors import InvalidArgument
 from kvcommon.logs import configure_logging
 from policy.identity import Principal
 from policy.naming import TenantNamer
 from policy.ratelimit import RequestRateLimiter, SharedBuckets
-from policy.types import DIGEST_BYTES, MAX_MODEL_CHARS, BlockDigest, ModelName, TenantId
+from policy.types import MAX_MODEL_CHARS, BlockDigest, StorageKey, TenantId, parse_model
 
 log = logging.getLogger("cacheserver.worker")
 # A request's header and body are peeked at whole: at most this many bytes, well
@@ -58,7 +61,6 @@ MAX_PEEK_BYTES = 32 << 10
 # tier (a worker's first read of LMDB pages faults each one in, and it checksums every
 # byte), and large transfers are few calls, where one process is not the limit.
 MAX_GET_BYTES = 1 << 20
-TRANSFER_SLACK_S = 2.0  # as cacheserver.transport.bulk.handler.Pace
 # Plain ints: or-ing socket's flag enums costs microseconds a call.
 _PEEK = int(socket.MSG_PEEK)
 _PEEK_ALL = int(socket.MSG_PEEK | socket.MSG_WAITALL)
@@ -71,20 +73,20 @@ class Tally:
         self._lock = threading.Lock()
         self._reports: dict[TenantId, d.TenantReport] = {}
 
-    def lookup(self, tenant: TenantId, keys: Sequence[bytes]) -> None:
+    def lookup(self, tenant: TenantId, keys: Sequence[StorageKey]) -> None:
         with self._lock:
             report = self._reports.setdefault(tenant, d.TenantReport())
             report.lookups += 1
             report.lookup_digests += len(keys)
-            report.keys.update(keys)  # type: ignore[arg-type]
+            report.keys.update(keys)
 
-    def get(self, tenant: TenantId, keys: Sequence[bytes], nbytes: int) -> None:
+    def get(self, tenant: TenantId, keys: Sequence[StorageKey], nbytes: int) -> None:
         with self._lock:
             report = self._reports.setdefault(tenant, d.TenantReport())
             report.gets += 1
             report.get_blocks += len(keys)
             report.bytes_served += nbytes
-            report.keys.update(keys)  # type: ignore[arg-type]
+            report.keys.update(keys)
 
     def take(self) -> dict[TenantId, d.TenantReport]:
         with self._lock:
@@ -117,6 +119,7 @@ class Connection:
         )
         self._limiter = RequestRateLimiter(burst_s=delegation.burst_s, shared=buckets)
         self._tally = tally
+        self._pace = Pace(delegation.min_transfer_bytes_per_s, delegation.idle_s)
         self._scratch = bytearray(MAX_PEEK_BYTES)
         self._puts_in_a_row = 0
 
@@ -136,7 +139,7 @@ class Connection:
         if head is None:
             return False
         op, model_len, count = w.REQUEST.unpack_from(head)
-        size = w.REQUEST.size + model_len + DIGEST_BYTES * count
+        size = w.REQUEST.size + model_len + w.DIGEST_BYTES * count
         self._puts_in_a_row = self._puts_in_a_row + 1 if op == w.OP_PUT else 0
         if self._puts_in_a_row >= d.GIVE_BACK_AFTER_PUTS:
             self._handback.sendall(d.GIVE_BACK)
@@ -166,21 +169,17 @@ class Connection:
         """Serve the peeked request if every block it names is in LMDB; False: not."""
         body = memoryview(request)[w.REQUEST.size :]
         try:
-            model = ModelName(bytes(body[:model_len]).decode("utf-8"))
-        except UnicodeDecodeError:
+            model = parse_model(parse_model_bytes(body[:model_len]))
+        except InvalidArgument:
             return False  # the server refuses it, with its message
-        raw = request[w.REQUEST.size + model_len :]  # bytes: slices of it are cheap
-        digests = cast(
-            "list[BlockDigest]",
-            [raw[i : i + DIGEST_BYTES] for i in range(0, len(raw), DIGEST_BYTES)],
-        )  # each 32 bytes by the framing
+        digests = cast("list[BlockDigest]", w.request_digests(body[model_len:]))
         keys = self._namer.storage_keys(model, digests)
         with self._reader.reads() as reads:
             if op == w.OP_LOOKUP:
                 if reads.leading_present(keys) < count:
                     return False
                 self._consume(len(request))
-                self._conn.sendall(bytes([w.OK]) + w.PRESENT.pack(count))
+                self._conn.sendall(w.lookup_reply(count))
                 self._tally.lookup(self._tenant, keys)
                 return True
             views = reads.leading(self._tenant, keys, MAX_GET_BYTES)
@@ -192,10 +191,7 @@ class Connection:
             for view in views:
                 parts += [w.SIZE.pack(len(view)), view]
             parts.append(w.END)
-            deadline = w.Deadline(
-                TRANSFER_SLACK_S + nbytes / self._d.min_transfer_bytes_per_s, self._d.idle_s
-            )
-            w.send_parts(self._conn, parts, deadline)
+            w.send_parts(self._conn, parts, self._pace.deadline(nbytes))
         self._tally.get(self._tenant, keys, nbytes)
         return True
 

@@ -76,6 +76,7 @@ OP_GET = 1
 OP_PUT = 2
 OP_LOOKUP = 3  # reply: OK | PRESENT (how many leading digests are stored)
 PRESENT = struct.Struct(">I")
+DIGEST_BYTES = 32  # each digest in a request's body
 TRACED = 0x80  # flag on op: a trace context follows the REQUEST header
 TRACE_CONTEXT_BYTES = 25
 OK = 0
@@ -297,6 +298,18 @@ def recv_bytes(sock: socket.socket, size: int, deadline: Timer | None = None) ->
     buffer = bytearray(size)
     recv_exact(sock, memoryview(buffer), deadline)
     return buffer
+
+
+def request_digests(raw: bytes | bytearray | memoryview) -> list[bytes]:
+    """The digests a request's body carries back to back (whole by the framing: the
+    header counts them), each its own bytes."""
+    data = bytes(raw)  # one copy; slices of bytes are cheap
+    return [data[i : i + DIGEST_BYTES] for i in range(0, len(data), DIGEST_BYTES)]
+
+
+def lookup_reply(present: int) -> bytes:
+    """A LOOKUP's reply: OK and how many leading digests are stored."""
+    return bytes([OK]) + PRESENT.pack(present)
 
 
 def error_frame(error: KvshareError) -> bytes:

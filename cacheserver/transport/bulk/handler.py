@@ -129,14 +129,13 @@ class BulkHandler:
         principal, tenant = self._grant.principal, self._grant.tenant
         begun = self._core.begin(principal, verb, tenant, count, rate_drawn=rate_drawn)
         sizes_len = w.SIZE.size * count if verb is Verb.PUT else 0
-        body = self._recv(model_len + 32 * count + sizes_len)
+        body = self._recv(model_len + w.DIGEST_BYTES * count + sizes_len)
         self._body_read = True
         model = parse_model_bytes(body[:model_len])
-        raw = body[model_len : model_len + 32 * count]
-        digests = [bytes(raw[i : i + 32]) for i in range(0, len(raw), 32)]
+        digests = w.request_digests(body[model_len : model_len + w.DIGEST_BYTES * count])
         if verb is Verb.LOOKUP:
             present = self._core.lookup(begun, model, digests)
-            self._reply(bytes([w.OK]) + w.PRESENT.pack(present))
+            self._reply(w.lookup_reply(present))
             return
         if verb is Verb.GET:
             if self._arena is None:
@@ -144,7 +143,7 @@ class BulkHandler:
             else:
                 self._get_local(begun, model, digests, self._arena)
             return
-        sizes = [size for (size,) in w.SIZE.iter_unpack(body[model_len + 32 * count :])]
+        sizes = [size for (size,) in w.SIZE.iter_unpack(body[model_len + w.DIGEST_BYTES * count :])]
         outcomes = self._core.put_blocks(begun, model, digests, sizes, self._sources)
         stored = (w.OUTCOME_STORED if new else w.OUTCOME_ALREADY_PRESENT for new in outcomes)
         self._reply(bytes([w.OK]) + bytes(stored))

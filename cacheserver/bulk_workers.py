@@ -82,9 +82,9 @@ class WorkerAssembly:
         self._telemetry.rpcs_served_elsewhere(BULK_LOOKUP, report.lookups)
         self._telemetry.rpcs_served_elsewhere(BULK_GET, report.gets)
         events = self._store.events
-        for lookup in range(report.lookups):  # one event per call; the digests in the first
-            digests = report.lookup_digests if lookup == 0 else 0
-            events.looked_up(tenant, digests, digests)
+        if report.lookups:
+            digests = report.lookup_digests
+            events.looked_up(tenant, digests, digests, calls=report.lookups)
         if report.gets:
             events.got(tenant, report.get_blocks, report.get_blocks)
             events.served(tenant, "lmdb", report.get_blocks, report.bytes_served)

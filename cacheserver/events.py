@@ -21,9 +21,11 @@ PutOutcome: TypeAlias = Literal["stored", "already_present", "rejected", "failed
 
 
 class StoreEvents(Protocol):
-    """What the store reports as it works (often under its lock: keep them quick)."""
+    """What the store reports as it works (often under its lock: keep them quick).
+    `looked_up`'s `calls`: lookups reported together, their digests summed (a bulk
+    worker's report)."""
 
-    def looked_up(self, tenant: TenantId, asked: int, present: int) -> None: ...
+    def looked_up(self, tenant: TenantId, asked: int, present: int, calls: int = 1) -> None: ...
     def got(self, tenant: TenantId, asked: int, served: int) -> None: ...
     def served(self, tenant: TenantId, tier: Tier, blocks: int, nbytes: int) -> None: ...
     def stored(self, tenant: TenantId, tier: Tier, nbytes: int) -> None: ...
@@ -36,7 +38,7 @@ class StoreEvents(Protocol):
 class NoEvents:
     """A StoreEvents that ignores everything (tools and tests without telemetry)."""
 
-    def looked_up(self, tenant: TenantId, asked: int, present: int) -> None:
+    def looked_up(self, tenant: TenantId, asked: int, present: int, calls: int = 1) -> None:
         pass
 
     def got(self, tenant: TenantId, asked: int, served: int) -> None:
@@ -103,10 +105,10 @@ class TenantCounters(NoEvents):
             row = self._counts[tenant] = [0] * _FIELDS
         return row
 
-    def looked_up(self, tenant: TenantId, asked: int, present: int) -> None:
+    def looked_up(self, tenant: TenantId, asked: int, present: int, calls: int = 1) -> None:
         with self._lock:
             row = self._row(tenant)
-            row[_LOOKUPS] += 1
+            row[_LOOKUPS] += calls
             row[_LOOKUP_HITS] += present
             row[_LOOKUP_DIGESTS] += asked
 
@@ -130,9 +132,9 @@ class FanOut:
     def __init__(self, *sinks: StoreEvents) -> None:
         self._sinks = sinks
 
-    def looked_up(self, tenant: TenantId, asked: int, present: int) -> None:
+    def looked_up(self, tenant: TenantId, asked: int, present: int, calls: int = 1) -> None:
         for sink in self._sinks:
-            sink.looked_up(tenant, asked, present)
+            sink.looked_up(tenant, asked, present, calls)
 
     def got(self, tenant: TenantId, asked: int, served: int) -> None:
         for sink in self._sinks:

@@ -369,8 +369,8 @@ class ServerTelemetry:
             labels["tenant"] = tenant
         return labels
 
-    def looked_up(self, tenant: TenantId, asked: int, present: int) -> None:
-        self._lookups.add(1, self._tenant(tenant))
+    def looked_up(self, tenant: TenantId, asked: int, present: int, calls: int = 1) -> None:
+        self._lookups.add(calls, self._tenant(tenant))
         self._lookup_blocks.add(present, self._tenant(tenant, result="hit"))
         self._lookup_blocks.add(asked - present, self._tenant(tenant, result="miss"))
 

@@ -25,10 +25,12 @@ BULK_LOOKUP = f"kvshare.bulk/{OPS[bulkwire.OP_LOOKUP]}"
 
 
 class WorkerAssembly:
-    """Starts the workers, hands them connections, applies their reports."""
+    """Starts the workers (`processes` - 1 of them), hands them connections, applies
+    their reports."""
 
     def __init__(
         self,
+        processes: int,
         config: ServerConfig,
         policy: AccessPolicy,
         limiter: RequestRateLimiter,
@@ -47,7 +49,7 @@ class WorkerAssembly:
             limiter.shared,
             config.telemetry.log_format,
         )
-        self.workers = BulkWorkers(config.bulk.processes(), spec, self.apply_report)
+        self.workers = BulkWorkers(processes, spec, self.apply_report)
 
     def start(self) -> None:
         self.workers.start()

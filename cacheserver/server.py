@@ -78,8 +78,9 @@ class Server:
         access = config.access or dev_access(config.data_dir)
         self.audit = AuditLog(config.audit_log_path)
         # With bulk workers, every process draws a principal's requests from one bucket.
+        processes = config.bulk.processes()  # by the host's cores when not configured
         shared = None
-        if config.bulk.processes() > 1:
+        if processes > 1:
             shared = SharedBuckets([principal.name for principal in access.principals()])
         limiter = RequestRateLimiter(
             config.limits.requests_per_s, config.limits.request_burst_s, shared=shared
@@ -103,7 +104,7 @@ class Server:
             events=FanOut(self.telemetry, self.counters),
             lower_tiers=[self.cluster] if self.cluster is not None else (),
             fixed_order=frozenset({PUBLIC}) if access.public is not None else frozenset(),
-            drain_within_s=_drain_within_s(config),
+            drain_within_s=_drain_within_s(config, processes),
         )
         self.telemetry.watch(self.store.tier_usage, self._tenant_usage)
         if self.store.reclaimed_at_start:
@@ -133,8 +134,10 @@ class Server:
             )
         self.tickets = TicketBook()
         self.workers: WorkerAssembly | None = None
-        if config.bulk.processes() > 1:
-            self.workers = WorkerAssembly(config, self.policy, limiter, self.store, self.telemetry)
+        if processes > 1:
+            self.workers = WorkerAssembly(
+                processes, config, self.policy, limiter, self.store, self.telemetry
+            )
         self.bulk: BulkServer | None = None
         self._service: BlockStoreService | None = None
         self.bulk_announced = ""  # what OpenBulk tells clients (bulk_announced_address)
@@ -262,13 +265,13 @@ class Server:
         self._lock_file.close()
 
 
-def _drain_within_s(config: ServerConfig) -> float | None:
+def _drain_within_s(config: ServerConfig, processes: int) -> float | None:
     """With bulk workers, which read only LMDB, a journaled put moves into LMDB within
     WORKERS_DRAIN_WITHIN_S even while requests never pause (a busy server would
     otherwise keep new blocks where only it can serve them), unless drain_idle_ms is
     set to another value than its default."""
     default = StorageConfig.drain_idle_ms
-    if config.bulk.processes() > 1 and config.storage.drain_idle_ms == default:
+    if processes > 1 and config.storage.drain_idle_ms == default:
         return WORKERS_DRAIN_WITHIN_S
     return None
 

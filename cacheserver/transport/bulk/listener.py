@@ -268,7 +268,7 @@ class BulkServer:
     def _serve_handed_back(self, handback: socket.socket, handler: BulkHandler) -> bool:
         """A delegated connection: serve each request its worker hands back, on this
         process's own descriptor of the connection, until the worker lets it go. True:
-        the worker gave the connection back for good, and it serves on here."""
+        the worker gave the connection back (GIVE_BACK), and it serves on here."""
         with handback:
             while (message := handback.recv(8))[:1] in (HAND_BACK, GIVE_BACK):
                 serves_on = self._serve_one(handler, rate_drawn=message[1:2] == RATE_DRAWN)

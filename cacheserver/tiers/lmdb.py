@@ -41,6 +41,10 @@ from policy.types import ModelTag, StorageKey, TenantId
 
 # checksum (16) | size (8) | epoch (4) | clock (8) | then the tenant id in UTF-8
 _META = struct.Struct(">16sQIQ16s")  # checksum, size, epoch, clock, model tag
+# The environment's shape, the same for the server and the bulk workers that read it.
+_BLOCKS_DB, _META_DB = b"blocks", b"meta"
+_MAX_DBS = 8
+_MAX_READERS = 256  # read transactions at once, across every process (the lock file's table)
 _PROBE_KEY = b"probe"
 _DRAINED_KEY = b"drained"
 # journal id | last sequence number in LMDB | offset where the journal's chain goes on;
@@ -103,7 +107,7 @@ class LmdbTier:
                 str(path),
                 mode=0o600,  # data.mdb and lock.mdb: every tenant's blocks, owner-only
                 map_size=map_bytes,
-                max_dbs=8,
+                max_dbs=_MAX_DBS,
                 subdir=True,
                 sync=sync_writes,
                 metasync=sync_writes,
@@ -113,7 +117,7 @@ class LmdbTier:
                 # path's copy into the page cache dominated), at 2.3 GB/s instead of
                 # 0.3-0.6. The file is sparse up to the map size; see _ensure_space.
                 writemap=True,
-                max_readers=256,
+                max_readers=_MAX_READERS,
                 lock=True,
             )
         except lmdb.Error as error:
@@ -123,8 +127,8 @@ class LmdbTier:
             ) from None
         except OSError as error:
             raise ConfigError(f"cannot create data dir {path}: {error.strerror}") from None
-        self._blocks = self._env.open_db(b"blocks")
-        self._meta = self._env.open_db(b"meta")
+        self._blocks = self._env.open_db(_BLOCKS_DB)
+        self._meta = self._env.open_db(_META_DB)
         self._health = self._env.open_db(b"health")
         self._journal = self._env.open_db(b"journal")
         self.path = path
@@ -309,14 +313,14 @@ class LmdbReader:
             str(path),
             readonly=True,
             map_size=map_bytes,
-            max_dbs=8,
+            max_dbs=_MAX_DBS,
             subdir=True,
             readahead=False,
             lock=True,
-            max_readers=256,
+            max_readers=_MAX_READERS,
         )
-        self._blocks = self._env.open_db(b"blocks", create=False)
-        self._meta = self._env.open_db(b"meta", create=False)
+        self._blocks = self._env.open_db(_BLOCKS_DB, create=False)
+        self._meta = self._env.open_db(_META_DB, create=False)
 
     def close(self) -> None:
         self._env.close()

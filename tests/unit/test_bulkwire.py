@@ -242,20 +242,6 @@ def served(request: pytest.FixtureRequest) -> Iterator[tuple[socket.socket, sock
     peer.close()
 
 
-@pytest.fixture
-def timeouts_set(monkeypatch: pytest.MonkeyPatch) -> list[float]:
-    """Every timeout a Deadline sets (arm: what is left; disarm: the idle timeout)."""
-    sets: list[float] = []
-    real = bulkwire.set_timeout
-
-    def counted(sock: socket.socket, seconds: float) -> None:
-        sets.append(seconds)
-        real(sock, seconds)
-
-    monkeypatch.setattr(bulkwire, "set_timeout", counted)
-    return sets
-
-
 def send_timeout_s(sock: socket.socket) -> float:
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.calcsize("ll"))
     seconds, micros = struct.unpack("ll", raw)

@@ -56,21 +56,14 @@ def test_a_dripped_receive_times_out_at_the_calls_deadline_not_per_byte(
 
 
 def test_the_timer_sets_the_socket_only_when_the_deadline_needs_it(
-    pair: tuple[socket.socket, socket.socket], monkeypatch: pytest.MonkeyPatch
+    pair: tuple[socket.socket, socket.socket], timeouts_set: list[float]
 ) -> None:
     """The fast path makes no extra system call: a call that is done within the slack
     leaves the socket's timeout as it is; a slow one re-arms it at most once per slack;
     one after a slow call restores it once."""
     ours, peer = pair
     ours.settimeout(2.0)
-    sets: list[float] = []
-    real = w.set_timeout
-
-    def counted(sock: socket.socket, seconds: float) -> None:
-        sets.append(seconds)
-        real(sock, seconds)
-
-    monkeypatch.setattr(w, "set_timeout", counted)
+    sets = timeouts_set
     timer = SocketTimer(2.0)
     timer.deadline = CallDeadline(2.0)
     peer.sendall(bytes(64))

@@ -63,10 +63,20 @@ def wait_in_lmdb(running: Running) -> None:
         time.sleep(0.01)
 
 
+def rate_limited(start_server: Callable[..., Running]) -> tuple[Running, bytes]:
+    """Two processes, 10 requests/s (burst 1 s) per principal, one block stored in LMDB."""
+    running = start_server(
+        bulk=BulkConfig(workers=2), extra="[limits]\nrequests_per_s = 10\nrequest_burst_s = 1"
+    )
+    digest = os.urandom(32)
+    with running.client("root", bulk=False) as root:
+        root.put("alpha", MODEL, [digest], [b"x"])
+    wait_in_lmdb(running)
+    return running, digest
+
+
 @pytest.fixture
 def two(start_server: Callable[..., Running]) -> Running:
-    from cacheserver.config import BulkConfig
-
     return start_server(bulk=BulkConfig(workers=2))
 
 
@@ -138,15 +148,7 @@ def test_a_delete_is_seen_by_the_worker_at_once(two: Running) -> None:
 def test_one_rate_holds_across_the_server_and_its_worker(
     start_server: Callable[..., Running],
 ) -> None:
-    from cacheserver.config import BulkConfig
-
-    running = start_server(
-        bulk=BulkConfig(workers=2), extra="[limits]\nrequests_per_s = 10\nrequest_burst_s = 1"
-    )
-    digest = os.urandom(32)
-    with running.client("root", bulk=False) as root:
-        root.put("alpha", MODEL, [digest], [b"x"])
-    wait_in_lmdb(running)
+    running, digest = rate_limited(start_server)
     time.sleep(1.2)  # the bucket refills after the clients' OpenBulks and first lookups
     main, worker = pair(running, "a")
     with main, worker:
@@ -271,7 +273,7 @@ def test_a_large_get_is_handed_back_and_a_small_one_is_the_workers(two: Running)
 def test_calls_a_worker_served_are_counted_in_the_servers_metrics(
     start_server: Callable[..., Running],
 ) -> None:
-    from cacheserver.config import BulkConfig, TelemetryConfig
+    from cacheserver.config import TelemetryConfig
     from tests.observability.scrape import parse, scrape_text, value
 
     running = start_server(
@@ -310,13 +312,7 @@ def test_a_rate_refusal_met_first_by_the_worker_is_still_audited(
 ) -> None:
     from policy.audit import read_records
 
-    running = start_server(
-        bulk=BulkConfig(workers=2), extra="[limits]\nrequests_per_s = 10\nrequest_burst_s = 1"
-    )
-    digest = os.urandom(32)
-    with running.client("root", bulk=False) as root:
-        root.put("alpha", MODEL, [digest], [b"x"])
-    wait_in_lmdb(running)
+    running, digest = rate_limited(start_server)
     main, worker = pair(running, "a")
     with main, worker:
         time.sleep(1.2)  # a full bucket

@@ -69,20 +69,18 @@ GRPC_CODES = {name: number for number, name in enumerate(_STATUS_NAMES)}
 class RpcCall:
     """One observed call; the wire edge sets `status` when it knows it better.
 
-    `request_id` is the call's id as every reader sees it (kvcommon.logs): given as a
-    `RequestId`, it is drawn only when read."""
+    `request_id` is the call's id as every reader sees it (kvcommon.logs), drawn only
+    when read."""
 
     __slots__ = ("_request_id", "method", "status")
 
-    def __init__(self, method: str, request_id: str | RequestId, status: str | None = None) -> None:
+    def __init__(self, method: str, request_id: RequestId, status: str | None = None) -> None:
         self.method = method
         self._request_id = request_id
         self.status = status
 
     @property
     def request_id(self) -> str:
-        if isinstance(self._request_id, str):
-            return self._request_id
         return self._request_id.value
 
     def __repr__(self) -> str:

@@ -54,8 +54,12 @@ _DRAINED = struct.Struct(">16sQQ")
 # own tiny write reuses freed pages and still succeeds: so the probe also asks for this
 # much free space, about what a burst of new blocks needs before eviction catches up.
 MIN_FREE_BYTES = 8 << 20
-# Disk space for commits is reserved this far ahead of LMDB's last page (_ensure_space).
-SPACE_STEP_BYTES = 64 << 20
+# Disk space for commits is reserved ahead of LMDB's last page (_ensure_space), by a
+# quarter of what the file holds, at least the first and at most the second: an empty
+# store holds 1 MiB of disk, not 64 (the test suite starts some 400 servers), and a
+# growing one still reserves in few, large steps (8 fallocate calls reach 64 MiB).
+SPACE_STEP_MIN_BYTES = 1 << 20
+SPACE_STEP_MAX_BYTES = 64 << 20
 # New pages a transaction may need besides overflow pages for payloads: copies of the
 # B-tree paths it touches in each database, free-list and meta updates.
 SMALL_TXN_PAGES = 64
@@ -157,7 +161,8 @@ class LmdbTier:
         with self._space_lock:
             if end <= self._allocated_to:
                 return
-            ahead = min(self.map_bytes, end + SPACE_STEP_BYTES)
+            step = min(SPACE_STEP_MAX_BYTES, max(SPACE_STEP_MIN_BYTES, end // 4))
+            ahead = min(self.map_bytes, end + step)
             for target in (ahead, end):
                 try:
                     os.posix_fallocate(self._data_fd, 0, target)

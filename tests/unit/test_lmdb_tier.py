@@ -132,3 +132,27 @@ def test_the_journal_checkpoint_is_kept_with_the_blocks_it_covers(tmp_path: Path
         assert tier.journal_position() == (position, journal)
     finally:
         tier.close()
+
+
+def test_disk_is_reserved_as_the_store_grows_not_all_at_once(tmp_path: Path) -> None:
+    """An empty store holds about a megabyte of disk, however large its map; writes
+    reserve more ahead of themselves, in steps that grow with the file."""
+    tier = tier_at(tmp_path, map_bytes=1024 * MiB)
+    data = tmp_path / "lmdb" / "data.mdb"
+
+    def disk_bytes() -> int:
+        return data.stat().st_blocks * 512
+
+    try:
+        assert tier.probe() is None
+        empty = disk_bytes()
+        assert empty <= 4 * MiB
+        payload = os.urandom(MiB)
+        for n in range(24):
+            assert tier.write([write(n, payload)], []) == [True]
+        full = disk_bytes()
+        assert full >= 24 * MiB  # the blocks themselves are on disk
+        assert full <= 24 * MiB + 16 * MiB  # and the reserve ahead is a fraction of them
+        assert tier.read_many([key(23)]) == [payload]
+    finally:
+        tier.close()

@@ -43,8 +43,9 @@ BLOCK = 64 << 10
 LOOKUP_DIGESTS = 64
 
 
-def client_loop(address: str, token: str, op: str, seconds: float) -> int:
-    """One client's calls in `seconds` (run in a process of its own: `--client`)."""
+def client_loop(address: str, token: str, op: str, seconds: float) -> tuple[int, float]:
+    """One client's calls in `seconds` and the CPU seconds its loop took (run in a
+    process of its own: `--client`)."""
     from replica_agent.client import BlockClient
 
     with BlockClient(address, token, same_host=False) as client:
@@ -52,6 +53,7 @@ def client_loop(address: str, token: str, op: str, seconds: float) -> int:
         payload = os.urandom(BLOCK)
         client.put("dev", MODEL, digests, [payload] * len(digests))
         calls, end = 0, time.monotonic() + seconds
+        cpu_start = time.process_time()
         while time.monotonic() < end:
             if op == "lookup":
                 client.lookup("dev", MODEL, digests)
@@ -60,13 +62,17 @@ def client_loop(address: str, token: str, op: str, seconds: float) -> int:
             else:
                 client.put("dev", MODEL, [os.urandom(32)], [payload])
             calls += 1
+        cpu = time.process_time() - cpu_start
         if client.transport_stats.bulk_fallbacks:
             raise SystemExit("a call fell back to gRPC: the measurement is not of the bulk path")
-        return calls
+        return calls, cpu
 
 
-def drive(tree: Path, address: str, token: str, op: str, clients: int, seconds: float) -> int:
-    """Calls made by `clients` processes in `seconds`, each running `tree`'s client."""
+def drive(
+    tree: Path, address: str, token: str, op: str, clients: int, seconds: float
+) -> tuple[int, float]:
+    """Calls made by `clients` processes in `seconds`, each running `tree`'s client, and
+    the CPU seconds the clients' loops took together."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
     command = [sys.executable, str(Path(__file__).resolve()), "--client", address, token, op]
     procs = [
@@ -76,7 +82,8 @@ def drive(tree: Path, address: str, token: str, op: str, clients: int, seconds: 
     outputs = [proc.communicate(timeout=seconds + 120)[0] for proc in procs]
     if any(proc.returncode for proc in procs):
         raise SystemExit(f"a client failed in {tree}")
-    return sum(int(out.strip()) for out in outputs)
+    counted = [out.split() for out in outputs]
+    return sum(int(calls) for calls, _ in counted), sum(float(cpu) for _, cpu in counted)
 
 
 def cpu_ns(pid: int) -> int:
@@ -135,7 +142,7 @@ def measure(
             )  # fmt: skip
             time.sleep(0.5)
         before = cpu_ns(served.proc.pid)
-        calls = drive(tree, served.address, served.token, op, clients, seconds)
+        calls, client_cpu_s = drive(tree, served.address, served.token, op, clients, seconds)
         used = cpu_ns(served.proc.pid) - before
         if recorder is not None:
             recorder.wait(60)
@@ -150,13 +157,15 @@ def measure(
         "clients": clients,
         "calls_per_s": round(calls / seconds),
         "server_cpu_us_per_call": round(used / 1000 / max(calls, 1), 1),
+        "client_cpu_us_per_call": round(client_cpu_s * 1e6 / max(calls, 1), 1),
     }
 
 
 def main() -> int:
     if sys.argv[1:2] == ["--client"]:
         address, token, op, seconds = sys.argv[2:6]
-        print(client_loop(address, token, op, float(seconds)))
+        calls, cpu = client_loop(address, token, op, float(seconds))
+        print(calls, f"{cpu:.6f}")
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--op", choices=("lookup", "get", "put"), default="lookup")
@@ -180,7 +189,8 @@ def main() -> int:
                     print(
                         f"{row['tree']:>14} {row['op']:>6} clients={clients:<3} "
                         f"{row['calls_per_s']:>7} calls/s  "
-                        f"server CPU {row['server_cpu_us_per_call']:>8} us/call",
+                        f"server CPU {row['server_cpu_us_per_call']:>8} us/call  "
+                        f"client CPU {row['client_cpu_us_per_call']:>8} us/call",
                         flush=True,
                     )
     if args.json:
@@ -190,8 +200,12 @@ def main() -> int:
             for clients in sorted({r["clients"] for r in rows}):
                 mine = [r for r in rows if r["tree"] == name and r["clients"] == clients]
                 cpu = statistics.median(r["server_cpu_us_per_call"] for r in mine)
+                client = statistics.median(r["client_cpu_us_per_call"] for r in mine)
                 rate = statistics.median(r["calls_per_s"] for r in mine)
-                print(f"median {name:>14} clients={clients}: {rate:.0f} calls/s, {cpu} us/call")
+                print(
+                    f"median {name:>14} clients={clients}: {rate:.0f} calls/s, "
+                    f"server {cpu} us/call, client {client} us/call"
+                )
     return 0
 
 

@@ -178,6 +178,8 @@ class Server:
             bulk=self.config.bulk,
             port=bulk_listen.port,
             delegate_to=self.workers.delegate if self.workers is not None else None,
+            # A read through to the cluster waits on the network: not on the ready loop.
+            ready_loop=self.cluster is None,
         )
         self.bulk_announced = bulk_announced_address(self.config, bulk.address)
         self.telemetry.watch_bulk(lambda: bulk.arenas)

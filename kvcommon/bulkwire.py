@@ -221,7 +221,7 @@ def _recv_now(sock: socket.socket, view: memoryview) -> int:
     return received
 
 
-def _send_now(sock: socket.socket, views: list[memoryview]) -> None:
+def send_now(sock: socket.socket, views: list[memoryview]) -> None:
     """Send from the front of `views` (dropping what went) as much as the socket buffer
     takes at once (MSG_DONTWAIT): a reply that fits then needs no timeout set around it.
     Stops at the first send that takes less than it was offered: the buffer is full."""
@@ -272,12 +272,12 @@ def send_parts(
     A socket with a timeout is non-blocking underneath, so one `sendmsg` may send only a
     prefix: resume from where it stopped, without copying the payloads. On a blocking
     plain socket a `Deadline` is armed only for what the socket buffer did not take at
-    once (`_send_now`).
+    once (`send_now`).
     """
     views = [memoryview(p).cast("B") for p in parts]
     if isinstance(deadline, Deadline) and views and _waits_in_kernel(sock):
         deadline.left_s()  # a spent deadline fails before any byte moves, as arm does
-        _send_now(sock, views)
+        send_now(sock, views)
         if not views:
             return
     try:

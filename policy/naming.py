@@ -46,6 +46,9 @@ def derive_naming_key(server_secret: bytes, tenant: TenantId, epoch: int) -> byt
     return hkdf.derive(server_secret)
 
 
+MODEL_TAGS_KEPT = 4096  # (tenant, model) tags a namer keeps computed
+
+
 class _Hmac:
     """HMAC-SHA256 under one key, its two padded key blocks hashed once: the same bytes
     as `hmac.digest(key, message, "sha256")` (RFC 2104), for a fraction of the cost of
@@ -80,6 +83,9 @@ class BlockNamer:
         self._keys: dict[TenantId, bytes] = {}
         self._macs: dict[TenantId, _Hmac] = {}
         self._cluster_tags: dict[TenantId, bytes] = {}
+        # Every put's and delete's model tag (an HMAC, ~4 µs), kept: a tenant has a few
+        # models. Bounded, as model names come from callers; dropped whole when full.
+        self._model_tags: dict[tuple[TenantId, ModelName], ModelTag] = {}
 
     def epoch(self, tenant: TenantId) -> int:
         return self._epochs.get(tenant, 0)
@@ -93,8 +99,14 @@ class BlockNamer:
 
     def model_tag(self, tenant: TenantId, model: ModelName) -> ModelTag:
         """A 16-byte keyed tag of the model, stored beside each block for namespace deletes."""
-        mac = hmac.digest(self._naming_key(tenant), enc(MODEL_TAG_LABEL, model), "sha256")
-        return ModelTag(mac[:MODEL_TAG_BYTES])
+        tag = self._model_tags.get((tenant, model))
+        if tag is None:
+            mac = hmac.digest(self._naming_key(tenant), enc(MODEL_TAG_LABEL, model), "sha256")
+            tag = ModelTag(mac[:MODEL_TAG_BYTES])
+            if len(self._model_tags) >= MODEL_TAGS_KEPT:
+                self._model_tags.clear()
+            self._model_tags[(tenant, model)] = tag
+        return tag
 
     def cluster_tag(self, tenant: TenantId) -> bytes:
         """A keyed 16-byte name of the tenant, the same at every epoch, for a shared

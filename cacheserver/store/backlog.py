@@ -26,6 +26,7 @@ from collections import Counter
 from collections.abc import Callable
 
 from cacheserver.events import StoreEvents
+from kvcommon import handoff
 from kvcommon.errors import ResourceExhausted
 from policy.types import TenantId
 
@@ -75,6 +76,7 @@ class WriteBacklog:
         with self._room:
             if not self._fits(tenant, nbytes) and could_fit and time.monotonic() < deadline:
                 self._waiting[tenant] += 1
+                handoff.before_blocking()  # a thread serving other connections goes on
                 try:
                     while True:
                         self._hurry()

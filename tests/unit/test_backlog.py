@@ -10,6 +10,7 @@ import pytest
 
 from cacheserver.events import NoEvents
 from cacheserver.store.backlog import WriteBacklog
+from kvcommon import handoff
 from kvcommon.errors import ResourceExhausted
 from policy.types import TenantId
 
@@ -81,3 +82,18 @@ def test_a_waiting_tenant_gets_room_before_a_tenant_over_its_share() -> None:
     waiter.join(5)
     assert outcome == ["b"] and not bound.has_waiters
     bound.reserve(A, 10, 0.0)  # nobody waits any more
+
+
+def test_a_put_about_to_wait_for_room_first_lets_its_thread_hand_off() -> None:
+    """The bulk ready loop's thread serves other connections: a put that will wait for
+    backlog room calls its hand-off hook first (kvcommon.handoff), once; a put that
+    fits calls nothing (the positive control)."""
+    bound = backlog(max_bytes=100, share=100)
+    calls: list[str] = []
+    with handoff.hands_off(lambda: calls.append("handed off")):
+        bound.reserve(A, 60, 0.0)  # fits: no wait
+        assert calls == []
+        threading.Timer(0.05, bound.release, (A, 60)).start()
+        bound.reserve(B, 60, 5.0)  # waits for A's bytes to land
+        assert calls == ["handed off"]
+        assert not handoff.armed()  # once only

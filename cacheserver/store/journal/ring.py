@@ -51,6 +51,7 @@ from cacheserver.store.journal.format import (
 )
 from cacheserver.store.journal.ledger import Ledger
 from cacheserver.tiers import NO_MODEL_TAG, Position
+from kvcommon import handoff
 from kvcommon.errors import ConfigError, ResourceExhausted
 from policy.types import ModelTag, StorageKey, TenantId
 
@@ -211,6 +212,7 @@ class Journal:
                     "retry later, or raise [storage] journal_bytes"
                 )
             self._waiting += 1
+            handoff.before_blocking()  # a thread serving other connections goes on
             try:
                 self.on_full()
                 self._changed.wait(remaining)

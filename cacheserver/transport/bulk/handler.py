@@ -24,6 +24,7 @@ from cacheserver.core.requests import RequestCore
 from cacheserver.core.values import Accept, Begun, Verb, parse_model_bytes
 from cacheserver.transport.arena import Arena
 from kvcommon import bulkwire as w
+from kvcommon import handoff
 from kvcommon.errors import InvalidArgument, KvshareError
 from policy.tickets import Grant
 
@@ -95,6 +96,9 @@ class BulkHandler:
 
     def send_error(self, error: KvshareError) -> None:
         """The error frame of a failed request (this framing's one place for it)."""
+        if handoff.armed():
+            self._send([w.error_frame(error)], 0)
+            return
         send_error_frame(self._conn, error)
 
     @property
@@ -111,11 +115,23 @@ class BulkHandler:
     def _reply(self, reply: bytes) -> None:
         """A reply header (status OK and what follows it)."""
         self._replied = True
-        self._conn.sendall(reply)
+        if not handoff.armed():
+            self._conn.sendall(reply)
+            return
+        self._send([reply], 0)
 
     def _send(self, parts: list[Buffer], nbytes: int) -> None:
-        """Reply parts with `nbytes` of payloads among them, within the transfer's pace."""
+        """Reply parts with `nbytes` of payloads among them, within the transfer's pace.
+        On a thread that serves other connections too (kvcommon.handoff), what the
+        socket buffer does not take at once is sent after that thread hands off."""
         self._replied = True
+        if handoff.armed():
+            views = [memoryview(part).cast("B") for part in parts]
+            w.send_now(self._conn, views)
+            if not views:
+                return
+            handoff.before_blocking()
+            parts = list(views)
         w.send_parts(self._conn, parts, self._pace.deadline(nbytes))
 
     def handle(self, op: int, model_len: int, count: int, *, rate_drawn: bool = False) -> None:

@@ -60,6 +60,7 @@ from cacheserver.transport.bulk.delegation import (
     SERVED_ON,
 )
 from cacheserver.transport.bulk.handler import OPS, BulkHandler, Pace, send_error_frame
+from cacheserver.transport.bulk.readyloop import ReadyLoop
 from cacheserver.transport.bulk.sealed import SealedHello
 from cacheserver.transport.bulk.slots import ConnectionSlots
 from kvcommon import bulkwire as w
@@ -96,9 +97,13 @@ class BulkServer:
         bulk: BulkConfig | None = None,
         port: int = 0,
         delegate_to: DelegateTo | None = None,
+        ready_loop: bool = True,
     ) -> None:
         """`delegate_to`: hands an authenticated plain-TCP connection to a bulk worker
-        (BulkWorkers.delegate with the grant's Delegation), or keeps it (None)."""
+        (BulkWorkers.delegate with the grant's Delegation), or keeps it (None).
+        `ready_loop`: plain-TCP connections served here go on the ready loop
+        (cacheserver.transport.bulk.readyloop) rather than a thread each; off where a
+        request may wait on a remote tier."""
         self._telemetry = telemetry or ServerTelemetry()
         self._delegate_to = delegate_to
         self._bulk = bulk or BulkConfig()
@@ -114,6 +119,9 @@ class BulkServer:
         self._stopping = False
         self._slots = ConnectionSlots(HANDSHAKE_TIMEOUT_S)
         self._pace = Pace(self._bulk.min_transfer_bytes_per_s, IDLE_TIMEOUT_S)
+        self.ready: ReadyLoop | None = None
+        if ready_loop:
+            self.ready = ReadyLoop(self._serve_one, IDLE_TIMEOUT_S, lambda: self._stopping)
         self._reaper = threading.Thread(
             target=self._slots.reap, name="kvshare-bulk-reaper", daemon=True
         )
@@ -183,26 +191,31 @@ class BulkServer:
             for conn in list(self._connections):
                 _close_quietly(conn)
         self._slots.close()
+        if self.ready is not None:
+            self.ready.stop()
         for acceptor in self._acceptors:
             acceptor.join(timeout=5)
 
     @contextlib.contextmanager
-    def _connection_scope(self, raw: socket.socket) -> Iterator[None]:
-        """One accepted connection's lifetime, for both listeners: a client going away
+    def _connection_scope(self, raw: socket.socket) -> Iterator[_Scope]:
+        """One accepted connection's thread, for both listeners: a client going away
         ends it quietly (nothing acknowledged is affected), anything else is logged;
-        either way the connection slot is given back."""
+        either way the connection slot is given back, unless the ready loop adopted
+        the connection (it gives the slot back when the connection ends)."""
+        scope = _Scope()
         try:
-            yield
+            yield scope
         except (OSError, w.ConnectionClosed, ssl.SSLError):
             pass
         except Exception:
             log.exception("bulk connection failed")
         finally:
-            self._forget(raw)
+            if not scope.adopted:
+                self._forget(raw)
 
     def _serve(self, raw: socket.socket) -> None:
         conn = raw
-        with self._connection_scope(raw):
+        with self._connection_scope(raw) as scope:
             try:
                 raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 raw.settimeout(self.handshake_timeout_s)
@@ -221,28 +234,38 @@ class BulkServer:
                     return
                 if conn is raw:  # plain TCP: kernel timeouts, so receives can wait for all
                     w.kernel_timeouts(raw, IDLE_TIMEOUT_S)
-                    self._serve_plain(raw, handler)
+                    scope.adopted = self._serve_plain(raw, handler)
                     return
                 else:
                     conn.settimeout(IDLE_TIMEOUT_S)
                 while self._serve_one(handler):
                     pass
             finally:
-                _close_quietly(conn)
-                self._forget(conn)  # the wrapped socket, if TLS; `raw` is forgotten too
+                if not scope.adopted:
+                    _close_quietly(conn)
+                    self._forget(conn)  # the wrapped socket, if TLS; `raw` is forgotten too
 
-    def _serve_plain(self, raw: socket.socket, handler: BulkHandler) -> None:
+    def _serve_plain(self, raw: socket.socket, handler: BulkHandler) -> bool:
         """A plain-TCP connection: here, or (with bulk workers, in turn) on a worker;
-        one the worker gives back (it only wrote) goes to a worker again once it reads."""
+        one the worker gives back (it only wrote) goes to a worker again once it reads.
+        Served here, it goes on the ready loop: True (the loop closes it)."""
         to_a_worker = False
         while (handback := self._delegate(raw, handler, to_a_worker)) is not None:
             if not self._serve_handed_back(handback, handler):
-                return
+                return False
             if not self._serve_until_reads(handler):
-                return
+                return False
             to_a_worker = True
+        if self.ready is not None:
+            self.ready.adopt(raw, handler, lambda: self._close(raw))
+            return True
         while self._serve_one(handler):
             pass
+        return False
+
+    def _close(self, raw: socket.socket) -> None:
+        _close_quietly(raw)
+        self._forget(raw)
 
     def _serve_until_reads(self, handler: BulkHandler) -> bool:
         """Serve a connection a worker gave back until its last REDELEGATE_AFTER_READS
@@ -423,6 +446,13 @@ class BulkServer:
                 serves_on = not isinstance(error, KvshareError) and handler.in_step
                 handler.send_error(answer)
                 return serves_on
+
+
+class _Scope:
+    """What a connection's thread leaves when it returns: `adopted`, the connection
+    lives on, on the ready loop."""
+
+    adopted = False
 
 
 def _opens_tls(raw: socket.socket) -> bool:

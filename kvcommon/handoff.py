@@ -1,0 +1,40 @@
+"""Work that may block, told ahead to the thread running it.
+
+A thread that serves many connections in turn (the bulk listener's ready loop,
+cacheserver.transport.bulk.readyloop) must not wait on one of them: while it serves a
+request it arms a hook here, and any code about to wait (a reply the socket buffer does
+not take at once, a put waiting for journal or backlog room) calls `before_blocking()`
+first. The hook hands the thread's other duties to another thread, once, and the wait
+then holds up only this request. Threads that never arm a hook pay one attribute read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+
+_local = threading.local()
+
+
+def armed() -> bool:
+    """Whether the running thread must hand off before it waits."""
+    return getattr(_local, "hook", None) is not None
+
+
+def before_blocking() -> None:
+    """Call before a wait that may last: runs the thread's hook, once."""
+    hook: Callable[[], None] | None = getattr(_local, "hook", None)
+    if hook is not None:
+        _local.hook = None
+        hook()
+
+
+@contextlib.contextmanager
+def hands_off(hook: Callable[[], None]) -> Iterator[None]:
+    """Within this block, the first `before_blocking()` on this thread calls `hook`."""
+    _local.hook = hook
+    try:
+        yield
+    finally:
+        _local.hook = None

@@ -45,7 +45,10 @@ from cacheserver.core.values import parse_model_bytes
 from cacheserver.tiers.lmdb import LmdbReader
 from cacheserver.transport.bulk import delegation as d
 from cacheserver.transport.bulk.handler import Pace
+from cacheserver.transport.bulk.listener import IDLE_TIMEOUT_S
+from cacheserver.transport.bulk.readyloop import ReadyLoop
 from kvcommon import bulkwire as w
+from kvcommon import handoff
 from kvcommon.errors import InvalidArgument
 from kvcommon.logs import configure_logging
 from policy.identity import Principal
@@ -123,18 +126,18 @@ class Connection:
         self._scratch = bytearray(MAX_PEEK_BYTES)
         self._puts_in_a_row = 0
 
-    def serve(self) -> None:
-        try:
-            while self._serve_one():
-                pass
-        except OSError:
-            pass  # the client or the server went away: nothing acknowledged is affected
-        finally:
-            for sock in (self._conn, self._handback):
-                with contextlib.suppress(OSError):
-                    sock.close()
+    @property
+    def socket(self) -> socket.socket:
+        return self._conn
 
-    def _serve_one(self) -> bool:
+    def close(self) -> None:
+        for sock in (self._conn, self._handback):
+            with contextlib.suppress(OSError):
+                sock.close()
+
+    def serve_one(self) -> bool:
+        """The request at the head of the socket, answered or handed back; False: the
+        connection is done here (closed, given back, or failed)."""
         head = self._peek_next()
         if head is None:
             return False
@@ -179,7 +182,7 @@ class Connection:
                 if reads.leading_present(keys) < count:
                     return False
                 self._consume(len(request))
-                self._conn.sendall(w.lookup_reply(count))
+                w.send_parts(self._conn, [w.lookup_reply(count)], self._pace.deadline(0))
                 self._tally.lookup(self._tenant, keys)
                 return True
             views = reads.leading(self._tenant, keys, MAX_GET_BYTES)
@@ -199,6 +202,7 @@ class Connection:
         """The server serves the request at the head of the socket; True when the
         connection serves on."""
         self._handback.sendall(d.HAND_BACK + (d.RATE_DRAWN if rate_drawn else b""))
+        handoff.before_blocking()  # the loop's other connections go on meanwhile
         return self._handback.recv(1) == d.SERVED_ON
 
     def _peek_next(self) -> bytes | None:
@@ -228,6 +232,10 @@ class Worker:
         self._buckets = buckets
         self._tally = Tally()
         self._stopped = threading.Event()
+        # Its connections on a ready loop of its own, as the server's: no thread each.
+        self._loop: ReadyLoop[Connection] = ReadyLoop(
+            _serve_one, IDLE_TIMEOUT_S, self._stopped.is_set
+        )
 
     def run(self) -> None:
         threading.Thread(
@@ -255,7 +263,7 @@ class Worker:
                 sock.close()
             return
         served = Connection(conn, handback, delegation, self._reader, self._buckets, self._tally)
-        threading.Thread(target=served.serve, name="kvshare-worker-conn", daemon=True).start()
+        self._loop.adopt(conn, served, served.close)
 
     def _report_loop(self) -> None:
         while not self._stopped.wait(d.REPORT_INTERVAL_S):
@@ -265,6 +273,10 @@ class Worker:
                     self._control.sendall(datagram)
             except OSError:
                 return
+
+
+def _serve_one(connection: Connection) -> bool:
+    return connection.serve_one()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -65,6 +65,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from kvcommon import handoff
 from kvcommon.errors import KvshareError
 
 MAGIC = b"KVB1"
@@ -272,7 +273,8 @@ def send_parts(
     A socket with a timeout is non-blocking underneath, so one `sendmsg` may send only a
     prefix: resume from where it stopped, without copying the payloads. On a blocking
     plain socket a `Deadline` is armed only for what the socket buffer did not take at
-    once (`send_now`).
+    once (`send_now`). A thread that serves other connections too hands off before it
+    waits (kvcommon.handoff).
     """
     views = [memoryview(p).cast("B") for p in parts]
     if isinstance(deadline, Deadline) and views and _waits_in_kernel(sock):
@@ -280,6 +282,9 @@ def send_parts(
         send_now(sock, views)
         if not views:
             return
+        handoff.before_blocking()  # a thread serving other connections goes on
+    elif handoff.armed():
+        handoff.before_blocking()
     try:
         while views:
             if deadline is not None:

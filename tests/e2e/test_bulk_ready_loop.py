@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import pytest
 
+from cacheserver.transport.bulk.handler import BulkHandler
 from cacheserver.transport.bulk.readyloop import ReadyLoop
 from kvcommon import bulkwire as w
 from tests.conftest import TEST_BULK_WORKERS, Running
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.skipif(
 KiB, MiB = 1 << 10, 1 << 20
 
 
-def ready_loop(running: Running) -> ReadyLoop:
+def ready_loop(running: Running) -> ReadyLoop[BulkHandler]:
     assert running.server.server is not None
     bulk = running.server.server.bulk
     assert bulk is not None and bulk.ready is not None

@@ -121,17 +121,10 @@ class BulkHandler:
         self._send([reply], 0)
 
     def _send(self, parts: list[Buffer], nbytes: int) -> None:
-        """Reply parts with `nbytes` of payloads among them, within the transfer's pace.
-        On a thread that serves other connections too (kvcommon.handoff), what the
-        socket buffer does not take at once is sent after that thread hands off."""
+        """Reply parts with `nbytes` of payloads among them, within the transfer's pace
+        (on a thread that serves other connections too, it hands off before it waits
+        for the socket buffer: kvcommon.handoff, in send_parts)."""
         self._replied = True
-        if handoff.armed():
-            views = [memoryview(part).cast("B") for part in parts]
-            w.send_now(self._conn, views)
-            if not views:
-                return
-            handoff.before_blocking()
-            parts = list(views)
         w.send_parts(self._conn, parts, self._pace.deadline(nbytes))
 
     def handle(self, op: int, model_len: int, count: int, *, rate_drawn: bool = False) -> None:

@@ -119,7 +119,7 @@ class BulkServer:
         self._stopping = False
         self._slots = ConnectionSlots(HANDSHAKE_TIMEOUT_S)
         self._pace = Pace(self._bulk.min_transfer_bytes_per_s, IDLE_TIMEOUT_S)
-        self.ready: ReadyLoop | None = None
+        self.ready: ReadyLoop[BulkHandler] | None = None
         if ready_loop:
             self.ready = ReadyLoop(self._serve_one, IDLE_TIMEOUT_S, lambda: self._stopping)
         self._reaper = threading.Thread(

@@ -10,7 +10,8 @@ shot per connection) and serves a request itself when the whole of it is already
 the socket (its header, body and, for a put, every payload byte: a peek and FIONREAD
 say so), so that its receives cannot wait. A request that is not whole, or is traced,
 is served by a follower thread, which waits for its bytes as a connection's own thread
-would, then parks the connection again.
+would, serves the requests that follow within STAY_MS the same way, then parks the
+connection again.
 
 The leader never waits on one connection while others are ready: when serving would
 block (a reply the socket buffer does not take at once, a put waiting for journal or
@@ -39,9 +40,8 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Generic, TypeVar, cast
 
-from cacheserver.transport.bulk.handler import BulkHandler
 from kvcommon import bulkwire as w
 from kvcommon import handoff
 
@@ -50,39 +50,42 @@ PEEK_BYTES = 16 << 10  # a request's header and body, looked at before it is ser
 POLL_S = 1.0  # how often the leader looks up from epoll (stop, idle connections)
 SPARE_FOLLOWERS = 4  # followers kept waiting for work, beyond those at work
 SPARE_IDLE_S = 30.0  # a spare follower waits this long, then ends
+STAY_MS = 20  # a follower serves on a connection whose next request comes this soon
 _INT = struct.Struct("i")
 _EVENTS = select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLONESHOT
+H = TypeVar("H")  # what serves a connection's requests (the listener's BulkHandler)
 
 
 @dataclass(eq=False)
-class Parked:
+class Parked(Generic[H]):
     """A connection on the loop: its socket, handler and what ends it."""
 
     raw: socket.socket
     fd: int  # kept: a socket closed under the loop (the server stops) reads -1
-    handler: BulkHandler
+    handler: H
     close: Callable[[], None]  # closes the socket and forgets it (the listener's)
     since: float = field(default_factory=time.monotonic)
 
 
-class ReadyLoop:
+class ReadyLoop(Generic[H]):
     def __init__(
         self,
-        serve_one: Callable[[BulkHandler], bool],
+        serve_one: Callable[[H], bool],
         idle_timeout_s: float,
         stopping: Callable[[], bool],
     ) -> None:
-        """`serve_one(handler)` serves one request of a connection (False: close it)."""
+        """`serve_one(handler)` serves one request of a connection (False: close it);
+        a bulk worker's loop serves its own connections (cacheserver.worker)."""
         self._serve_one = serve_one
         self._idle_timeout_s = idle_timeout_s
         self._stopping = stopping
         self._epoll = select.epoll()
         self._lock = threading.Lock()
-        self._parked: dict[int, Parked] = {}  # by descriptor: watched by epoll now
+        self._parked: dict[int, Parked[H]] = {}  # by descriptor: watched by epoll now
         self._known: set[int] = set()  # descriptors registered with epoll
         self._ready: collections.deque[int] = collections.deque()  # seen, not yet served
         self._leader: threading.Thread | None = None
-        self._work: collections.deque[Parked | None] = collections.deque()
+        self._work: collections.deque[Parked[H] | None] = collections.deque()
         self._spares = 0  # followers waiting for work or the lead
         self._wake = threading.Condition(self._lock)
         self._started = False
@@ -90,7 +93,7 @@ class ReadyLoop:
         self.follower_requests = 0  # served by a follower (not whole, traced)
         self.handoffs = 0  # times the leader handed the lead on before blocking
 
-    def adopt(self, raw: socket.socket, handler: BulkHandler, close: Callable[[], None]) -> None:
+    def adopt(self, raw: socket.socket, handler: H, close: Callable[[], None]) -> None:
         """Take an authenticated plain-TCP connection; the loop closes it when it ends."""
         parked = Parked(raw, raw.fileno(), handler, close)
         with self._lock:
@@ -145,7 +148,7 @@ class ReadyLoop:
                 next_sweep = time.monotonic() + POLL_S
                 self._close_idle()
 
-    def _serve_ready(self, parked: Parked, me: threading.Thread) -> None:
+    def _serve_ready(self, parked: Parked[H], me: threading.Thread) -> None:
         """Serve the connection's request here when it is whole, else have a follower
         serve it."""
         whole = _whole_request(parked.raw)
@@ -158,12 +161,28 @@ class ReadyLoop:
         self.inline_requests += 1
         with handoff.hands_off(lambda: self._hand_on_lead(me)):
             serves_on = self._serve(parked)
+        if self._leader is not me and serves_on:  # it waited: a follower now
+            serves_on = self._stay(parked)
         if serves_on:
             self._park(parked)
         else:
             self._end(parked)
 
-    def _serve(self, parked: Parked) -> bool:
+    def _stay(self, parked: Parked[H]) -> bool:
+        """A follower that just served a connection serves its next requests too, as a
+        connection's own thread would, while they come within STAY_S: a connection
+        moving large blocks (whose requests arrive in pieces, whose replies outgrow
+        the socket buffer) then costs one thread wake a request, not two and a lead
+        hand-off. False: the connection closes."""
+        poller = select.poll()
+        poller.register(parked.fd, select.POLLIN)
+        while poller.poll(STAY_MS):
+            self.follower_requests += 1
+            if not self._serve(parked):
+                return False
+        return True
+
+    def _serve(self, parked: Parked[H]) -> bool:
         try:
             return self._serve_one(parked.handler)
         except (OSError, w.ConnectionClosed, ssl.SSLError):
@@ -205,7 +224,7 @@ class ReadyLoop:
 
     # -- followers -----------------------------------------------------------------
 
-    def _hand_to_follower(self, parked: Parked) -> None:
+    def _hand_to_follower(self, parked: Parked[H]) -> None:
         with self._lock:
             self._work.append(parked)
             self._call_follower()
@@ -228,7 +247,7 @@ class ReadyLoop:
             finally:
                 self._spares -= 1
             self.follower_requests += 1
-        if self._serve(work):
+        if self._serve(work) and self._stay(work):
             self._park(work)
         else:
             self._end(work)
@@ -241,7 +260,7 @@ class ReadyLoop:
 
     # -- parking -------------------------------------------------------------------
 
-    def _park(self, parked: Parked, *, register: bool = False) -> None:
+    def _park(self, parked: Parked[H], *, register: bool = False) -> None:
         """Watch the connection for its next request."""
         fd = parked.fd
         parked.since = time.monotonic()
@@ -257,7 +276,7 @@ class ReadyLoop:
                 del self._parked[fd]  # the server stops (epoll closed), or the socket did
         self._end(parked)
 
-    def _end(self, parked: Parked) -> None:
+    def _end(self, parked: Parked[H]) -> None:
         fd = parked.fd
         with self._lock:
             self._parked.pop(fd, None)

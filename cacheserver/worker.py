@@ -125,6 +125,7 @@ class Connection:
         self._pace = Pace(delegation.min_transfer_bytes_per_s, delegation.idle_s)
         self._scratch = bytearray(MAX_PEEK_BYTES)
         self._puts_in_a_row = 0
+        self.last_bytes = 0  # at most MAX_GET_BYTES: the ready loop never stays with it
 
     @property
     def socket(self) -> socket.socket:

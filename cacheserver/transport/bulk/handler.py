@@ -75,6 +75,7 @@ class BulkHandler:
         self._pace = pace
         self._accept: Accept | None = None  # None: every block the store returns is sent
         self.last_verb: Verb | None = None  # the last request's (bulk workers: where to serve)
+        self.last_bytes = 0  # payload bytes the last request moved (the ready loop's STAY)
         # Where the current request stands on the wire, for `in_step`.
         self._body_read = False
         self._payloads: list[_Incoming] = []
@@ -125,12 +126,14 @@ class BulkHandler:
         (on a thread that serves other connections too, it hands off before it waits
         for the socket buffer: kvcommon.handoff, in send_parts)."""
         self._replied = True
+        self.last_bytes += nbytes
         w.send_parts(self._conn, parts, self._pace.deadline(nbytes))
 
     def handle(self, op: int, model_len: int, count: int, *, rate_drawn: bool = False) -> None:
         """One request whose header was read; raises KvshareError to refuse it.
         `rate_drawn`: a bulk worker handed it back after drawing its rate."""
         self._body_read, self._payloads, self._replied = False, [], False
+        self.last_bytes = 0
         verb = self.last_verb = VERBS.get(op)
         if verb is None:
             raise InvalidArgument(f"unknown bulk operation {op}")
@@ -153,6 +156,7 @@ class BulkHandler:
                 self._get_local(begun, model, digests, self._arena)
             return
         sizes = [size for (size,) in w.SIZE.iter_unpack(body[model_len + w.DIGEST_BYTES * count :])]
+        self.last_bytes = sum(sizes)
         outcomes = self._core.put_blocks(begun, model, digests, sizes, self._sources)
         stored = (w.OUTCOME_STORED if new else w.OUTCOME_ALREADY_PRESENT for new in outcomes)
         self._reply(bytes([w.OK]) + bytes(stored))

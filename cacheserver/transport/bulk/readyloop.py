@@ -10,8 +10,8 @@ shot per connection) and serves a request itself when the whole of it is already
 the socket (its header, body and, for a put, every payload byte: a peek and FIONREAD
 say so), so that its receives cannot wait. A request that is not whole, or is traced,
 is served by a follower thread, which waits for its bytes as a connection's own thread
-would, serves the requests that follow within STAY_MS the same way, then parks the
-connection again.
+would (and, for a connection moving large blocks, the requests that follow within
+STAY_MS), then parks the connection again.
 
 The leader never waits on one connection while others are ready: when serving would
 block (a reply the socket buffer does not take at once, a put waiting for journal or
@@ -40,7 +40,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar, cast
+from typing import Generic, Protocol, TypeVar, cast
 
 from kvcommon import bulkwire as w
 from kvcommon import handoff
@@ -50,10 +50,25 @@ PEEK_BYTES = 16 << 10  # a request's header and body, looked at before it is ser
 POLL_S = 1.0  # how often the leader looks up from epoll (stop, idle connections)
 SPARE_FOLLOWERS = 4  # followers kept waiting for work, beyond those at work
 SPARE_IDLE_S = 30.0  # a spare follower waits this long, then ends
-STAY_MS = 20  # a follower serves on a connection whose next request comes this soon
+# A follower serves on a connection moving large blocks (its last request moved at
+# least STAY_MIN_BYTES) while its next request comes within STAY_MS.
+STAY_MS = 20
+STAY_MIN_BYTES = 1 << 20
 _INT = struct.Struct("i")
 _EVENTS = select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLONESHOT
-H = TypeVar("H")  # what serves a connection's requests (the listener's BulkHandler)
+
+
+class Handler(Protocol):
+    """What serves a connection's requests (the listener's BulkHandler, a worker's
+    Connection)."""
+
+    @property
+    def last_bytes(self) -> int:
+        """Payload bytes the last request moved."""
+        ...
+
+
+H = TypeVar("H", bound=Handler)
 
 
 @dataclass(eq=False)
@@ -169,14 +184,16 @@ class ReadyLoop(Generic[H]):
             self._end(parked)
 
     def _stay(self, parked: Parked[H]) -> bool:
-        """A follower that just served a connection serves its next requests too, as a
-        connection's own thread would, while they come within STAY_S: a connection
-        moving large blocks (whose requests arrive in pieces, whose replies outgrow
-        the socket buffer) then costs one thread wake a request, not two and a lead
-        hand-off. False: the connection closes."""
+        """A follower that just served a connection moving large blocks (whose requests
+        arrive in pieces, whose replies outgrow the socket buffer) serves its next
+        requests too, as a connection's own thread would, while they come within
+        STAY_MS and stay large: one thread wake a request, not two and a lead
+        hand-off. Small calls go back to the loop. False: the connection closes."""
+        if parked.handler.last_bytes < STAY_MIN_BYTES:
+            return True
         poller = select.poll()
         poller.register(parked.fd, select.POLLIN)
-        while poller.poll(STAY_MS):
+        while parked.handler.last_bytes >= STAY_MIN_BYTES and poller.poll(STAY_MS):
             self.follower_requests += 1
             if not self._serve(parked):
                 return False

@@ -86,7 +86,9 @@ def test_a_request_sent_in_halves_holds_up_no_one(tenant_server: Running) -> Non
     with raw_connection(tenant_server) as sock:
         sock.sendall(request[:5])  # the header's first bytes only: not whole
         calls_complete(tenant_server)()  # served meanwhile, on the loop
-        assert loop.inline_requests >= inline_before + 40  # positive control
+        # The positive control: at least its 20 GETs (small, whole at once) were served
+        # on the loop itself (a put whose payload arrives in pieces goes to a follower).
+        assert loop.inline_requests >= inline_before + 20
         sock.sendall(request[5:])
         assert read_get_reply(sock) == payload  # a follower finished it
     assert loop.follower_requests >= 1
@@ -128,4 +130,4 @@ def test_closed_peers_leave_the_loop(tenant_server: Running) -> None:
                 if half:
                     sock.sendall(get_request(os.urandom(32))[:7])
     calls_complete(tenant_server, calls=3)()
-    assert loop.inline_requests >= 6
+    assert loop.inline_requests >= 3  # its GETs at least, on the loop

@@ -180,15 +180,21 @@ def recv_exact(sock: socket.socket, view: memoryview, deadline: Timer | None = N
     On a blocking plain socket (timeouts set with SO_RCVTIMEO, see `kernel_timeouts`),
     MSG_WAITALL has the kernel fill the whole view in one call: one wake-up per block
     instead of one per ~64 KiB that arrived. There a `Deadline` is armed only for bytes
-    that have not arrived yet (`_recv_now`)."""
+    that have not arrived yet (`_recv_now`). A thread that serves other connections too
+    hands off before it waits for bytes (kvcommon.handoff)."""
     flags = 0
     if _waits_in_kernel(sock):
         flags = socket.MSG_WAITALL
-        if isinstance(deadline, Deadline) and view.nbytes:
-            deadline.left_s()  # a spent deadline fails before any byte moves, as arm does
+        timed = isinstance(deadline, Deadline)
+        if view.nbytes and (timed or handoff.armed()):
+            if isinstance(deadline, Deadline):
+                deadline.left_s()  # a spent deadline fails before any byte moves, as arm does
             view = view[_recv_now(sock, view) :]
             if not view.nbytes:
                 return
+            handoff.before_blocking()  # a thread serving other connections goes on
+    elif handoff.armed():
+        handoff.before_blocking()
     try:
         while view.nbytes:
             if deadline is not None:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from kvcommon import bulkwire
+from kvcommon import bulkwire, handoff
 from kvcommon.bulkwire import (
     ARENA_ALIGN,
     ERROR,
@@ -366,3 +366,21 @@ def test_a_closed_peer_fails_a_transfer_as_before(
         for _ in range(3):  # TCP: the first send may only draw the peer's reset
             send_parts(ours, [b"reply"], Deadline(2.0, IDLE_S))
             time.sleep(0.05)
+
+
+def test_a_receive_that_would_wait_hands_off_first_and_one_that_would_not_does_not() -> None:
+    """On the bulk ready loop's thread (kvcommon.handoff armed), a receive whose bytes
+    are all in hands nothing off (the positive control), and one that must wait for
+    the rest hands off once before it waits, then still gets every byte."""
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        bulkwire.kernel_timeouts(ours, 10.0)
+        calls: list[str] = []
+        with handoff.hands_off(lambda: calls.append("handed off")):
+            theirs.sendall(b"x" * 100)
+            assert bytes(bulkwire.recv_bytes(ours, 100)) == b"x" * 100
+            assert calls == []
+            theirs.sendall(b"y" * 50)
+            threading.Timer(0.05, theirs.sendall, (b"z" * 50,)).start()
+            assert bytes(bulkwire.recv_bytes(ours, 100)) == b"y" * 50 + b"z" * 50
+            assert calls == ["handed off"]

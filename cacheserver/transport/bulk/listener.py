@@ -61,7 +61,7 @@ from cacheserver.transport.bulk.delegation import (
 )
 from cacheserver.transport.bulk.handler import OPS, BulkHandler, Pace, send_error_frame
 from cacheserver.transport.bulk.readyloop import ReadyLoop
-from cacheserver.transport.bulk.sealed import SealedHello
+from cacheserver.transport.bulk.sealed import SealedHandler, SealedHello
 from cacheserver.transport.bulk.slots import ConnectionSlots
 from kvcommon import bulkwire as w
 from kvcommon.errors import InvalidArgument, KvshareError, ResourceExhausted, wire_error
@@ -257,7 +257,8 @@ class BulkServer:
                 return False
             to_a_worker = True
         if self.ready is not None:
-            self.ready.adopt(raw, handler, lambda: self._close(raw))
+            sealed = isinstance(handler, SealedHandler)
+            self.ready.adopt(raw, handler, lambda: self._close(raw), peekable=not sealed)
             return True
         while self._serve_one(handler):
             pass

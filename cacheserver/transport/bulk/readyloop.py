@@ -14,15 +14,18 @@ would (and, for a connection moving large blocks, the requests that follow withi
 STAY_MS), then parks the connection again.
 
 The leader never waits on one connection while others are ready: when serving would
-block (a reply the socket buffer does not take at once, a put waiting for journal or
-backlog room: kvcommon.handoff), it first hands the lead to a follower and finishes
-that request as a follower. So a peer that stops reading, or trickles a request, holds
-up only its own connection, as it did with a thread of its own; the transfer deadlines
-(`[bulk] min_transfer_bytes_per_s`) and the idle timeout bound it as before.
+block (a receive whose bytes have not all arrived, a reply the socket buffer does not
+take at once, a put waiting for journal or backlog room: kvcommon.handoff), it first
+hands the lead to a follower and finishes that request as a follower. So a peer that
+stops reading, or trickles a request, holds up only its own connection, as it did with
+a thread of its own; the transfer deadlines (`[bulk] min_transfer_bytes_per_s`) and the
+idle timeout bound it as before.
 
-Not on the loop: TLS and the sealed channel (their bytes cannot be peeked as
-requests), same-host arenas, connections handed to bulk workers, and servers with a
-remote tier below LMDB (a read through to Redis waits on the network).
+The sealed-payload channel's requests are AEAD frames that cannot be read by a peek:
+the leader serves them once the first bytes are in, and a receive that would wait for
+the rest hands off first. Not on the loop: TLS (its bytes are decrypted in the
+socket's own buffer), same-host arenas, connections handed to bulk workers, and
+servers with a remote tier below LMDB (a read through to Redis waits on the network).
 """
 
 from __future__ import annotations
@@ -79,6 +82,9 @@ class Parked(Generic[H]):
     fd: int  # kept: a socket closed under the loop (the server stops) reads -1
     handler: H
     close: Callable[[], None]  # closes the socket and forgets it (the listener's)
+    # Requests in the plain framing, checked whole before the leader serves one; else
+    # (sealed frames) served once readable, a receive that would wait handing off.
+    peekable: bool = True
     since: float = field(default_factory=time.monotonic)
 
 
@@ -108,9 +114,13 @@ class ReadyLoop(Generic[H]):
         self.follower_requests = 0  # served by a follower (not whole, traced)
         self.handoffs = 0  # times the leader handed the lead on before blocking
 
-    def adopt(self, raw: socket.socket, handler: H, close: Callable[[], None]) -> None:
-        """Take an authenticated plain-TCP connection; the loop closes it when it ends."""
-        parked = Parked(raw, raw.fileno(), handler, close)
+    def adopt(
+        self, raw: socket.socket, handler: H, close: Callable[[], None], *, peekable: bool = True
+    ) -> None:
+        """Take an authenticated plain-TCP connection; the loop closes it when it ends.
+        `peekable`: its requests are in the plain framing (`_whole_request` can read
+        them); the sealed channel's are not."""
+        parked = Parked(raw, raw.fileno(), handler, close, peekable)
         with self._lock:
             if not self._started:
                 self._started = True
@@ -166,7 +176,7 @@ class ReadyLoop(Generic[H]):
     def _serve_ready(self, parked: Parked[H], me: threading.Thread) -> None:
         """Serve the connection's request here when it is whole, else have a follower
         serve it."""
-        whole = _whole_request(parked.raw)
+        whole = _whole_request(parked.raw) if parked.peekable else _readable_now(parked.raw)
         if whole is None:
             self._end(parked)  # the peer closed, or its socket failed
             return
@@ -330,6 +340,19 @@ def _whole_request(raw: socket.socket) -> bool | None:
     sizes = memoryview(head)[digests_end:body_end]
     need = body_end + sum(int(size) for (size,) in w.SIZE.iter_unpack(sizes))
     return need <= got or need <= _readable(raw)
+
+
+def _readable_now(raw: socket.socket) -> bool | None:
+    """Whether bytes of the next request are in the socket (a receive of them waits
+    only for the rest, and hands off first). None: the peer closed, or the socket
+    failed."""
+    try:
+        got = raw.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return None
+    return None if not got else True
 
 
 def _readable(raw: socket.socket) -> int:

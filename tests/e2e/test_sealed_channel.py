@@ -439,7 +439,11 @@ def test_the_tls_listener_refuses_a_clear_ticket_and_a_sealed_hello_without_a_se
 def test_on_the_servers_host_the_arena_is_used_as_before(store: Running, mitm: Mitm) -> None:
     """C30 unchanged: a same-host client with a keyring still gets the arena, not TCP."""
     block = make_blocks(1, seed=54)[0]
-    with store.client("a", sealed_channel=True, timeout_s=TIMEOUT_S) as client:
+    # The client's default on its server's host (named: KVSHARE_TEST_BULK_WORKERS makes
+    # the test clients default to TCP).
+    with store.client(
+        "a", transport="bulk-same-host", sealed_channel=True, timeout_s=TIMEOUT_S
+    ) as client:
         assert client.put("alpha", MODEL, [block.digest], [block.sealed]) == [True]
         assert client.get("alpha", MODEL, [block.digest]) == [block.sealed]
         assert store.server.server is not None and store.server.server.bulk is not None

@@ -127,10 +127,6 @@ class Connection:
         self._puts_in_a_row = 0
         self.last_bytes = 0  # at most MAX_GET_BYTES: the ready loop never stays with it
 
-    @property
-    def socket(self) -> socket.socket:
-        return self._conn
-
     def close(self) -> None:
         for sock in (self._conn, self._handback):
             with contextlib.suppress(OSError):
@@ -235,7 +231,7 @@ class Worker:
         self._stopped = threading.Event()
         # Its connections on a ready loop of its own, as the server's: no thread each.
         self._loop: ReadyLoop[Connection] = ReadyLoop(
-            _serve_one, IDLE_TIMEOUT_S, self._stopped.is_set
+            Connection.serve_one, IDLE_TIMEOUT_S, self._stopped.is_set
         )
 
     def run(self) -> None:
@@ -274,10 +270,6 @@ class Worker:
                     self._control.sendall(datagram)
             except OSError:
                 return
-
-
-def _serve_one(connection: Connection) -> bool:
-    return connection.serve_one()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -97,10 +97,7 @@ class BulkHandler:
 
     def send_error(self, error: KvshareError) -> None:
         """The error frame of a failed request (this framing's one place for it)."""
-        if handoff.armed():
-            self._send([w.error_frame(error)], 0)
-            return
-        send_error_frame(self._conn, error)
+        self._send_header(w.error_frame(error))
 
     @property
     def in_step(self) -> bool:
@@ -116,10 +113,16 @@ class BulkHandler:
     def _reply(self, reply: bytes) -> None:
         """A reply header (status OK and what follows it)."""
         self._replied = True
-        if not handoff.armed():
-            self._conn.sendall(reply)
-            return
-        self._send([reply], 0)
+        self._send_header(reply)
+
+    def _send_header(self, header: bytes) -> None:
+        """A reply header or an error frame, a few bytes; on the ready loop within the
+        transfer's pace, handing off first if the socket buffer does not take it at
+        once (kvcommon.handoff)."""
+        if handoff.armed():
+            w.send_parts(self._conn, [header], self._pace.deadline(0))
+        else:
+            self._conn.sendall(header)
 
     def _send(self, parts: list[Buffer], nbytes: int) -> None:
         """Reply parts with `nbytes` of payloads among them, within the transfer's pace

@@ -105,6 +105,8 @@ class ReadyLoop(Generic[H]):
         self._parked: dict[int, Parked[H]] = {}  # by descriptor: watched by epoll now
         self._known: set[int] = set()  # descriptors registered with epoll
         self._ready: collections.deque[int] = collections.deque()  # seen, not yet served
+        # The leader's look at a request before it serves it (only the leader peeks).
+        self._peeked = bytearray(PEEK_BYTES)
         self._leader: threading.Thread | None = None
         self._work: collections.deque[Parked[H] | None] = collections.deque()
         self._spares = 0  # followers waiting for work or the lead
@@ -176,7 +178,8 @@ class ReadyLoop(Generic[H]):
     def _serve_ready(self, parked: Parked[H], me: threading.Thread) -> None:
         """Serve the connection's request here when it is whole, else have a follower
         serve it."""
-        whole = _whole_request(parked.raw) if parked.peekable else _readable_now(parked.raw)
+        raw = parked.raw
+        whole = _whole_request(raw, self._peeked) if parked.peekable else _readable_now(raw)
         if whole is None:
             self._end(parked)  # the peer closed, or its socket failed
             return
@@ -314,12 +317,12 @@ class ReadyLoop(Generic[H]):
         parked.close()
 
 
-def _whole_request(raw: socket.socket) -> bool | None:
+def _whole_request(raw: socket.socket, head: bytearray) -> bool | None:
     """Whether the next request is all in the socket's receive buffer (and untraced):
-    serving it cannot wait on the peer. None: the peer closed, or the socket failed."""
-    head = bytearray(PEEK_BYTES)
+    serving it cannot wait on the peer; `head` takes a peek at it. None: the peer
+    closed, or the socket failed."""
     try:
-        got = raw.recv_into(head, PEEK_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        got = raw.recv_into(head, len(head), socket.MSG_PEEK | socket.MSG_DONTWAIT)
     except BlockingIOError:
         return False
     except OSError:

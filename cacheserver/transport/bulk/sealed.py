@@ -30,7 +30,6 @@ import socket
 from cacheserver.core.requests import RequestCore
 from cacheserver.transport.bulk.handler import DISCARD_CHUNK_BYTES, Buffer, BulkHandler, Pace
 from kvcommon import bulkwire as w
-from kvcommon import handoff
 from kvcommon.errors import KvshareError, Unauthenticated
 from policy.bulkchannel import TAG_BYTES, ChannelError, PayloadMac, Receiver, Sender, server_side
 from policy.sealing import looks_sealed
@@ -129,14 +128,6 @@ class SealedHandler(BulkHandler):
     def _reply(self, reply: bytes) -> None:
         self._replied = True
         self._send_header(self._frame(reply))
-
-    def _send_header(self, frame: bytes) -> None:
-        """A sealed header frame; on the ready loop, within the transfer's pace and
-        handing off first if the socket buffer does not take it (kvcommon.handoff)."""
-        if handoff.armed():
-            w.send_parts(self._conn, [frame], self._pace.deadline(0))
-        else:
-            self._conn.sendall(frame)
 
     def _source(self, index: int, size: int) -> _SealedSource:
         mac = self._in.payload_mac(index)

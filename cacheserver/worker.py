@@ -132,10 +132,11 @@ class Connection:
             with contextlib.suppress(OSError):
                 sock.close()
 
-    def serve_one(self) -> bool:
+    def serve_one(self, peeked: memoryview | None = None) -> bool:
         """The request at the head of the socket, answered or handed back; False: the
-        connection is done here (closed, given back, or failed)."""
-        head = self._peek_next()
+        connection is done here (closed, given back, or failed). `peeked`: its header
+        and body as the ready loop peeked them (else peeked here)."""
+        head = bytes(peeked) if peeked is not None else self._peek_next()
         if head is None:
             return False
         op, model_len, count = w.REQUEST.unpack_from(head)

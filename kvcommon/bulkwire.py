@@ -208,6 +208,49 @@ def recv_exact(sock: socket.socket, view: memoryview, deadline: Timer | None = N
             deadline.disarm(sock)
 
 
+def recv_exact_parts(
+    sock: socket.socket, views: list[memoryview], deadline: Timer | None = None
+) -> None:
+    """Fill every view of `views` in turn, as `recv_exact` fills one: on a blocking plain
+    socket in one `recvmsg_into` (MSG_WAITALL) where the bytes have arrived, so a block
+    and the size that follows it cost one system call, not two."""
+    if not _waits_in_kernel(sock) or isinstance(deadline, Deadline) or handoff.armed():
+        for view in views:
+            recv_exact(sock, view, deadline)
+        return
+    views = [view for view in views if view.nbytes]
+    try:
+        while views:
+            if deadline is not None:
+                deadline.arm(sock)
+            received = sock.recvmsg_into(views[:MAX_IOV], 0, socket.MSG_WAITALL)[0]
+            if received == 0:
+                raise ConnectionClosed("peer closed the bulk connection")
+            _drop_sent(views, received)
+    finally:
+        if deadline is not None:
+            deadline.disarm(sock)
+
+
+def recv_some(sock: socket.socket, view: memoryview, deadline: Timer | None = None) -> int:
+    """Receive what has arrived into `view`, at least one byte (waiting for it within
+    `deadline`), at most `view`'s size: a reply whose length its first byte tells (an
+    error frame, or OK and what follows) is then read in one call when it came whole.
+    ConnectionClosed if the peer closed."""
+    if handoff.armed():
+        handoff.before_blocking()
+    try:
+        if deadline is not None:
+            deadline.arm(sock)
+        received = sock.recv_into(view)
+    finally:
+        if deadline is not None:
+            deadline.disarm(sock)
+    if received == 0:
+        raise ConnectionClosed("peer closed the bulk connection")
+    return received
+
+
 def _waits_in_kernel(sock: socket.socket) -> bool:
     """A blocking plain socket: its timeouts are the kernel's (`kernel_timeouts`), so
     arming a `Deadline` costs two setsockopt calls and restoring it two more. A TLS

@@ -34,6 +34,7 @@ from replica_agent.bulk_connect import (
     connect_local,
     connect_tcp,
     expect_ok,
+    recv_reply,
 )
 from replica_agent.deadline import CallDeadline
 from replica_agent.errors import store_error
@@ -171,8 +172,7 @@ class BulkChannel:
             raise UseGrpc("sealed channel")
         try:
             self._request(conn, w.OP_LOOKUP, model, digests)
-            expect_ok(conn.sock, conn.timer)
-            (present,) = w.PRESENT.unpack(w.recv_bytes(conn.sock, w.PRESENT.size, conn.timer))
+            (present,) = w.PRESENT.unpack(recv_reply(conn.sock, w.PRESENT.size, conn.timer))
         except Exception:
             self._drop(tenant, tcp=tcp)
             raise
@@ -226,10 +226,8 @@ class BulkChannel:
         finished = False
         try:
             self._request(conn, w.OP_GET, model, digests)
-            expect_ok(conn.sock, conn.timer)
-            size_buf = bytearray(w.SIZE.size)
-            for _ in range(len(digests) + 1):
-                w.recv_exact(conn.sock, memoryview(size_buf), conn.timer)
+            size_buf = recv_reply(conn.sock, w.SIZE.size, conn.timer)  # the first size
+            for index in range(len(digests) + 1):
                 (size,) = w.SIZE.unpack(size_buf)
                 if size == 0:
                     finished = True
@@ -237,8 +235,13 @@ class BulkChannel:
                 if size > MAX_BLOCK_BYTES:
                     raise store_error("DATA_LOSS", f"the server announced a {size}-byte block")
                 view = conn.buffers.take(size, keep=keep)
-                w.recv_exact(conn.sock, view, conn.timer)
-                yield view
+                if index + 1 < len(digests):
+                    w.recv_exact(conn.sock, view, conn.timer)  # yielded before the next size
+                    yield view
+                    w.recv_exact(conn.sock, size_buf, conn.timer)
+                else:  # the last block asked for: the end follows it at once, read with it
+                    w.recv_exact_parts(conn.sock, [view, size_buf], conn.timer)
+                    yield view
             raise store_error("DATA_LOSS", "the server sent more blocks than were asked for")
         finally:
             if not finished:
@@ -279,8 +282,7 @@ class BulkChannel:
         assert arena is not None
         try:
             self._request(conn, w.OP_GET, model, digests)
-            expect_ok(conn.sock, conn.timer)
-            reply = w.recv_bytes(conn.sock, w.LOCAL_GET.size, conn.timer)
+            reply = recv_reply(conn.sock, w.LOCAL_GET.size, conn.timer)
             count, truncated = w.LOCAL_GET.unpack(reply)
             if count > len(digests):
                 raise store_error("DATA_LOSS", "the server described more blocks than asked")
@@ -349,8 +351,7 @@ class BulkChannel:
         try:
             raw_sizes = b"".join(w.SIZE.pack(size) for size in sizes)
             self._request(conn, w.OP_PUT, model, digests, [raw_sizes, *payloads])
-            expect_ok(conn.sock, conn.timer)
-            outcomes = w.recv_bytes(conn.sock, len(digests), conn.timer)
+            outcomes = recv_reply(conn.sock, len(digests), conn.timer)
         except Exception:
             self._drop(tenant, tcp=tcp)
             raise

@@ -29,7 +29,7 @@ import select
 import socket
 import ssl
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvcommon import bulkwire as w
 from policy.tickets import is_local_binding
@@ -94,6 +94,7 @@ class Connection:
     buffers: Buffers
     timer: SocketTimer  # its socket's timeout, within the current call's deadline
     sealed: SealedChannel | None = None  # the sealed-payload channel's frames
+    _poller: select.poll | None = field(default=None, repr=False)
 
     def is_closed_by_peer(self) -> bool:
         """Whether this idle connection can no longer carry a request: the server closed
@@ -103,9 +104,10 @@ class Connection:
             return True
         if isinstance(self.sock, ssl.SSLSocket) and self.sock.pending():
             return True
-        poller = select.poll()
-        poller.register(self.sock, select.POLLIN)
-        return bool(poller.poll(0))  # readable (end of stream, stray bytes) or hung up
+        if self._poller is None:  # made once: the check runs before every call
+            self._poller = select.poll()
+            self._poller.register(self.sock, select.POLLIN)
+        return bool(self._poller.poll(0))  # readable (end of stream, stray bytes) or hung up
 
     def close(self) -> None:
         try:
@@ -255,9 +257,20 @@ def _map_arena(fds: Sequence[int], size: int) -> mmap.mmap | None:
 
 def expect_ok(sock: socket.socket, timer: w.Timer | None = None) -> None:
     """Read a status byte; raise the server's error if it is not OK."""
-    status = w.recv_bytes(sock, 1, timer)
-    if status[0] != w.OK:
-        raise store_error(*w.recv_error(sock, bytes(status), timer))
+    recv_reply(sock, 0, timer)
+
+
+def recv_reply(sock: socket.socket, size: int, timer: w.Timer | None = None) -> memoryview:
+    """The `size` bytes that follow an OK status byte, received with it in one call when
+    they arrived together (a reply's first bytes come in one segment); the server's
+    error raised if the status is not OK."""
+    head = memoryview(bytearray(1 + size))
+    got = w.recv_some(sock, head, timer)
+    if head[0] != w.OK:
+        raise store_error(*w.recv_error(sock, bytes(head[:got]), timer))
+    if got < head.nbytes:
+        w.recv_exact(sock, head[got:], timer)
+    return head[1:]
 
 
 def _pages(size: int) -> int:

@@ -80,19 +80,31 @@ class BulkHandler:
         self._body_read = False
         self._payloads: list[_Incoming] = []
         self._replied = False
+        # The current request's header and body, taken off the socket whole (`take_peeked`).
+        self._taken = memoryview(b"")
 
     @property
     def grant(self) -> Grant:
         """The principal and tenant the connection is bound to."""
         return self._grant
 
+    def take_peeked(self, peeked: memoryview) -> None:
+        """The ready loop peeked the next request's header and body whole in the socket:
+        they are taken off it in one receive, and `recv_request` and `_recv` read them
+        from here (one system call where there were two). ConnectionClosed if they
+        are not all there after all."""
+        taken = self._conn.recv(len(peeked), socket.MSG_DONTWAIT)
+        if len(taken) != len(peeked):
+            raise w.ConnectionClosed("the peeked request was not all in the socket")
+        self._taken = memoryview(taken)
+
     def recv_request(self) -> tuple[int, int, int, bytes | None]:
         """The next request's op (TRACED cleared), model length, digest count and trace
         context (None: none); ConnectionClosed when the peer closed between requests."""
-        op, model_len, count = w.REQUEST.unpack(w.recv_bytes(self._conn, w.REQUEST.size))
+        op, model_len, count = w.REQUEST.unpack(self._recv(w.REQUEST.size))
         if not op & w.TRACED:
             return op, model_len, count, None
-        trace = bytes(w.recv_bytes(self._conn, w.TRACE_CONTEXT_BYTES))
+        trace = bytes(self._recv(w.TRACE_CONTEXT_BYTES))
         return op & ~w.TRACED, model_len, count, trace
 
     def send_error(self, error: KvshareError) -> None:
@@ -105,9 +117,14 @@ class BulkHandler:
         byte of it was read and no byte of a reply went out. Then the connection can
         take the next request after the error frame; otherwise it must close."""
         consumed = self._body_read and all(p.consumed for p in self._payloads)
+        consumed = consumed and not self._taken.nbytes
         return consumed and not self._replied
 
     def _recv(self, size: int) -> memoryview:
+        taken = self._taken
+        if taken.nbytes >= size:  # `take_peeked`'s, which hold the whole header and body
+            self._taken = taken[size:]
+            return taken[:size]
         return memoryview(w.recv_bytes(self._conn, size))
 
     def _reply(self, reply: bytes) -> None:

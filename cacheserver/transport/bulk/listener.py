@@ -422,10 +422,15 @@ class BulkServer:
             peer = certificate_fingerprint(conn.getpeercert(binary_form=True) or b"")
         return self._tickets.redeem(ticket, route, peer)
 
-    def _serve_one(self, handler: BulkHandler, *, rate_drawn: bool = False) -> bool:
-        """One request; False when the connection should close. `rate_drawn`: a bulk
-        worker handed the request back after drawing its rate."""
+    def _serve_one(
+        self, handler: BulkHandler, peeked: memoryview | None = None, *, rate_drawn: bool = False
+    ) -> bool:
+        """One request; False when the connection should close. `peeked`: the ready
+        loop saw its header and body whole in the socket; `rate_drawn`: a bulk worker
+        handed the request back after drawing its rate."""
         try:
+            if peeked is not None:
+                handler.take_peeked(peeked)
             op, model_len, count, trace = handler.recv_request()
         except w.ConnectionClosed:
             return False

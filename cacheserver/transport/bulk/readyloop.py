@@ -91,12 +91,15 @@ class Parked(Generic[H]):
 class ReadyLoop(Generic[H]):
     def __init__(
         self,
-        serve_one: Callable[[H], bool],
+        serve_one: Callable[[H, memoryview | None], bool],
         idle_timeout_s: float,
         stopping: Callable[[], bool],
     ) -> None:
-        """`serve_one(handler)` serves one request of a connection (False: close it);
-        a bulk worker's loop serves its own connections (cacheserver.worker)."""
+        """`serve_one(handler, peeked)` serves one request of a connection (False:
+        close it). `peeked`: the request's header and body, still in the socket, as the
+        leader peeked them (valid until serving first waits; None: not peeked, read them
+        from the socket). A bulk worker's loop serves its own connections
+        (cacheserver.worker)."""
         self._serve_one = serve_one
         self._idle_timeout_s = idle_timeout_s
         self._stopping = stopping
@@ -178,8 +181,14 @@ class ReadyLoop(Generic[H]):
     def _serve_ready(self, parked: Parked[H], me: threading.Thread) -> None:
         """Serve the connection's request here when it is whole, else have a follower
         serve it."""
-        raw = parked.raw
-        whole = _whole_request(raw, self._peeked) if parked.peekable else _readable_now(raw)
+        raw, peeked = parked.raw, None
+        if parked.peekable:
+            size = _whole_request(raw, self._peeked)
+            whole = None if size is None else size > 0
+            if whole:
+                peeked = memoryview(self._peeked)[:size]
+        else:
+            whole = _readable_now(raw)
         if whole is None:
             self._end(parked)  # the peer closed, or its socket failed
             return
@@ -188,7 +197,7 @@ class ReadyLoop(Generic[H]):
             return
         self.inline_requests += 1
         with handoff.hands_off(lambda: self._hand_on_lead(me)):
-            serves_on = self._serve(parked)
+            serves_on = self._serve(parked, peeked)
         if self._leader is not me and serves_on:  # it waited: a follower now
             serves_on = self._stay(parked)
         if serves_on:
@@ -212,9 +221,9 @@ class ReadyLoop(Generic[H]):
                 return False
         return True
 
-    def _serve(self, parked: Parked[H]) -> bool:
+    def _serve(self, parked: Parked[H], peeked: memoryview | None = None) -> bool:
         try:
-            return self._serve_one(parked.handler)
+            return self._serve_one(parked.handler, peeked)
         except (OSError, w.ConnectionClosed, ssl.SSLError):
             return False
         except Exception:
@@ -317,32 +326,32 @@ class ReadyLoop(Generic[H]):
         parked.close()
 
 
-def _whole_request(raw: socket.socket, head: bytearray) -> bool | None:
-    """Whether the next request is all in the socket's receive buffer (and untraced):
-    serving it cannot wait on the peer; `head` takes a peek at it. None: the peer
-    closed, or the socket failed."""
+def _whole_request(raw: socket.socket, head: bytearray) -> int | None:
+    """The length of the next request's header and body, peeked into `head`, when all
+    of the request is in the socket's receive buffer (and it is untraced): serving it
+    cannot wait on the peer. 0: not whole; None: the peer closed, or the socket failed."""
     try:
         got = raw.recv_into(head, len(head), socket.MSG_PEEK | socket.MSG_DONTWAIT)
     except BlockingIOError:
-        return False
+        return 0
     except OSError:
         return None
     if got == 0:
         return None
     if got < w.REQUEST.size:
-        return False
+        return 0
     op, model_len, count = cast("tuple[int, int, int]", w.REQUEST.unpack_from(head))
     if op & w.TRACED:
-        return False
+        return 0
     digests_end = w.REQUEST.size + model_len + w.DIGEST_BYTES * count
     if op != w.OP_PUT:
-        return digests_end <= got
+        return digests_end if digests_end <= got else 0
     body_end = digests_end + w.SIZE.size * count
     if body_end > got:
-        return False
+        return 0
     sizes = memoryview(head)[digests_end:body_end]
     need = body_end + sum(int(size) for (size,) in w.SIZE.iter_unpack(sizes))
-    return need <= got or need <= _readable(raw)
+    return body_end if need <= got or need <= _readable(raw) else 0
 
 
 def _readable_now(raw: socket.socket) -> bool | None:

@@ -19,6 +19,7 @@ from kvcommon.bulkwire import (
     GIL_FREE_COPY_BYTES,
     MAX_IOV,
     MAX_MESSAGE_CHARS,
+    OK,
     ChannelBroken,
     ConnectionClosed,
     Deadline,
@@ -30,11 +31,14 @@ from kvcommon.bulkwire import (
     recv_bytes,
     recv_error,
     recv_exact,
+    recv_exact_parts,
     recv_frame,
     sealed_frame,
     send_parts,
 )
 from kvcommon.errors import WIRE_ERRORS, InvalidArgument, ResourceExhausted, error_class
+from replica_agent.bulk_connect import recv_reply
+from replica_agent.errors import BlockStoreError
 
 
 @pytest.fixture
@@ -384,3 +388,46 @@ def test_a_receive_that_would_wait_hands_off_first_and_one_that_would_not_does_n
             threading.Timer(0.05, theirs.sendall, (b"z" * 50,)).start()
             assert bytes(bulkwire.recv_bytes(ours, 100)) == b"y" * 50 + b"z" * 50
             assert calls == ["handed off"]
+
+
+@pytest.mark.parametrize("timeout", [None, 5.0], ids=["blocking", "timeout"])
+def test_recv_exact_parts_fills_a_block_and_the_size_after_it_from_pieces(
+    pair: tuple[socket.socket, socket.socket], timeout: float | None
+) -> None:
+    left, right = pair
+    right.settimeout(timeout)
+    data = os.urandom(300_001) + struct.pack(">Q", 0)
+
+    def trickle() -> None:
+        for start in range(0, len(data), 70_001):
+            left.sendall(data[start : start + 70_001])
+
+    sender = in_thread(trickle)
+    block, size = bytearray(300_001), bytearray(8)
+    recv_exact_parts(right, [memoryview(block), memoryview(size)])
+    sender.join()
+    assert bytes(block) + bytes(size) == data
+    left.sendall(b"1234")
+    left.shutdown(socket.SHUT_WR)
+    with pytest.raises(ConnectionClosed):
+        recv_exact_parts(right, [memoryview(bytearray(2)), memoryview(bytearray(8))])
+
+
+def test_a_reply_head_reads_a_short_error_frame_without_waiting_for_more(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    """The client reads a status byte with the bytes an OK reply has after it; an error
+    frame can be shorter than those (an empty message is 3 bytes), and must be read at
+    once, not wait for bytes that never come."""
+    left, right = pair
+    kernel_timeouts(right, 5.0)
+    left.sendall(error_frame(ResourceExhausted("")))
+    started = time.monotonic()
+    with pytest.raises(BlockStoreError) as raised:
+        recv_reply(right, 64)
+    assert raised.value.status == "RESOURCE_EXHAUSTED"
+    assert time.monotonic() - started < 4.0  # not the receive timeout
+    reply = os.urandom(8)
+    left.sendall(bytes([OK]) + reply[:3])
+    in_thread(lambda: (time.sleep(0.05), left.sendall(reply[3:])))
+    assert bytes(recv_reply(right, 8)) == reply  # and an OK reply that came in pieces

@@ -429,5 +429,10 @@ def test_a_reply_head_reads_a_short_error_frame_without_waiting_for_more(
     assert time.monotonic() - started < 4.0  # not the receive timeout
     reply = os.urandom(8)
     left.sendall(bytes([OK]) + reply[:3])
-    in_thread(lambda: (time.sleep(0.05), left.sendall(reply[3:])))
+
+    def rest() -> None:
+        time.sleep(0.05)
+        left.sendall(reply[3:])
+
+    in_thread(rest)
     assert bytes(recv_reply(right, 8)) == reply  # and an OK reply that came in pieces

@@ -43,14 +43,16 @@ BLOCK = 64 << 10
 LOOKUP_DIGESTS = 64
 
 
-def client_loop(address: str, token: str, op: str, seconds: float) -> tuple[int, float]:
+def client_loop(
+    address: str, token: str, op: str, seconds: float, block: int = BLOCK
+) -> tuple[int, float]:
     """One client's calls in `seconds` and the CPU seconds its loop took (run in a
     process of its own: `--client`)."""
     from replica_agent.client import BlockClient
 
     with BlockClient(address, token, same_host=False) as client:
         digests = [os.urandom(32) for _ in range(LOOKUP_DIGESTS)]
-        payload = os.urandom(BLOCK)
+        payload = os.urandom(block)
         client.put("dev", MODEL, digests, [payload] * len(digests))
         calls, end = 0, time.monotonic() + seconds
         cpu_start = time.process_time()
@@ -69,14 +71,16 @@ def client_loop(address: str, token: str, op: str, seconds: float) -> tuple[int,
 
 
 def drive(
-    tree: Path, address: str, token: str, op: str, clients: int, seconds: float
+    tree: Path, address: str, token: str, op: str, clients: int, seconds: float, block: int
 ) -> tuple[int, float]:
     """Calls made by `clients` processes in `seconds`, each running `tree`'s client, and
     the CPU seconds the clients' loops took together."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
     command = [sys.executable, str(Path(__file__).resolve()), "--client", address, token, op]
     procs = [
-        subprocess.Popen([*command, str(seconds)], stdout=subprocess.PIPE, text=True, env=env)
+        subprocess.Popen(
+            [*command, str(seconds), str(block)], stdout=subprocess.PIPE, text=True, env=env
+        )
         for _ in range(clients)
     ]
     outputs = [proc.communicate(timeout=seconds + 120)[0] for proc in procs]
@@ -124,12 +128,18 @@ class Served:
 
 
 def measure(
-    tree: Path, op: str, clients: int, seconds: float, py_spy: str | None, workers: int = 1
+    tree: Path,
+    op: str,
+    clients: int,
+    seconds: float,
+    py_spy: str | None,
+    workers: int = 1,
+    block: int = BLOCK,
 ) -> dict[str, Any]:
     data = Path(tempfile.mkdtemp(prefix="kvshare-profile-"))
     served = Served(tree, data / "data", workers)
     try:
-        drive(tree, served.address, served.token, op, clients, min(seconds, 4))  # warm-up
+        drive(tree, served.address, served.token, op, clients, min(seconds, 4), block)  # warm-up
         time.sleep(2)  # start-up work (the journal's prefault) settles
         recorder = None
         if py_spy:
@@ -142,7 +152,7 @@ def measure(
             )  # fmt: skip
             time.sleep(0.5)
         before = cpu_ns(served.proc.pid)
-        calls, client_cpu_s = drive(tree, served.address, served.token, op, clients, seconds)
+        calls, client_cpu_s = drive(tree, served.address, served.token, op, clients, seconds, block)
         used = cpu_ns(served.proc.pid) - before
         if recorder is not None:
             recorder.wait(60)
@@ -154,6 +164,7 @@ def measure(
         "tree": tree.name + (f"-{workers}w" if workers > 1 else ""),
         "workers": workers,
         "op": op,
+        "block_bytes": block,
         "clients": clients,
         "calls_per_s": round(calls / seconds),
         "server_cpu_us_per_call": round(used / 1000 / max(calls, 1), 1),
@@ -163,8 +174,8 @@ def measure(
 
 def main() -> int:
     if sys.argv[1:2] == ["--client"]:
-        address, token, op, seconds = sys.argv[2:6]
-        calls, cpu = client_loop(address, token, op, float(seconds))
+        address, token, op, seconds, block = sys.argv[2:7]
+        calls, cpu = client_loop(address, token, op, float(seconds), int(block))
         print(calls, f"{cpu:.6f}")
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -174,6 +185,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--before", type=Path, help="another checkout, measured alternately")
     parser.add_argument("--workers", default="1", help="bulk-serving processes, e.g. 1,2")
+    parser.add_argument("--block-bytes", type=int, default=BLOCK, help="each block's size")
     parser.add_argument("--py-spy", metavar="PREFIX")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -183,7 +195,9 @@ def main() -> int:
     for _ in range(args.rounds):
         for clients in (int(c) for c in args.clients.split(",")):
             for tree, workers in ((t, n) for t in trees for n in counts):
-                row = measure(tree, args.op, clients, args.seconds, args.py_spy, workers)
+                row = measure(
+                    tree, args.op, clients, args.seconds, args.py_spy, workers, args.block_bytes
+                )
                 rows.append(row)
                 if not args.json:
                     print(

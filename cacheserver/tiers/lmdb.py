@@ -118,8 +118,8 @@ class LmdbTier:
                 readahead=False,
                 # Commits write their pages with pwrite, not through a writable mapping
                 # (writemap): measured here with the whole server, a 64 KiB put cost
-                # 211-247 us of server CPU instead of 280-336, a 2 MiB put 4.4-4.9 ms
-                # instead of 5.8-8.2 (dirty pages of a shared mapping cost a fault each
+                # 211-253 us of server CPU instead of 280-337, a 2 MiB put 4.1-4.9 ms
+                # instead of 4.8-9.3 (dirty pages of a shared mapping cost a fault each
                 # when made and a write-protect each when written back). Reads go
                 # through the read-only mapping either way; a full disk fails a commit
                 # (pwrite) instead of faulting the process.

@@ -4,7 +4,10 @@ what recovery replays of it after a crash."""
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -241,3 +244,48 @@ def test_records_finished_behind_a_reservation_are_covered_once_it_is_given_up(
     # The ring is drained up to its last record: everything may be reclaimed, and a
     # delete's barrier (through the last seq) completes.
     assert journal.drained_seq == journal.last_seq
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 24 MiB tmpfs of its own (root only: mount)."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("needs root to mount a tmpfs")
+    where = tmp_path / "tmpfs"
+    where.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(where)]).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def test_the_prefaulter_takes_the_space_it_makes_and_stops_where_tmpfs_is_full(
+    small_tmpfs: Path,
+) -> None:
+    """Pages made ahead (madvise, without the file's lock a put's header write needs)
+    take tmpfs space as fallocate did: on a tmpfs smaller than the journal the
+    prefaulter stops where the space ends, no record is handed out past it, and a put
+    beyond is refused (JournalFull), not a SIGBUS."""
+    journal = Journal(small_tmpfs / "j", 64 << 20)
+    try:
+        free_before = shutil.disk_usage(small_tmpfs).free
+        assert journal.prefault(chunk_bytes=8 << 20)  # made, and counted by tmpfs
+        assert free_before - shutil.disk_usage(small_tmpfs).free >= 8 << 20
+        while journal.prefault(chunk_bytes=8 << 20):
+            pass  # until the tmpfs is full (its last chunk cannot be made whole)
+        payload = os.urandom(1 << 20)
+        stored = 0
+        with pytest.raises(JournalFull, match="no space for the put journal"):
+            for n in range(64):
+                reservation = journal.reserve(key(n), TenantId("alpha"), 1, TAG, len(payload))
+                reservation.view[:] = payload
+                journal.commit(reservation)
+                stored += 1
+        assert 8 <= stored < 24  # the positive control: records went in until it was full
+        assert [r.payload == payload for r in replay(journal.path, journal.start)] == [
+            True
+        ] * stored
+    finally:
+        journal.close(remove=True)

@@ -206,10 +206,15 @@ def fallocate_in_steps(fd: int, start: int, end: int) -> None:
         os.posix_fallocate(fd, step, min(FALLOCATE_STEP_BYTES, end - step))
 
 
-def populate(address: int, length: int) -> None:
+def populate(address: int, length: int) -> bool | None:
     """Make the mapped pages at `address` now (MADV_POPULATE_WRITE), through ctypes,
     which lets go of the GIL: mmap.madvise holds it for the whole call (~4 ms per
     32 MiB), stalling every connection thread. The range must start on a page
-    boundary. Where the kernel refuses it, pages are made on first touch instead."""
-    if _LIBC is not None:
-        _LIBC.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), MADV_POPULATE_WRITE)
+    boundary. True: every page is made, so the file system backs them (writing them
+    cannot fault); False: it could not back them all (full: the kernel stops with
+    EFAULT, no SIGBUS); None: the kernel does not know the advice (before Linux 5.14)."""
+    if _LIBC is None:
+        return None
+    if _LIBC.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), MADV_POPULATE_WRITE) == 0:
+        return True
+    return None if ctypes.get_errno() == errno.EINVAL else False

@@ -3,8 +3,9 @@
 Invariants (all under `Journal._lock`):
 - Space is written again only once the ledger (`cacheserver.store.journal.ledger`) has
   released it: drained, and covered by the position LMDB records.
-- No record is handed out past the file space reserved so far (`_allocated`): touching
-  a page of the mapping that tmpfs cannot back would kill the server with SIGBUS.
+- No record is handed out past the file space taken so far (`_allocated`: pages made,
+  or blocks reserved): touching a page of the mapping that tmpfs cannot back would
+  kill the server with SIGBUS.
 - Released space is not written while a reader that entered before the release may
   still be sending views of it (`enter_read`/`exit_read`, by generation).
 
@@ -118,9 +119,10 @@ class Journal:
         self._wrapped = False  # space is being written a second time
         self._generation = 0  # bumped each time space is released
         self._readers: dict[int, int] = {}  # generation entered -> readers still sending
-        # The file's blocks are reserved (fallocate) up to here: touching a page of the
-        # mapping past what tmpfs can back would kill the server with SIGBUS, so no
-        # record is handed out beyond it (`_allocate`).
+        # The file's space is taken up to here (pages made by the prefaulter, or blocks
+        # reserved by fallocate): touching a page of the mapping past what tmpfs can
+        # back would kill the server with SIGBUS, so no record is handed out beyond it
+        # (`_allocate`).
         self._allocated = DATA_START
         self._furthest = DATA_START  # the end of the furthest record reserved yet
         self.prefault_wanted = threading.Event()
@@ -346,15 +348,24 @@ class Journal:
             # refuses a start inside a page, and would leave every page to fault.
             start = self._allocated
             end = min(self.capacity, start + chunk_bytes)
-        try:
-            fallocate_in_steps(self._fd, start, end)
-        except OSError:
+        # Pages made ahead take the file system's space as fallocate would, without
+        # the file's lock: fallocate holds it while it works, and a put's header write
+        # (pwrite) waits behind it; with this thread at nice 19 on a busy host that wait
+        # made the puts' tail. Measured with 4 clients of 64 KiB puts on 2 cores, the
+        # same throughput: p50 / p99 0.50-0.53 / 4.5-6.0 ms with fallocate, 0.58-0.62 /
+        # 2.1-2.6 ms with pages made here.
+        made = populate(self._base + start, end - start)
+        if made is None:  # a kernel before 5.14: reserve the blocks, pages come on touch
+            try:
+                fallocate_in_steps(self._fd, start, end)
+            except OSError:
+                return False  # tmpfs is full: reserve() refuses what does not fit
+        elif not made:
             return False  # tmpfs is full: reserve() refuses what does not fit
         with self._lock:
             if self._closed:
                 return False
             self._allocated = max(self._allocated, end)
-        populate(self._base + start, end - start)
         return True
 
     def close(self, *, remove: bool) -> None:

@@ -222,11 +222,19 @@ def test_a_connection_that_only_puts_is_given_back_to_the_server(two: Running) -
         wait_in_lmdb(two)
         time.sleep(2 * REPORT_INTERVAL_S)  # any report of the control's read has arrived
         before = assembly(two).workers.reports
-        # Puts in a row: the worker gave the connection back; the server serves it now.
+        loop = (
+            two.server.server.bulk.ready if two.server.server and two.server.server.bulk else None
+        )
+        assert loop is not None
+        inline_before = loop.inline_requests
+        # Puts in a row: the worker gave the connection back; the server serves it now,
+        # on its ready loop (not a thread of its own: a connection that writes is served
+        # as one that never went to a worker is).
         for _ in range(3):
             assert worker.get("alpha", MODEL, digests) == payloads
             assert worker.lookup("alpha", MODEL, digests) == len(digests)
         assert not served_by_workers(two, before, timeout_s=1.0)
+        assert loop.inline_requests >= inline_before + 6
         assert worker.transport_stats.bulk_fallbacks == 0
 
 

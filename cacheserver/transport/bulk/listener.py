@@ -76,6 +76,7 @@ log = logging.getLogger(__name__)
 # serve it here.
 DelegateTo = Callable[[socket.socket, Grant, bool], socket.socket | None]
 IDLE_TIMEOUT_S = 300.0  # an authenticated connection may idle between requests this long
+_READS = (Verb.GET, Verb.LOOKUP)
 # Before its ticket is accepted a peer is unauthenticated: it gets only this long, in
 # total, to finish TLS and present the ticket (cacheserver.transport.bulk.slots).
 HANDSHAKE_TIMEOUT_S = 5.0
@@ -121,7 +122,7 @@ class BulkServer:
         self._pace = Pace(self._bulk.min_transfer_bytes_per_s, IDLE_TIMEOUT_S)
         self.ready: ReadyLoop[BulkHandler] | None = None
         if ready_loop:
-            self.ready = ReadyLoop(self._serve_one, IDLE_TIMEOUT_S, lambda: self._stopping)
+            self.ready = ReadyLoop(self._loop_serve_one, IDLE_TIMEOUT_S, lambda: self._stopping)
         self._reaper = threading.Thread(
             target=self._slots.reap, name="kvshare-bulk-reaper", daemon=True
         )
@@ -245,24 +246,67 @@ class BulkServer:
                     _close_quietly(conn)
                     self._forget(conn)  # the wrapped socket, if TLS; `raw` is forgotten too
 
-    def _serve_plain(self, raw: socket.socket, handler: BulkHandler) -> bool:
+    def _serve_plain(
+        self, raw: socket.socket, handler: BulkHandler, to_a_worker: bool = False
+    ) -> bool:
         """A plain-TCP connection: here, or (with bulk workers, in turn) on a worker;
-        one the worker gives back (it only wrote) goes to a worker again once it reads.
-        Served here, it goes on the ready loop: True (the loop closes it)."""
-        to_a_worker = False
+        one the worker gives back (it only wrote) goes to a worker again once it reads
+        (`_loop_serve_one`). Served here, it goes on the ready loop: True (the loop
+        closes it, or hands it to a worker again)."""
         while (handback := self._delegate(raw, handler, to_a_worker)) is not None:
             if not self._serve_handed_back(handback, handler):
                 return False
+            handler.reads_in_a_row = 0
+            if self.ready is not None:
+                handler.given_back = True
+                break
             if not self._serve_until_reads(handler):
                 return False
             to_a_worker = True
         if self.ready is not None:
             sealed = isinstance(handler, SealedHandler)
-            self.ready.adopt(raw, handler, lambda: self._close(raw), peekable=not sealed)
+            self.ready.adopt(
+                raw, handler, lambda: self._leave_loop(raw, handler), peekable=not sealed
+            )
             return True
         while self._serve_one(handler):
             pass
         return False
+
+    def _loop_serve_one(self, handler: BulkHandler, peeked: memoryview | None) -> bool:
+        """One request of a connection on the ready loop. A connection a bulk worker gave
+        back leaves the loop for a worker again once its last REDELEGATE_AFTER_READS
+        requests were reads (`_leave_loop`)."""
+        if not self._serve_one(handler, peeked):
+            return False
+        if handler.given_back:
+            reads = handler.reads_in_a_row + 1 if handler.last_verb in _READS else 0
+            handler.reads_in_a_row = reads
+            if reads >= REDELEGATE_AFTER_READS:
+                handler.given_back = False
+                handler.to_a_worker = True
+                return False
+        return True
+
+    def _leave_loop(self, raw: socket.socket, handler: BulkHandler) -> None:
+        """A connection leaves the ready loop: closed, or (it reads again) handed to a
+        bulk worker on a thread of its own, as a new connection is."""
+        if not handler.to_a_worker or self._stopping:
+            self._close(raw)
+            return
+        handler.to_a_worker = False
+
+        def to_a_worker() -> None:
+            adopted = False
+            try:
+                adopted = self._serve_plain(raw, handler, to_a_worker=True)
+            except Exception:
+                log.exception("bulk connection failed")
+            finally:
+                if not adopted:
+                    self._close(raw)
+
+        threading.Thread(target=to_a_worker, name="kvshare-bulk-conn", daemon=True).start()
 
     def _close(self, raw: socket.socket) -> None:
         _close_quietly(raw)
@@ -270,10 +314,10 @@ class BulkServer:
 
     def _serve_until_reads(self, handler: BulkHandler) -> bool:
         """Serve a connection a worker gave back until its last REDELEGATE_AFTER_READS
-        requests were reads (True); False when it closes."""
+        requests were reads (True); False when it closes. (Without the ready loop.)"""
         reads = 0
         while self._serve_one(handler):
-            reads = reads + 1 if handler.last_verb in (Verb.GET, Verb.LOOKUP) else 0
+            reads = reads + 1 if handler.last_verb in _READS else 0
             if reads >= REDELEGATE_AFTER_READS:
                 return True
         return False

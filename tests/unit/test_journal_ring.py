@@ -275,6 +275,9 @@ def test_the_prefaulter_takes_the_space_it_makes_and_stops_where_tmpfs_is_full(
         assert free_before - shutil.disk_usage(small_tmpfs).free >= 8 << 20
         while journal.prefault(chunk_bytes=8 << 20):
             pass  # until the tmpfs is full (its last chunk cannot be made whole)
+        # What the failed chunk made past the records went back to tmpfs (others share
+        # /dev/shm), and puts still take it, page by page, as they come.
+        assert shutil.disk_usage(small_tmpfs).free >= 4 << 20
         payload = os.urandom(1 << 20)
         stored = 0
         with pytest.raises(JournalFull, match="no space for the put journal"):
@@ -283,7 +286,7 @@ def test_the_prefaulter_takes_the_space_it_makes_and_stops_where_tmpfs_is_full(
                 reservation.view[:] = payload
                 journal.commit(reservation)
                 stored += 1
-        assert 8 <= stored < 24  # the positive control: records went in until it was full
+        assert 16 <= stored < 24  # the positive control: records went in until it was full
         assert [r.payload == payload for r in replay(journal.path, journal.start)] == [
             True
         ] * stored

@@ -34,6 +34,7 @@ from policy.types import TenantId
 
 FALLOCATE_STEP_BYTES = 1 << 20
 MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels refuse it (EINVAL)
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 1, 2
 
 _LIBC_NAME = ctypes.util.find_library("c")
 _LIBC = ctypes.CDLL(_LIBC_NAME, use_errno=True) if _LIBC_NAME else None
@@ -218,3 +219,11 @@ def populate(address: int, length: int) -> bool | None:
     if _LIBC.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), MADV_POPULATE_WRITE) == 0:
         return True
     return None if ctypes.get_errno() == errno.EINVAL else False
+
+
+def give_back(fd: int, start: int, length: int) -> None:
+    """Free the file's pages from `start` for `length` bytes (a hole; the size stays):
+    what a populate that failed partway made beyond what the journal uses. Best effort."""
+    if _LIBC is not None and length > 0:
+        mode = _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE
+        _LIBC.fallocate(fd, mode, ctypes.c_int64(start), ctypes.c_int64(length))

@@ -130,6 +130,8 @@ class BulkHandler:
         if taken.nbytes >= size:  # `take_peeked`'s, which hold the whole header and body
             self._taken = taken[size:]
             return taken[:size]
+        if taken.nbytes:  # the loop's idea of a request's length and this framing differ
+            raise RuntimeError("a peeked request was shorter than its framing")
         return memoryview(w.recv_bytes(self._conn, size))
 
     def _reply(self, reply: bytes) -> None:

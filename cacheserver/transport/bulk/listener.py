@@ -300,6 +300,8 @@ class BulkServer:
             adopted = False
             try:
                 adopted = self._serve_plain(raw, handler, to_a_worker=True)
+            except (OSError, w.ConnectionClosed, ssl.SSLError):
+                pass  # the peer went, or a transfer ran out of time: it closes, as ever
             except Exception:
                 log.exception("bulk connection failed")
             finally:

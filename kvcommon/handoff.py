@@ -10,9 +10,8 @@ then holds up only this request. Threads that never arm a hook pay one attribute
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 _local = threading.local()
 
@@ -30,11 +29,22 @@ def before_blocking() -> None:
         hook()
 
 
-@contextlib.contextmanager
-def hands_off(hook: Callable[[], None]) -> Iterator[None]:
+def hands_off(hook: Callable[[], None]) -> HandsOff:
     """Within this block, the first `before_blocking()` on this thread calls `hook`."""
-    _local.hook = hook
-    try:
-        yield
-    finally:
+    return HandsOff(hook)
+
+
+class HandsOff:
+    """`hands_off`'s block: a class, not a generator, as the ready loop enters one for
+    every request it serves (a generator-based context manager costs ~1 µs more)."""
+
+    __slots__ = ("_hook",)
+
+    def __init__(self, hook: Callable[[], None]) -> None:
+        self._hook = hook
+
+    def __enter__(self) -> None:
+        _local.hook = self._hook
+
+    def __exit__(self, *exc_info: object) -> None:
         _local.hook = None

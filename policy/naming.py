@@ -16,6 +16,7 @@ import os
 import secrets
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
@@ -53,7 +54,9 @@ class _Hmac:
     """HMAC-SHA256 under one key, its two padded key blocks hashed once: the same bytes
     as `hmac.digest(key, message, "sha256")` (RFC 2104), for a fraction of the cost of
     a short message (a 64-digest Lookup names 64 blocks: the request path's largest
-    per-digest cost). Thread-safe: the states are only copied, never updated."""
+    per-digest cost). The inner state after a model's part of the message is kept per
+    model too (one tenant's key, so nothing is shared across tenants), so a request
+    hashes only its digests. Thread-safe: the states are only copied, never updated."""
 
     def __init__(self, key: bytes) -> None:
         if len(key) > SHA256_BLOCK_BYTES:
@@ -61,15 +64,26 @@ class _Hmac:
         padded = key.ljust(SHA256_BLOCK_BYTES, b"\0")
         self._inner = hashlib.sha256(bytes(b ^ 0x36 for b in padded))
         self._outer = hashlib.sha256(bytes(b ^ 0x5C for b in padded))
+        self._models: dict[ModelName, Any] = {}  # model -> inner state after its head
 
-    def digest(self, head: bytes, tail: bytes) -> bytes:
-        """The MAC of `head + tail` (two parts, so a caller's shared head is not copied)."""
-        inner = self._inner.copy()
-        inner.update(head)
-        inner.update(tail)
-        outer = self._outer.copy()
-        outer.update(inner.digest())
-        return outer.digest()
+    def names(self, model: ModelName, digests: Sequence[BlockDigest]) -> list[StorageKey]:
+        """The MAC of `enc(model, digest)` for each digest: the model's encoding (all
+        but the digest's field, as every digest is 32 bytes) hashed once per model."""
+        head = self._models.get(model)
+        if head is None:
+            if len(self._models) >= MODEL_TAGS_KEPT:
+                self._models.clear()  # many models: start over rather than grow
+            head = self._inner.copy()
+            head.update(enc(model, bytes(DIGEST_BYTES))[:-DIGEST_BYTES])
+            self._models[model] = head
+        names = []
+        for digest in digests:
+            inner = head.copy()
+            inner.update(digest)
+            outer = self._outer.copy()
+            outer.update(inner.digest())
+            names.append(StorageKey(outer.digest()))
+        return names
 
 
 class BlockNamer:
@@ -161,11 +175,10 @@ class TenantNamer:
 
 
 def _names(mac: _Hmac, model: ModelName, digests: Sequence[BlockDigest]) -> list[StorageKey]:
-    head = enc(model, bytes(DIGEST_BYTES))[:-DIGEST_BYTES]
     for digest in digests:
         if len(digest) != DIGEST_BYTES:
             raise ValueError(f"a digest is {len(digest)} bytes; names take {DIGEST_BYTES}")
-    return [StorageKey(mac.digest(head, digest)) for digest in digests]
+    return mac.names(model, digests)
 
 
 def derive_user_salt(salt_key: bytes, tenant: str, user_id: str) -> bytes:

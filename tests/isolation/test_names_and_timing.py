@@ -60,7 +60,7 @@ def test_two_tenants_never_share_a_storage_name(
 def test_names_made_in_a_batch_are_the_one_shot_hmac_of_each(
     key: bytes, model: str, digests: list[bytes]
 ) -> None:
-    """The naming fast path (pads hashed once, the model encoded once per request)
+    """The naming fast path (pads hashed once, the model hashed once per model)
     gives the bytes of RFC 2104 HMAC-SHA256 over enc(model, digest), for any key."""
     namer = BlockNamer(SECRET, {})
     namer._keys[TenantId("t")] = key  # the pads of any key length, not only HKDF's 32

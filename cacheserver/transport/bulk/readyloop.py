@@ -33,6 +33,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import fcntl
+import functools
 import logging
 import select
 import socket
@@ -162,6 +163,7 @@ class ReadyLoop(Generic[H]):
 
     def _lead(self, me: threading.Thread) -> None:
         next_sweep = time.monotonic() + POLL_S
+        hook = functools.partial(self._hand_on_lead, me)  # made once, not per request
         while self._leader is me and not self._stopping():
             if not self._ready:
                 try:
@@ -173,12 +175,14 @@ class ReadyLoop(Generic[H]):
                 with self._lock:
                     parked = self._parked.pop(self._ready.popleft(), None)
                 if parked is not None:
-                    self._serve_ready(parked, me)
+                    self._serve_ready(parked, me, hook)
             if time.monotonic() >= next_sweep:
                 next_sweep = time.monotonic() + POLL_S
                 self._close_idle()
 
-    def _serve_ready(self, parked: Parked[H], me: threading.Thread) -> None:
+    def _serve_ready(
+        self, parked: Parked[H], me: threading.Thread, hook: Callable[[], None]
+    ) -> None:
         """Serve the connection's request here when it is whole, else have a follower
         serve it."""
         raw, peeked = parked.raw, None
@@ -196,7 +200,7 @@ class ReadyLoop(Generic[H]):
             self._hand_to_follower(parked)
             return
         self.inline_requests += 1
-        with handoff.hands_off(lambda: self._hand_on_lead(me)):
+        with handoff.hands_off(hook):
             serves_on = self._serve(parked, peeked)
         if self._leader is not me and serves_on:  # it waited: a follower now
             serves_on = self._stay(parked)

@@ -315,7 +315,8 @@ class Journal:
                 self._readers[token] = left
             else:
                 del self._readers[token]
-                self._changed.notify_all()
+                if self._waiting:  # a put waits for room (every GET from memory ends here)
+                    self._changed.notify_all()
 
     def _stale_readers(self) -> bool:
         """Whether a reader that entered before the latest release may still hold a

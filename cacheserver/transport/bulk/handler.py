@@ -76,11 +76,10 @@ class BulkHandler:
         self._accept: Accept | None = None  # None: every block the store returns is sent
         self.last_verb: Verb | None = None  # the last request's (bulk workers: where to serve)
         self.last_bytes = 0  # payload bytes the last request moved (the ready loop's STAY)
-        # The listener's, for a connection a bulk worker gave back (it only wrote): its
-        # reads in a row since, and whether it leaves the ready loop for a worker again.
+        # The listener's: whether a bulk worker gave the connection back (it only wrote)
+        # and it is served here since, and its reads in a row since.
         self.given_back = False
         self.reads_in_a_row = 0
-        self.to_a_worker = False
         # Where the current request stands on the wire, for `in_step`.
         self._body_read = False
         self._payloads: list[_Incoming] = []

@@ -253,6 +253,7 @@ class BulkServer:
         one the worker gives back (it only wrote) goes to a worker again once it reads
         (`_loop_serve_one`). Served here, it goes on the ready loop: True (the loop
         closes it, or hands it to a worker again)."""
+        handler.given_back = False
         while (handback := self._delegate(raw, handler, to_a_worker)) is not None:
             if not self._serve_handed_back(handback, handler):
                 return False
@@ -279,24 +280,17 @@ class BulkServer:
         requests were reads (`_leave_loop`)."""
         if not self._serve_one(handler, peeked):
             return False
-        if handler.given_back:
-            reads = handler.reads_in_a_row + 1 if handler.last_verb in _READS else 0
-            handler.reads_in_a_row = reads
-            if reads >= REDELEGATE_AFTER_READS:
-                handler.given_back = False
-                handler.to_a_worker = True
-                return False
-        return True
+        return not (handler.given_back and _reads_again(handler))
 
     def _leave_loop(self, raw: socket.socket, handler: BulkHandler) -> None:
-        """A connection leaves the ready loop: closed, or (it reads again) handed to a
-        bulk worker on a thread of its own, as a new connection is."""
-        if not handler.to_a_worker or self._stopping:
+        """A connection leaves the ready loop: closed, or (given back, it reads again)
+        handed to a bulk worker on a thread of its own, as a new connection is."""
+        reads_again = handler.given_back and handler.reads_in_a_row >= REDELEGATE_AFTER_READS
+        if not reads_again or self._stopping:
             self._close(raw)
             return
-        handler.to_a_worker = False
 
-        def to_a_worker() -> None:
+        def redelegate() -> None:
             adopted = False
             try:
                 adopted = self._serve_plain(raw, handler, to_a_worker=True)
@@ -308,7 +302,7 @@ class BulkServer:
                 if not adopted:
                     self._close(raw)
 
-        threading.Thread(target=to_a_worker, name="kvshare-bulk-conn", daemon=True).start()
+        threading.Thread(target=redelegate, name="kvshare-bulk-conn", daemon=True).start()
 
     def _close(self, raw: socket.socket) -> None:
         _close_quietly(raw)
@@ -317,10 +311,8 @@ class BulkServer:
     def _serve_until_reads(self, handler: BulkHandler) -> bool:
         """Serve a connection a worker gave back until its last REDELEGATE_AFTER_READS
         requests were reads (True); False when it closes. (Without the ready loop.)"""
-        reads = 0
         while self._serve_one(handler):
-            reads = reads + 1 if handler.last_verb in _READS else 0
-            if reads >= REDELEGATE_AFTER_READS:
+            if _reads_again(handler):
                 return True
         return False
 
@@ -498,6 +490,13 @@ class BulkServer:
                 serves_on = not isinstance(error, KvshareError) and handler.in_step
                 handler.send_error(answer)
                 return serves_on
+
+
+def _reads_again(handler: BulkHandler) -> bool:
+    """After a request of a connection a bulk worker gave back: whether its last
+    REDELEGATE_AFTER_READS requests were reads (it goes to a worker again)."""
+    handler.reads_in_a_row = handler.reads_in_a_row + 1 if handler.last_verb in _READS else 0
+    return handler.reads_in_a_row >= REDELEGATE_AFTER_READS
 
 
 class _Scope:

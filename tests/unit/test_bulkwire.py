@@ -55,6 +55,17 @@ def in_thread(work: Callable[[], object]) -> threading.Thread:
     return thread
 
 
+def send_in_pieces(sock: socket.socket, data: bytes, piece: int) -> threading.Thread:
+    """Send `data` from a thread, `piece` bytes a send: the receiver sees it arrive in
+    pieces."""
+
+    def trickle() -> None:
+        for start in range(0, len(data), piece):
+            sock.sendall(data[start : start + piece])
+
+    return in_thread(trickle)
+
+
 def test_arena_offsets_are_back_to_back_and_page_aligned() -> None:
     assert arena_offsets([]) == ([], 0)
     assert arena_offsets([1]) == ([0], 1)
@@ -106,12 +117,7 @@ def test_recv_exact_fills_the_view_from_pieces(
     left, right = pair
     right.settimeout(timeout)
     data = os.urandom(3 << 20)
-
-    def trickle() -> None:
-        for start in range(0, len(data), 700_001):
-            left.sendall(data[start : start + 700_001])
-
-    sender = in_thread(trickle)
+    sender = send_in_pieces(left, data, 700_001)
     buffer = bytearray(len(data))
     recv_exact(right, memoryview(buffer))
     sender.join()
@@ -397,12 +403,7 @@ def test_recv_exact_parts_fills_a_block_and_the_size_after_it_from_pieces(
     left, right = pair
     right.settimeout(timeout)
     data = os.urandom(300_001) + struct.pack(">Q", 0)
-
-    def trickle() -> None:
-        for start in range(0, len(data), 70_001):
-            left.sendall(data[start : start + 70_001])
-
-    sender = in_thread(trickle)
+    sender = send_in_pieces(left, data, 70_001)
     block, size = bytearray(300_001), bytearray(8)
     recv_exact_parts(right, [memoryview(block), memoryview(size)])
     sender.join()

@@ -1,7 +1,7 @@
 """Where a small call's time goes: server CPU per call, and a py-spy profile of it.
 
     python benchmarks/profile_calls.py --op lookup|get|put --clients 1,4 [--seconds 6]
-        [--before DIR] [--rounds 3] [--workers 1,2] [--py-spy OUT_PREFIX] [--json]
+        [--before DIR] [--rounds 3] [--workers 1,2] [--metrics] [--py-spy OUT_PREFIX] [--json]
 
 Starts `kvshare serve` (dev mode, a temp data dir) from this checkout, and with
 `--before DIR` also from another checkout (a `git worktree` of an older commit), in
@@ -13,7 +13,9 @@ default transports across TCP (the bulk channel; no same-host arena). It reports
 calls/s and the server's CPU time per call (/proc/<pid>/stat: user and system time of
 the whole process and of its bulk workers, in clock ticks of 10 ms, so runs of a few
 seconds are needed). `--workers 1,2` measures each count of bulk-serving processes
-(`kvshare serve --bulk-workers N`) in turn.
+(`kvshare serve --bulk-workers N`) in turn. `--metrics` serves with the Prometheus
+endpoint on, as `kvshare bench` and a monitored deployment do (off, the meters are
+the API's no-ops).
 `--py-spy PREFIX` records each measured run with `py-spy record --threads`
 (PREFIX-<tree>-<op>-<clients>.txt, collapsed stacks; `py-spy` from PyPI must be on
 PATH or in this venv).
@@ -108,9 +110,12 @@ def cpu_ns(pid: int) -> int:
 class Served:
     """`kvshare serve` in dev mode from the checkout `tree`."""
 
-    def __init__(self, tree: Path, data_dir: Path, workers: int = 1) -> None:
+    def __init__(
+        self, tree: Path, data_dir: Path, workers: int = 1, *, metrics: bool = False
+    ) -> None:
         env = {**os.environ, "PYTHONPATH": str(tree)}
         more = ["--bulk-workers", str(workers)] if workers > 1 else []
+        more += ["--metrics-listen", "127.0.0.1:0"] if metrics else []
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvshare.cli", "serve", "--data-dir", str(data_dir),
              "--listen", "127.0.0.1:0", *more],
@@ -135,9 +140,11 @@ def measure(
     py_spy: str | None,
     workers: int = 1,
     block: int = BLOCK,
+    *,
+    metrics: bool = False,
 ) -> dict[str, Any]:
     data = Path(tempfile.mkdtemp(prefix="kvshare-profile-"))
-    served = Served(tree, data / "data", workers)
+    served = Served(tree, data / "data", workers, metrics=metrics)
     try:
         drive(tree, served.address, served.token, op, clients, min(seconds, 4), block)  # warm-up
         time.sleep(2)  # start-up work (the journal's prefault) settles
@@ -186,6 +193,7 @@ def main() -> int:
     parser.add_argument("--before", type=Path, help="another checkout, measured alternately")
     parser.add_argument("--workers", default="1", help="bulk-serving processes, e.g. 1,2")
     parser.add_argument("--block-bytes", type=int, default=BLOCK, help="each block's size")
+    parser.add_argument("--metrics", action="store_true", help="Prometheus endpoint on")
     parser.add_argument("--py-spy", metavar="PREFIX")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -196,7 +204,14 @@ def main() -> int:
         for clients in (int(c) for c in args.clients.split(",")):
             for tree, workers in ((t, n) for t in trees for n in counts):
                 row = measure(
-                    tree, args.op, clients, args.seconds, args.py_spy, workers, args.block_bytes
+                    tree,
+                    args.op,
+                    clients,
+                    args.seconds,
+                    args.py_spy,
+                    workers,
+                    args.block_bytes,
+                    metrics=args.metrics,
                 )
                 rows.append(row)
                 if not args.json:

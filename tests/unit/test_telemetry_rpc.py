@@ -185,3 +185,39 @@ def test_calls_are_counted_by_method_and_status_either_way(spans: bool) -> None:
     durations = points["kvshare.rpc.duration"]
     assert {k: p.count for k, p in durations.items()} == {ok: 2, missing: 1}
     telemetry.shutdown()
+
+
+def test_latencies_summed_in_the_server_export_what_the_sdk_exported(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With Prometheus alone the server sums latencies itself (the SDK's histogram cost
+    ~6 us a call): the exported histogram must be the one the SDK's exporter wrote, to
+    the line: buckets inclusive of their bound, cumulative, the sum, the count."""
+    from prometheus_client import generate_latest
+
+    from cacheserver.config import TelemetryConfig
+
+    def duration_lines(telemetry: ServerTelemetry) -> list[str]:
+        text = generate_latest(telemetry._registry).decode()
+        return sorted(line for line in text.splitlines() if "kvshare_rpc_duration" in line)
+
+    prometheus = TelemetryConfig(metrics_listen="127.0.0.1:0")
+    local = ServerTelemetry(prometheus)  # Prometheus alone: summed in the server
+    sdk = ServerTelemetry(prometheus, metric_readers=[InMemoryMetricReader()])  # the SDK's
+    seconds = [0.0001, 0.00005, 0.0003, 0.001, 0.7, 10.0, 12.5, 0.0001]
+    for telemetry in (local, sdk):
+        clock = iter(value for took in seconds for value in (0.0, took))
+        monkeypatch.setattr("cacheserver.telemetry.time.perf_counter", clock.__next__)
+        for index in range(len(seconds)):
+            with telemetry.rpc(f"{BULK}/Get", None) as call:
+                call.status = "OK" if index % 3 else "NOT_FOUND"
+    lines = duration_lines(local)
+    assert lines == duration_lines(sdk)
+    assert (
+        'kvshare_rpc_duration_seconds_bucket{le="0.0001",method="kvshare_bulk/Get",status="OK"} 2.0'
+        in lines
+    )
+    assert (
+        'kvshare_rpc_duration_seconds_count{method="kvshare_bulk/Get",status="NOT_FOUND"} 3.0'
+        in lines
+    )

@@ -65,6 +65,8 @@ _STATUS_NAMES = (
 )  # fmt: skip
 GRPC_CODES = {name: number for number, name in enumerate(_STATUS_NAMES)}
 RPC_DURATION_HELP = "RPC latency by method and status"
+# A series' labels: (name, value) pairs sorted by name, as a tally keys its sums.
+Labels = tuple[tuple[str, str], ...]
 
 
 class RpcCall:
@@ -112,13 +114,13 @@ class _Tally:
 
     def __init__(self, meter: metrics.Meter, name: str, unit: str, description: str) -> None:
         self._lock = threading.Lock()
-        self._totals: dict[tuple[tuple[str, str], ...], int] = {}
+        self._totals: dict[Labels, int] = {}
         meter.create_observable_counter(name, [self._observe], unit, description)
 
-    def add(self, amount: int, labels: Mapping[str, str]) -> None:
-        key = tuple(sorted(labels.items()))
+    def add(self, amount: int, labels: Labels) -> None:
+        """Add `amount` to the series of `labels` (made by `ServerTelemetry._labels`)."""
         with self._lock:
-            self._totals[key] = self._totals.get(key, 0) + amount
+            self._totals[labels] = self._totals.get(labels, 0) + amount
 
     def _observe(self, _options: CallbackOptions) -> Iterable[Observation]:
         with self._lock:
@@ -132,7 +134,7 @@ class _NoTally(_Tally):
     def __init__(self) -> None:
         pass
 
-    def add(self, amount: int, labels: Mapping[str, str]) -> None:
+    def add(self, amount: int, labels: Labels) -> None:
         pass
 
 
@@ -221,6 +223,7 @@ class ServerTelemetry:
         self.cluster_reachable = True  # kept by the cluster's health monitor
         self._http: WSGIServer | None = None
         self._registry: Any = None
+        self._label_sets: dict[tuple[str | None, ...], Labels] = {}
         readers = list(metric_readers)
         processors = list(span_processors)
         if self.config.metrics_listen:
@@ -388,14 +391,14 @@ class ServerTelemetry:
         return ObservedRpc(self, method, parent, system, restore_context)
 
     def _finish_rpc(self, method: str, status: str, seconds: float) -> None:
-        self._rpc_requests.add(1, {"method": method, "status": status})
+        self._rpc_requests.add(1, self._labels(None, "method", method, "status", status))
         self._rpc_duration.record(seconds, method, status)
 
     def rpcs_served_elsewhere(self, method: str, calls: int) -> None:
         """Count `calls` of `method` that a bulk worker answered (cacheserver.worker), all
         OK: call counts stay whole; their latencies are not observed here."""
         if calls:
-            self._rpc_requests.add(calls, {"method": method, "status": "OK"})
+            self._rpc_requests.add(calls, self._labels(None, "method", method, "status", "OK"))
 
     def _start_span(
         self, call: RpcCall, parent: otel_context.Context | None, system: str
@@ -418,40 +421,51 @@ class ServerTelemetry:
 
     # -- StoreEvents ----------------------------------------------------------------
 
-    def _tenant(self, tenant: TenantId, **labels: str) -> dict[str, str]:
-        if self.config.per_tenant_labels:
-            labels["tenant"] = tenant
+    def _labels(self, tenant: TenantId | None, *pairs: str) -> Labels:
+        """The labels of a series: `pairs` (name, value, name, value, ...) and, with
+        `per_tenant_labels`, the tenant. Made once per combination (their values come
+        from fixed sets and configured tenants): every request counts several series."""
+        key = (tenant, *pairs)
+        labels = self._label_sets.get(key)
+        if labels is None:
+            named = dict(zip(pairs[::2], pairs[1::2], strict=True))
+            if tenant is not None and self.config.per_tenant_labels:
+                named["tenant"] = tenant
+            labels = self._label_sets[key] = tuple(sorted(named.items()))
         return labels
 
     def looked_up(self, tenant: TenantId, asked: int, present: int, calls: int = 1) -> None:
-        self._lookups.add(calls, self._tenant(tenant))
-        self._lookup_blocks.add(present, self._tenant(tenant, result="hit"))
-        self._lookup_blocks.add(asked - present, self._tenant(tenant, result="miss"))
+        self._lookups.add(calls, self._labels(tenant))
+        self._lookup_blocks.add(present, self._labels(tenant, "result", "hit"))
+        self._lookup_blocks.add(asked - present, self._labels(tenant, "result", "miss"))
 
     def got(self, tenant: TenantId, asked: int, served: int) -> None:
-        self._get_blocks.add(served, self._tenant(tenant, result="hit"))
-        self._get_blocks.add(asked - served, self._tenant(tenant, result="miss"))
+        self._get_blocks.add(served, self._labels(tenant, "result", "hit"))
+        self._get_blocks.add(asked - served, self._labels(tenant, "result", "miss"))
 
     def served(self, tenant: TenantId, tier: Tier, blocks: int, nbytes: int) -> None:
-        self._served_blocks.add(blocks, self._tenant(tenant, tier=tier))
-        self._served_bytes.add(nbytes, self._tenant(tenant, tier=tier))
+        labels = self._labels(tenant, "tier", tier)
+        self._served_blocks.add(blocks, labels)
+        self._served_bytes.add(nbytes, labels)
 
     def stored(self, tenant: TenantId, tier: Tier, nbytes: int) -> None:
-        self._stored_blocks.add(1, self._tenant(tenant, tier=tier))
-        self._stored_bytes.add(nbytes, self._tenant(tenant, tier=tier))
+        labels = self._labels(tenant, "tier", tier)
+        self._stored_blocks.add(1, labels)
+        self._stored_bytes.add(nbytes, labels)
 
     def put_outcome(self, tenant: TenantId, outcome: PutOutcome, nbytes: int) -> None:
-        self._put_blocks.add(1, self._tenant(tenant, outcome=outcome))
+        self._put_blocks.add(1, self._labels(tenant, "outcome", outcome))
 
     def evicted(self, tier: Tier, reason: EvictReason, nbytes: int) -> None:
-        self._evictions.add(1, {"tier": tier, "reason": reason})
-        self._evicted_bytes.add(nbytes, {"tier": tier, "reason": reason})
+        labels = self._labels(None, "reason", reason, "tier", tier)
+        self._evictions.add(1, labels)
+        self._evicted_bytes.add(nbytes, labels)
 
     def quota_rejected(self, tenant: TenantId) -> None:
-        self._quota_rejections.add(1, self._tenant(tenant))
+        self._quota_rejections.add(1, self._labels(tenant))
 
     def integrity_failure(self, tenant: TenantId, blocks: int) -> None:
-        self._integrity_failures.add(blocks, self._tenant(tenant, tier="lmdb"))
+        self._integrity_failures.add(blocks, self._labels(tenant, "tier", "lmdb"))
 
 
 class ObservedRpc:

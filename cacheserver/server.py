@@ -269,9 +269,10 @@ class Server:
 
 def _drain_within_s(config: ServerConfig, processes: int) -> float | None:
     """With bulk workers, which read only LMDB, a journaled put moves into LMDB within
-    WORKERS_DRAIN_WITHIN_S even while requests never pause (a busy server would
-    otherwise keep new blocks where only it can serve them), unless drain_idle_ms is
-    set to another value than its default."""
+    WORKERS_DRAIN_WITHIN_S even while requests never pause, as long as workers hand
+    reads back (a busy server would otherwise keep new blocks where only it can serve
+    them; Writer.reads_handed_back), unless drain_idle_ms is set to another value than
+    its default."""
     default = StorageConfig.drain_idle_ms
     if processes > 1 and config.storage.drain_idle_ms == default:
         return WORKERS_DRAIN_WITHIN_S

@@ -78,6 +78,11 @@ class RequestCore:
         transport on an event loop calls it from a thread."""
         return self._store.lookup_blocks
 
+    def read_handed_back(self) -> None:
+        """A bulk worker handed a read back to the server (blocks LMDB lacks, or a read
+        it does not serve): the store moves journaled puts there sooner for a while."""
+        self._store.reads_handed_back()
+
     def begin(
         self, principal: Principal, verb: Verb, tenant: str, count: int, *, rate_drawn: bool = False
     ) -> Begun:

@@ -148,6 +148,11 @@ class BlockStore:
 
     # -- reads ------------------------------------------------------------------------
 
+    def reads_handed_back(self) -> None:
+        """A bulk worker handed a read back: journaled puts move into LMDB within
+        `drain_within_s` for a while (Writer.reads_handed_back)."""
+        self._writer.reads_handed_back()
+
     def lookup(self, tenant: TenantId, keys: Sequence[StorageKey]) -> int:
         """How many of `keys`, leading, are stored. Blocking only with a shared tier
         (`lookup_blocks`), which is asked about the keys after the index's last hit."""

@@ -9,8 +9,10 @@ worker's; `served_by_workers` says that the worker answered (its reports arrived
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +21,7 @@ import pytest
 
 from cacheserver.bulk_workers import WorkerAssembly
 from cacheserver.config import BulkConfig
+from cacheserver.store.writer import HANDED_BACK_READS_HOLD_S
 from cacheserver.transport.bulk.delegation import REPORT_INTERVAL_S
 from kvcommon.errors import PermissionDenied, ResourceExhausted
 from replica_agent.client import BlockClient
@@ -57,7 +60,8 @@ def pair(running: Running, who: str) -> tuple[BlockClient, BlockClient]:
 
 
 def wait_in_lmdb(running: Running) -> None:
-    """Journaled puts reach LMDB at once with workers; wait until none is left."""
+    """Journaled puts reach LMDB once the server pauses (sooner while workers hand
+    reads back); wait until none is left."""
     deadline = time.monotonic() + 10
     while running.store.undrained_blocks and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -256,6 +260,47 @@ def test_a_connection_given_back_goes_to_a_worker_again_once_it_reads(two: Runni
             assert worker.get("alpha", MODEL, digests) == payloads
         assert served_by_workers(two, before)
         assert worker.transport_stats.bulk_fallbacks == 0
+
+
+def test_puts_reach_lmdb_while_busy_once_the_worker_hands_a_read_back(two: Running) -> None:
+    """Puts alone wait for a pause, as without workers (draining them while they
+    arrive costs the server CPU that no worker asked for); once the worker hands back
+    a read of a block still in the journal, journaled puts move into LMDB within the
+    bound although requests never pause."""
+    digests = [os.urandom(32) for _ in range(4)]
+    payloads = [os.urandom(4096) for _ in digests]
+    stop, going = threading.Event(), threading.Event()
+
+    def keep_busy() -> None:  # gRPC lookups: the server's own, never a worker's
+        with two.client("a", bulk=False) as busy:
+            while not stop.is_set():
+                busy.lookup("alpha", MODEL, digests[:1])
+                going.set()
+
+    main, worker = pair(two, "a")  # its reads missed and were handed back: wait that out
+    time.sleep(HANDED_BACK_READS_HOLD_S + 0.2)
+    busy = threading.Thread(target=keep_busy)
+    # The server runs in this process, whose heap every earlier test grew: a full
+    # collection (~0.3 s here) would stall its requests and make the store look idle.
+    gc.collect()
+    gc.disable()
+    busy.start()
+    try:
+        assert going.wait(10)  # its first call (the channel's set-up) is behind it
+        with main, worker:
+            assert main.put("alpha", MODEL, digests, payloads) == [True] * 4
+            time.sleep(0.5)
+            assert two.store.undrained_blocks == 4  # puts alone: the server is never idle
+            assert worker.get("alpha", MODEL, digests[:1]) == payloads[:1]  # handed back
+            deadline = time.monotonic() + 5
+            while two.store.undrained_blocks and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert two.store.undrained_blocks == 0
+            assert busy.is_alive()  # still busy all along
+    finally:
+        gc.enable()
+        stop.set()
+        busy.join()
 
 
 def test_a_large_get_is_handed_back_and_a_small_one_is_the_workers(two: Running) -> None:

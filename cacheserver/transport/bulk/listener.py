@@ -336,6 +336,8 @@ class BulkServer:
                 serves_on = self._serve_one(handler, rate_drawn=message[1:2] == RATE_DRAWN)
                 if message[:1] == GIVE_BACK:
                     return serves_on
+                if handler.last_verb in _READS:
+                    self._core.read_handed_back()
                 handback.sendall(SERVED_ON if serves_on else CLOSED)
                 if not serves_on:
                     return False

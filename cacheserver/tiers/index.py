@@ -155,6 +155,8 @@ class BlockIndex:
     def victims_with_reasons(self, tenant: TenantId, size: int) -> dict[StorageKey, EvictReason]:
         """Like `victims_for`, with why each goes: rule 1 (`quota`) or rule 2 (`budget`)."""
         quota = self.quotas_bytes.get(tenant, 0)
+        if not quota and self.used_bytes + size <= self.budget_bytes:
+            return {}  # room as it is (every put asks, several times: the common answer)
         if size > self.budget_bytes or (quota and size > quota):
             limit = min(self.budget_bytes, quota) if quota else self.budget_bytes
             raise NoRoom(

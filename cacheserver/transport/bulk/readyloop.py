@@ -59,6 +59,8 @@ SPARE_IDLE_S = 30.0  # a spare follower waits this long, then ends
 STAY_MS = 20
 STAY_MIN_BYTES = 1 << 20
 _INT = struct.Struct("i")
+# As plain ints: or-ing the socket module's flag enums costs ~0.5 us a request.
+_PEEK_NOW = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)
 _EVENTS = select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLONESHOT
 
 
@@ -335,7 +337,7 @@ def _whole_request(raw: socket.socket, head: bytearray) -> int | None:
     of the request is in the socket's receive buffer (and it is untraced): serving it
     cannot wait on the peer. 0: not whole; None: the peer closed, or the socket failed."""
     try:
-        got = raw.recv_into(head, len(head), socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        got = raw.recv_into(head, len(head), _PEEK_NOW)
     except BlockingIOError:
         return 0
     except OSError:
@@ -363,7 +365,7 @@ def _readable_now(raw: socket.socket) -> bool | None:
     only for the rest, and hands off first). None: the peer closed, or the socket
     failed."""
     try:
-        got = raw.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        got = raw.recv(1, _PEEK_NOW)
     except BlockingIOError:
         return False
     except OSError:

@@ -213,6 +213,11 @@ class BlockIndex:
             for t, blocks in self._by_tenant.items()
             if not self.quotas_bytes.get(t, 0)
         }
+        if len(iters) == 1:  # one such tenant (a full memory tier asks on every put)
+            for key, entry in next(iter(iters.values())):
+                if key not in planned:
+                    yield key, entry.size
+            return
         heads: dict[TenantId, tuple[StorageKey, Entry]] = {}
         for t, it in iters.items():
             head = next(it, None)

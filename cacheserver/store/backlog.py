@@ -106,7 +106,8 @@ class WriteBacklog:
         no more."""
         with self._room:
             _less(self._arriving, tenant, nbytes)
-            self._room.notify_all()
+            if self._waiting:  # every put lands: wake only when some put waits
+                self._room.notify_all()
 
     def _refusal(self, tenant: TenantId, nbytes: int) -> str:
         if self._bytes + nbytes > self.max_bytes:
@@ -129,7 +130,8 @@ class WriteBacklog:
             _less(self._by_tenant, tenant, nbytes)
             if not landed:
                 _less(self._arriving, tenant, nbytes)
-            self._room.notify_all()
+            if self._waiting:
+                self._room.notify_all()
 
 
 def _less(counter: Counter[TenantId], tenant: TenantId, n: int) -> None:

@@ -66,7 +66,7 @@ class Writer:
         LMDB at most this long after it was acknowledged, even while requests never
         pause (bulk workers read LMDB only)."""
         self._tiers = tiers
-        self._queue: queue.Queue[Message] = queue.Queue()
+        self._queue: queue.SimpleQueue[Message] = queue.SimpleQueue()  # C: ~1 us less a put
         self._reclaim_asked = threading.Event()
         self._drain_now = threading.Event()  # wakes a writer waiting for a quiet moment
         # Journaled puts move into LMDB once puts pause this long ([storage] drain_idle_ms)

@@ -58,7 +58,11 @@ from kvcommon.errors import ConfigError, ResourceExhausted
 from policy.types import ModelTag, StorageKey, TenantId
 
 MIN_CAPACITY = 16 << 20
-PREFAULT_CHUNK_BYTES = 32 << 20
+# Pages are made a chunk at a time. The kernel holds the process's memory-map lock
+# (for reading) while it makes a chunk, and anything that maps or unmaps memory in
+# the process (the allocator, for one) waits for it: 4 clients of 64 KiB puts, puts'
+# p99 2.1-2.5 ms with 2 MiB chunks against 2.5-3.3 with 32 MiB (4 alternating runs).
+PREFAULT_CHUNK_BYTES = 2 << 20
 PREFAULT_AHEAD_BYTES = 128 << 20  # how far ahead of use the ring's pages are made
 
 

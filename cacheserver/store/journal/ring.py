@@ -59,10 +59,16 @@ from policy.types import ModelTag, StorageKey, TenantId
 
 MIN_CAPACITY = 16 << 20
 # Pages are made a chunk at a time. The kernel holds the process's memory-map lock
-# (for reading) while it makes a chunk, and anything that maps or unmaps memory in
-# the process (the allocator, for one) waits for it: 4 clients of 64 KiB puts, puts'
-# p99 2.1-2.5 ms with 2 MiB chunks against 2.5-3.3 with 32 MiB (4 alternating runs).
-PREFAULT_CHUNK_BYTES = 2 << 20
+# (for reading) while it makes a chunk, and anything in the process that maps memory
+# meanwhile (the allocator, for one) waits for it, and every page fault behind that;
+# the prefaulter runs at nice 19, so on a busy host it may hold the lock, preempted,
+# for milliseconds. Bursts of 4,096 64 KiB puts from 4 clients (loopback), p50 / p99:
+# 32 MiB chunks ~0.5 / 2.5-3.3 ms, 2 MiB 0.46-0.52 / 1.8-2.2, 1 MiB 0.48-0.53 /
+# 1.6-2.3, 512 KiB 0.53-0.58 / 1.2-1.6, 256 KiB 0.57-0.65 / 1.2-1.6 (the more calls,
+# the more the thread takes the GIL); no prefaulter at all 0.62-0.65 / 1.3-1.5. Two
+# hosts (`kvshare bench`, 2 runs each), PUT p99 / p50 at 1 / 4 / 16 clients: 2 MiB
+# 6.8-7.4x / 3.8-4.1x / 2.9-3.1x, 512 KiB 2.6-2.9x / 3.1-3.6x / 2.4-2.8x.
+PREFAULT_CHUNK_BYTES = 512 << 10
 PREFAULT_AHEAD_BYTES = 128 << 20  # how far ahead of use the ring's pages are made
 
 

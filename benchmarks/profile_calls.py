@@ -10,7 +10,8 @@ client processes (each running that checkout's client) that repeat one call for
 `--seconds`: `lookup` (64 present digests: the call vLLM's scheduler makes per
 request), `get` (one 64 KiB block) or `put` (one new 64 KiB block), on the client's
 default transports across TCP (the bulk channel; no same-host arena). It reports
-calls/s and the server's CPU time per call (/proc/<pid>/stat: user and system time of
+calls/s, the calls' p50 and p99 as the clients timed them, and the server's CPU time
+per call (/proc/<pid>/stat: user and system time of
 the whole process and of its bulk workers, in clock ticks of 10 ms, so runs of a few
 seconds are needed). `--workers 1,2` measures each count of bulk-serving processes
 (`kvshare serve --bulk-workers N`) in turn. `--metrics` serves with the Prometheus
@@ -47,36 +48,39 @@ LOOKUP_DIGESTS = 64
 
 def client_loop(
     address: str, token: str, op: str, seconds: float, block: int = BLOCK
-) -> tuple[int, float]:
-    """One client's calls in `seconds` and the CPU seconds its loop took (run in a
-    process of its own: `--client`)."""
+) -> tuple[int, float, list[float]]:
+    """One client's calls in `seconds`, the CPU seconds its loop took and each call's
+    seconds (run in a process of its own: `--client`)."""
     from replica_agent.client import BlockClient
 
     with BlockClient(address, token, same_host=False) as client:
         digests = [os.urandom(32) for _ in range(LOOKUP_DIGESTS)]
         payload = os.urandom(block)
         client.put("dev", MODEL, digests, [payload] * len(digests))
-        calls, end = 0, time.monotonic() + seconds
+        calls, end, took = 0, time.monotonic() + seconds, []
         cpu_start = time.process_time()
         while time.monotonic() < end:
+            digest = os.urandom(32) if op == "put" else b""  # drawn before the clock starts
+            started = time.perf_counter()
             if op == "lookup":
                 client.lookup("dev", MODEL, digests)
             elif op == "get":
                 client.get("dev", MODEL, digests[calls % len(digests) :][:1])
             else:
-                client.put("dev", MODEL, [os.urandom(32)], [payload])
+                client.put("dev", MODEL, [digest], [payload])
+            took.append(time.perf_counter() - started)
             calls += 1
         cpu = time.process_time() - cpu_start
         if client.transport_stats.bulk_fallbacks:
             raise SystemExit("a call fell back to gRPC: the measurement is not of the bulk path")
-        return calls, cpu
+        return calls, cpu, took
 
 
 def drive(
     tree: Path, address: str, token: str, op: str, clients: int, seconds: float, block: int
-) -> tuple[int, float]:
-    """Calls made by `clients` processes in `seconds`, each running `tree`'s client, and
-    the CPU seconds the clients' loops took together."""
+) -> tuple[int, float, list[float]]:
+    """Calls made by `clients` processes in `seconds`, each running `tree`'s client, the
+    CPU seconds the clients' loops took together, and every call's seconds."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
     command = [sys.executable, str(Path(__file__).resolve()), "--client", address, token, op]
     procs = [
@@ -88,8 +92,9 @@ def drive(
     outputs = [proc.communicate(timeout=seconds + 120)[0] for proc in procs]
     if any(proc.returncode for proc in procs):
         raise SystemExit(f"a client failed in {tree}")
-    counted = [out.split() for out in outputs]
-    return sum(int(calls) for calls, _ in counted), sum(float(cpu) for _, cpu in counted)
+    counted = [json.loads(out) for out in outputs]
+    took = [seconds for one in counted for seconds in one["took"]]
+    return sum(one["calls"] for one in counted), sum(one["cpu"] for one in counted), took
 
 
 def cpu_ns(pid: int) -> int:
@@ -159,7 +164,9 @@ def measure(
             )  # fmt: skip
             time.sleep(0.5)
         before = cpu_ns(served.proc.pid)
-        calls, client_cpu_s = drive(tree, served.address, served.token, op, clients, seconds, block)
+        calls, client_cpu_s, took = drive(
+            tree, served.address, served.token, op, clients, seconds, block
+        )
         used = cpu_ns(served.proc.pid) - before
         if recorder is not None:
             recorder.wait(60)
@@ -176,14 +183,21 @@ def measure(
         "calls_per_s": round(calls / seconds),
         "server_cpu_us_per_call": round(used / 1000 / max(calls, 1), 1),
         "client_cpu_us_per_call": round(client_cpu_s * 1e6 / max(calls, 1), 1),
+        "p50_ms": round(percentile(took, 0.50) * 1e3, 3),
+        "p99_ms": round(percentile(took, 0.99) * 1e3, 3),
     }
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * fraction))] if ordered else 0.0
 
 
 def main() -> int:
     if sys.argv[1:2] == ["--client"]:
         address, token, op, seconds, block = sys.argv[2:7]
-        calls, cpu = client_loop(address, token, op, float(seconds), int(block))
-        print(calls, f"{cpu:.6f}")
+        calls, cpu, took = client_loop(address, token, op, float(seconds), int(block))
+        print(json.dumps({"calls": calls, "cpu": cpu, "took": took}))
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--op", choices=("lookup", "get", "put"), default="lookup")
@@ -219,7 +233,8 @@ def main() -> int:
                         f"{row['tree']:>14} {row['op']:>6} clients={clients:<3} "
                         f"{row['calls_per_s']:>7} calls/s  "
                         f"server CPU {row['server_cpu_us_per_call']:>8} us/call  "
-                        f"client CPU {row['client_cpu_us_per_call']:>8} us/call",
+                        f"client CPU {row['client_cpu_us_per_call']:>8} us/call  "
+                        f"p50 {row['p50_ms']:.2f} p99 {row['p99_ms']:.2f} ms",
                         flush=True,
                     )
     if args.json:

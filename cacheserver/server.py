@@ -321,14 +321,15 @@ def _server_credentials(tls: TlsFiles) -> grpc.ServerCredentials:
 async def serve(config: ServerConfig, tls: TlsFiles | None = None) -> None:
     """Run until SIGTERM or SIGINT; print `serving on HOST:PORT` when ready."""
     server = Server(config, tls)
-    address = await server.start()
     # What start-up built lives as long as the process (the index of every stored
     # block, rebuilt from LMDB): kept out of the collector's full passes, which walk
     # every tracked object with the GIL held and every request waiting (800,000
-    # indexed blocks: ~150 ms a pass; frozen, 3 ms for 50,000 blocks put since). Not
-    # in Server.start: a server embedded in another program leaves its heap alone.
+    # indexed blocks: ~150 ms a pass; frozen, 3 ms for 50,000 blocks put since).
+    # Before the listeners open, so no request waits for this one pass; not in Server:
+    # a server embedded in another program leaves its heap alone.
     gc.collect()
     gc.freeze()
+    address = await server.start()
     mode = (
         " (dev mode: tenant 'dev', token in " + str(config.data_dir / "dev.token") + ")"
         if config.is_dev_mode

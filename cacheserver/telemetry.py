@@ -170,7 +170,10 @@ class _Timings:
         from prometheus_client.core import HistogramMetricFamily
 
         family = HistogramMetricFamily(
-            "kvshare_rpc_duration_seconds", RPC_DURATION_HELP, labels=("method", "status")
+            "kvshare_rpc_duration_seconds",
+            RPC_DURATION_HELP,
+            labels=("method", "status"),
+            unit="seconds",  # OpenMetrics scrapes get the UNIT line the SDK's exporter writes
         )
         with self._lock:
             series = [(key, list(row)) for key, row in self._series.items()]
@@ -199,8 +202,8 @@ class _SdkTimings:
 
 
 def _bound_text(bound: float) -> str:
-    """A bucket's `le` as Prometheus writes it ("0.0001", "1.0", "+Inf")."""
-    return "+Inf" if bound == float("inf") else repr(float(bound))
+    """A bucket's `le` as the SDK's exporter writes it ("0.0001", "1.0", "+Inf")."""
+    return "+Inf" if bound == float("inf") else f"{bound}"
 
 
 class ServerTelemetry:

@@ -284,8 +284,8 @@ def test_puts_reach_lmdb_while_busy_once_the_worker_hands_a_read_back(two: Runni
     # collection (~0.3 s here) would stall its requests and make the store look idle.
     gc.collect()
     gc.disable()
-    busy.start()
     try:
+        busy.start()
         assert going.wait(10)  # its first call (the channel's set-up) is behind it
         with main, worker:
             assert main.put("alpha", MODEL, digests, payloads) == [True] * 4

@@ -194,12 +194,17 @@ def test_latencies_summed_in_the_server_export_what_the_sdk_exported(
     ~6 us a call): the exported histogram must be the one the SDK's exporter wrote, to
     the line: buckets inclusive of their bound, cumulative, the sum, the count."""
     from prometheus_client import generate_latest
+    from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 
     from cacheserver.config import TelemetryConfig
 
     def duration_lines(telemetry: ServerTelemetry) -> list[str]:
-        text = generate_latest(telemetry._registry).decode()
-        return sorted(line for line in text.splitlines() if "kvshare_rpc_duration" in line)
+        """The histogram's lines in both of Prometheus's text formats."""
+        lines = []
+        for exposition in (generate_latest, generate_openmetrics):
+            text = exposition(telemetry._registry).decode()
+            lines += sorted(line for line in text.splitlines() if "kvshare_rpc_duration" in line)
+        return lines
 
     prometheus = TelemetryConfig(metrics_listen="127.0.0.1:0")
     local = ServerTelemetry(prometheus)  # Prometheus alone: summed in the server

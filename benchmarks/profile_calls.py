@@ -40,6 +40,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvshare.simulate.timing import percentile
+
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "profile/model"
 BLOCK = 64 << 10
@@ -167,6 +169,7 @@ def measure(
         calls, client_cpu_s, took = drive(
             tree, served.address, served.token, op, clients, seconds, block
         )
+        took.sort()
         used = cpu_ns(served.proc.pid) - before
         if recorder is not None:
             recorder.wait(60)
@@ -186,11 +189,6 @@ def measure(
         "p50_ms": round(percentile(took, 0.50) * 1e3, 3),
         "p99_ms": round(percentile(took, 0.99) * 1e3, 3),
     }
-
-
-def percentile(values: list[float], fraction: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(len(ordered) * fraction))] if ordered else 0.0
 
 
 def main() -> int:

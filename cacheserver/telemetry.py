@@ -267,10 +267,12 @@ class ServerTelemetry:
             return _Tally(meter, name, unit, description) if enabled else _NO_TALLY
 
         self._rpc_requests = count("kvshare.rpc.requests", "{request}", "RPCs by method, status")
-        self._rpc_duration: _Timings | _SdkTimings = _SdkTimings(meter, LATENCY_BUCKETS_S)
+        self._rpc_duration: _Timings | _SdkTimings
         if local_timings:
             self._rpc_duration = _Timings(LATENCY_BUCKETS_S)
             self._registry.register(self._rpc_duration)
+        else:
+            self._rpc_duration = _SdkTimings(meter, LATENCY_BUCKETS_S)
         self._lookups = count("kvshare.lookups", "{lookup}", "Lookup calls")
         self._lookup_blocks = count("kvshare.lookup.blocks", "{block}", "digests looked up")
         self._get_blocks = count("kvshare.get.blocks", "{block}", "blocks asked by gets")

@@ -120,10 +120,15 @@ class Writer:
         a 64 KiB put from 4 clients on 2 cores, and no worker asked for them. (Reads a
         worker hands back for other reasons, misses among them, hold it too: in mixed
         traffic it is on most of the time, the rule before 2026-12-05.)"""
-        now, held_since = time.monotonic(), self._reads_handed_back_at
+        now = time.monotonic()
+        began = not self._holding(now)
         self._reads_handed_back_at = now
-        if self._drain_within_s is not None and now - held_since > HANDED_BACK_READS_HOLD_S:
+        if self._drain_within_s is not None and began:
             self._drain_now.set()  # the hold begins: a writer waiting for a pause looks again
+
+    def _holding(self, now: float) -> bool:
+        """Whether a worker handed a read back within HANDED_BACK_READS_HOLD_S of `now`."""
+        return now - self._reads_handed_back_at <= HANDED_BACK_READS_HOLD_S
 
     def journal_full(self) -> None:
         """A put waits for journal room: wake the writer (drain, then reclaim)."""
@@ -249,9 +254,8 @@ class Writer:
             now = time.monotonic()
             quiet_for = now - self._tiers.last_activity
             waited = now - since
-            within = self._drain_within_s
-            if now - self._reads_handed_back_at > HANDED_BACK_READS_HOLD_S:
-                within = None  # no worker asked for what it could not find lately
+            # No worker asked lately for what it could not find: no bound.
+            within = self._drain_within_s if self._holding(now) else None
             if (
                 quiet_for >= self._drain_idle_s
                 or (within is not None and waited >= within)

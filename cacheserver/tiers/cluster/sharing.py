@@ -12,6 +12,8 @@
   order in the cluster, a batch per tenant every TOUCH_EVERY_S.
 - Keeping: blocks read from the cluster are put into the local tiers (`promote`), so
   the next read is local; a delete that ran meanwhile undoes the copy (`DeleteLog`).
+- Neither touches nor keeps reach a fixed-order namespace (the public scope): the
+  tier does not hand its reads here (`ClusterTier.fixed_order`).
 """
 
 from __future__ import annotations

@@ -20,6 +20,10 @@ Invariants:
   every copy this server was making of a deleted block meanwhile is undone (`DeleteLog`).
 - Quotas hold across servers (`accounting`); eviction there never touches another
   tenant's blocks.
+- A fixed-order namespace (`fixed_order`: the public scope) is left as its puts made
+  it: its reads and lookups neither touch its order in the cluster nor keep local
+  copies, so no server's tiers or the cluster's eviction order say who read what
+  (docs/isolation.md, public scope).
 
 Threads: calls come from executor threads and the store's writer; `sharing` writes to
 the cluster and keeps copies on its own threads; `follower` applies others' deletes and
@@ -53,7 +57,7 @@ from cacheserver.tiers.cluster.sharing import Keep, Sharing
 from kvcommon.errors import Unavailable
 from policy import AccessPolicy
 from policy.shared_values import ValueMac
-from policy.types import ModelTag, StorageKey, TenantId
+from policy.types import PUBLIC, ModelTag, StorageKey, TenantId
 
 log = logging.getLogger(__name__)
 FIRST_READ_WINDOW = 2  # blocks asked at once before their size is known
@@ -96,8 +100,10 @@ class ClusterTier:
         data_dir: Path,
         max_block_bytes: int,
         mac: ValueMac,
+        fixed_order: frozenset[TenantId] = frozenset(),
     ) -> None:
         self.config = config
+        self.fixed_order = fixed_order
         self.mac = mac  # tags values written, checks values read (layout.open_value)
         # The largest value a block key may hold: a bigger one is a miss, never read in.
         self.max_value_bytes = HEADER_BYTES + max_block_bytes
@@ -150,7 +156,7 @@ class ClusterTier:
         known = self.tenants.get(tenant)
         if known is None:
             return 0
-        self.sharing.touch(known, keys[:local])
+        self._touch(known, keys[:local])
         rest = keys[local:]
         present, window = 0, FIRST_LOOKUP_WINDOW
         while present < len(rest):  # windows that double: a long miss tail costs little
@@ -158,12 +164,18 @@ class ClusterTier:
             for answer in self.nodes.run([(name, ("EXISTS", name)) for name in names]):
                 if answer != 1:
                     self.count(misses=1, failures=int(isinstance(answer, Failed)))
-                    self.sharing.touch(known, rest[:present])
+                    self._touch(known, rest[:present])
                     return present
                 present += 1
             window *= 2
-        self.sharing.touch(known, rest)
+        self._touch(known, rest)
         return present
+
+    def _touch(self, tenant: Tenant, keys: Sequence[StorageKey]) -> None:
+        """Blocks used here move to the recent end of their tenant's order in the
+        cluster; a fixed-order namespace's stay where their puts left them."""
+        if tenant.id not in self.fixed_order:
+            self.sharing.touch(tenant, keys)
 
     def read_leading(
         self, tenant: TenantId, keys: Sequence[StorageKey], max_bytes: int
@@ -201,9 +213,13 @@ class ClusterTier:
         generation: int,
     ) -> list[Payload]:
         served = keys[: len(found)]
-        self.sharing.touch(tenant, served)
+        self._touch(tenant, served)
         self.sharing.mark_shared(served)
-        if self.config.local_copies:
+        # A fixed-order namespace is never kept from a read: which of its blocks this
+        # server holds (and so how fast it serves them) depends on what was put here,
+        # never on who read what through it. Every read of one it does not hold costs
+        # the same round trip to the cluster.
+        if self.config.local_copies and tenant.id not in self.fixed_order:
             for key, (payload, model_tag) in zip(served, found, strict=True):
                 self.sharing.promote(Keep(tenant, key, model_tag, payload, generation))
         return [payload for payload, _ in found]
@@ -350,4 +366,7 @@ def open_cluster_tier(
         Tenant(tenant, policy.cluster_tag(tenant), policy.epoch(tenant), quota)
         for tenant, quota in policy.quotas_bytes.items()
     ]
-    return ClusterTier(config, tenants, data_dir, max_block_bytes, policy.shared_value_mac())
+    fixed_order = frozenset({PUBLIC}) if policy.has_public else frozenset()
+    return ClusterTier(
+        config, tenants, data_dir, max_block_bytes, policy.shared_value_mac(), fixed_order
+    )

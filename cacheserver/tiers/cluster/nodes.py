@@ -51,6 +51,11 @@ from kvcommon.errors import ConfigError
 log = logging.getLogger(__name__)
 REFRESH_EVERY_S = 0.5
 _MAP_MOVED = (MovedError, AskError, ClusterDownError, TryAgainError)
+# What a node that is down, slow or wrong raises, here or inside redis-py: its errors (a
+# refused or broken connection, a timeout, an error reply), the cluster client's own (no
+# node for a slot), the socket's (TLS included), and a reply that is not Redis talking
+# (`replies`). Each is a miss for that node's keys, wherever in a command it comes.
+_NODE_FAILED = (RedisError, RedisClusterException, OSError, ValueError)
 _MOVED_WORDS = frozenset({b"MOVED", b"ASK", b"CLUSTERDOWN", b"TRYAGAIN"})
 
 
@@ -257,16 +262,24 @@ class ClusterNodes:
         read: Callable[[Replies], _Read],
     ) -> _Read | Failed:
         """`commands` sent on one of the node's pooled connections, their replies read
-        by `read` off its socket (module docstring); `Failed` when the node failed."""
-        pool = client.get_redis_connection(node).connection_pool
-        connection = pool.get_connection()
+        by `read` off its socket (module docstring); `Failed` when the node failed.
+
+        Taking the connection is where a dead node shows first: redis-py's pool
+        connects a new one, or checks a pooled one and reconnects it when the node has
+        closed it, and raises when the node refuses or does not answer. A miss too."""
+        try:
+            pool = client.get_redis_connection(node).connection_pool
+            connection = pool.get_connection()  # given back by the pool when it raises
+        except _NODE_FAILED as error:
+            self._node_failed(node, error)
+            return Failed("node down")
         try:
             connection.send_packed_command(connection.pack_commands(commands))
             sock = connection._get_socket()  # connected by the send above
             if sock is None:
                 raise redis.ConnectionError("the connection has no socket")
             return read(Replies(sock))
-        except (RedisError, OSError, ValueError) as error:
+        except _NODE_FAILED as error:
             connection.disconnect()  # a reply half read: the connection is unusable
             self._node_failed(node, error)
             return Failed("node down")
@@ -297,7 +310,7 @@ class ClusterNodes:
                 for sha in missing:
                     connection.execute_command("SCRIPT", "LOAD", self._scripts[sha])
                 answers = self._pipeline(client, node, commands)
-        except (RedisError, OSError) as error:
+        except _NODE_FAILED as error:
             self._node_failed(node, error)
             return [Failed("node down")] * len(commands)
         out: list[Any] = []
@@ -381,7 +394,7 @@ class ClusterNodes:
                 client.get_redis_connection(node).ping()
                 with self._lock:
                     self._down.pop(node.name, None)
-            except (RedisError, OSError) as error:
+            except _NODE_FAILED as error:
                 self._node_failed(node, error)
                 failing.append(node.name)
         self.refresh_if_wanted()

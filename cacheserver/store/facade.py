@@ -18,6 +18,7 @@ Invariants of the facade (the store's own are in `cacheserver.store.tiering`):
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -30,7 +31,12 @@ from cacheserver.store.journaled import JournaledPuts
 from cacheserver.store.lineup import Lineup
 from cacheserver.store.local import StoreCopies
 from cacheserver.store.reading import Reading
-from cacheserver.store.recovery import open_journal, rebuild_index, replay_journal
+from cacheserver.store.recovery import (
+    open_journal,
+    rebuild_index,
+    replay_journal,
+    restore_pinned,
+)
 from cacheserver.store.tiering import Tiers
 from cacheserver.store.upkeep import start_prefaulter, start_syncer
 from cacheserver.store.writer import Writer
@@ -40,9 +46,29 @@ from cacheserver.tiers.lmdb import LmdbTier
 from cacheserver.tiers.memory import MemoryTier, memory_quotas
 from policy.types import ModelTag, StorageKey, TenantId
 
+log = logging.getLogger(__name__)
+
 
 def _nothing() -> None:
     pass
+
+
+def _warn_if_not_pinned(
+    quotas_bytes: Mapping[TenantId, int], fixed_order: frozenset[TenantId], memory_bytes: int
+) -> None:
+    """A fixed-order namespace (the public scope) is pinned in memory up to half the
+    tier (`memory_quotas`); what its quota allows past that is read from disk, as fast
+    as the page cache happens to make it, which depends on who read it last."""
+    for tenant in fixed_order:
+        if quotas_bytes.get(tenant, 0) > memory_bytes // 2:
+            log.warning(
+                "the public scope's quota_bytes (%d) is over half of [storage] "
+                "memory_budget_bytes (%d): published blocks past that are served from "
+                "disk, and how fast tells whether they were read lately; lower "
+                "[public] quota_bytes or raise memory_budget_bytes",
+                quotas_bytes[tenant],
+                memory_bytes,
+            )
 
 
 class BlockStore:
@@ -83,6 +109,7 @@ class BlockStore:
             on_evict=lambda reason, nbytes: self.events.evicted("memory", reason, nbytes),
             fixed_order=fixed_order,
         )
+        _warn_if_not_pinned(quotas_bytes, fixed_order, storage.memory_budget_bytes)
         index = BlockIndex(storage.disk_budget_bytes, quotas_bytes, fixed_order)
         self._lineup = Lineup(memory, disk, lower_tiers)
         self._tiers = Tiers(index, self._lineup, self.events)
@@ -99,6 +126,7 @@ class BlockStore:
             drain_within_s,
         )
         self.reclaimed_at_start = rebuild_index(self._tiers, self._epochs)
+        restore_pinned(self._tiers)
         recorded = disk.journal_position()
         try:
             self.replayed_at_start = replay_journal(

@@ -13,7 +13,9 @@ Invariants (the state here changes only under the store's lock, `Tiers.lock`):
   reads fall back to the record's view there (`held`).
 - The memory tier may hold a view of a record only while `_views` tracks it: views
   are dropped from memory (`reclaim`) before the record's space is released, and a
-  view served by `read_through` is never promoted into memory.
+  view served by `read_through` is never promoted into memory. A fixed-order
+  namespace's view (the public scope, which reads never bring back) is replaced by a
+  copy instead: a published block stays in memory, whatever the ring reclaims.
 - Views handed to readers stay valid while the reader is pinned (`pin`): the ring does
   not write released space again while a reader that entered before may still send it.
 """
@@ -59,7 +61,7 @@ class JournaledPuts:
         self._pending: dict[StorageKey, PutJob] = {}  # journaled, not yet in LMDB
         # Journaled blocks held by the memory tier as views of their records, by seq:
         # dropped from memory before the record's space is released.
-        self._views: dict[int, tuple[StorageKey, memoryview]] = {}
+        self._views: dict[int, tuple[StorageKey, TenantId, memoryview]] = {}
         self._view_seqs: list[int] = []  # a heap of the seqs in _views
         # Why the writer cannot move journaled puts into LMDB (its last drain failed),
         # or None: a put the full journal refuses then says so (`_why_full`).
@@ -146,7 +148,7 @@ class JournaledPuts:
                 self._pending[job.key] = job
                 tiers.note_stored(job)
                 if tiers.memory.get(job.key) is job.payload:
-                    self._views[record.seq] = (job.key, record.view)
+                    self._views[record.seq] = (job.key, job.tenant, record.view)
                     heapq.heappush(self._view_seqs, record.seq)
             else:
                 job.void = True
@@ -196,12 +198,31 @@ class JournaledPuts:
         if through is None:
             return
         memory = self._tiers.memory
+        pinned: list[tuple[StorageKey, memoryview]] = []
         with self._tiers.lock:  # readers entering from now on cannot find these views
             while self._view_seqs and self._view_seqs[0] <= through:
-                key, view = self._views.pop(heapq.heappop(self._view_seqs))
-                if memory.get(key) is view:
+                key, tenant, view = self._views.pop(heapq.heappop(self._view_seqs))
+                if not memory.holds(key, view):
+                    continue
+                if tenant in memory.fixed_order:
+                    pinned.append((key, view))  # copied below, before the space is reused
+                else:
                     memory.drop(key)
+        self._keep_copies(pinned)
         journal.reclaim(through)
+
+    def _keep_copies(self, pinned: list[tuple[StorageKey, memoryview]]) -> None:
+        """Replace the memory tier's views of these records by copies: blocks of a
+        fixed-order namespace, which a read would never bring back into memory. The
+        copies are made outside the lock (the records are not reused before
+        `journal.reclaim`); a block deleted or evicted meanwhile is not brought back."""
+        if not pinned:
+            return
+        copies = [(key, view, bytes(view)) for key, view in pinned]
+        memory = self._tiers.memory
+        with self._tiers.lock:
+            for key, view, copy in copies:
+                memory.replace(key, view, copy)
 
     # -- reads -----------------------------------------------------------------------
 

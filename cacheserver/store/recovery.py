@@ -13,6 +13,8 @@ Invariants:
   them, the start fails and the old journal stays (`JournalNotReplayed`).
 - A committed record whose payload fails its checksum at replay is never stored; it is
   counted as an integrity failure, like a corrupt block read from LMDB.
+- The fixed-order namespaces (the public scope) are back in the memory tier, in put
+  order, before any request: reads never bring them back (`restore_pinned`).
 """
 
 from __future__ import annotations
@@ -70,6 +72,33 @@ def rebuild_index(tiers: Tiers, epochs: dict[TenantId, int]) -> int:
             tiers.remove_everywhere(victims)
         disk.delete(victims)
     return reclaimed
+
+
+def restore_pinned(tiers: Tiers) -> int:
+    """Read the blocks of fixed-order namespaces from LMDB into the memory tier, oldest
+    put first, as their puts had left them there; returns how many. Reads never
+    promote these blocks (docs/isolation.md, public scope), so without this a restart
+    would leave them on disk for good, each read as fast as the page cache happened to
+    make it. Runs before the replay, whose blocks are newer."""
+    memory, index = tiers.memory, tiers.index
+    keys = [key for tenant in sorted(memory.fixed_order) for key in index.keys_of(tenant)]
+    keys.sort(key=lambda key: entry.clock if (entry := index.get(key)) else 0)
+    restored = start = 0
+    while start < len(keys):
+        batch, size = [], 0
+        while start < len(keys) and size < MAX_BATCH_BYTES:
+            entry = index.get(keys[start])
+            batch.append(keys[start])
+            size += entry.size if entry is not None else 0
+            start += 1
+        for key, payload in zip(batch, tiers.disk.read_many(batch), strict=True):
+            entry = index.get(key)
+            if payload is not None and entry is not None:
+                with tiers.lock:
+                    restored += memory.admit(key, entry.tenant, payload)
+    if restored:
+        log.info("restored %d published blocks to the memory tier", restored)
+    return restored
 
 
 def replay_journal(

@@ -182,6 +182,44 @@ class BlockIndex:
             raise NoRoom("every remaining block belongs to a tenant within its quota")
         return {key: "quota" if i < own_quota else "budget" for i, key in enumerate(planned)}
 
+    def victims_reserved(self, tenant: TenantId, size: int) -> dict[StorageKey, EvictReason]:
+        """Like `victims_with_reasons`, for a fixed-order namespace whose share of the
+        tier is reserved (the memory tier's public scope): only its own quota evicts
+        its blocks (rule 1), never the tier budget; what the budget needs is taken from
+        other tenants, in rule 2's order, and then from their least recently used
+        blocks even within their quotas (in the memory tier their blocks stay stored
+        below; only their hot copies go). Raises NoRoom for a block larger than its
+        quota or the tier, or when only fixed-order blocks are left."""
+        quota = self.quotas_bytes.get(tenant, 0)
+        if size > self.budget_bytes or (quota and size > quota):
+            limit = min(self.budget_bytes, quota) if quota else self.budget_bytes
+            raise NoRoom(
+                f"block of {size} bytes exceeds the {limit}-byte limit of this tier/tenant"
+            )
+        planned: dict[StorageKey, EvictReason] = {}
+        tenant_used, used = self.tenant_bytes(tenant), self.used_bytes
+        for key, entry in self._by_tenant.get(tenant, {}).items():
+            if not quota or tenant_used + size <= quota:
+                break
+            planned[key] = "quota"
+            tenant_used -= entry.size
+            used -= entry.size
+        if used + size <= self.budget_bytes:
+            return planned
+        sizes = {key: entry_size for key, entry_size in self._global_candidates(tenant, planned)}
+        sizes.update((key, entry.size) for key, entry in self.oldest_first())
+        for key, entry_size in sizes.items():
+            if used + size <= self.budget_bytes:
+                break
+            owner = self._entries[key].tenant
+            if key in planned or owner == tenant or owner in self.fixed_order:
+                continue
+            planned[key] = "budget"
+            used -= entry_size
+        if used + size > self.budget_bytes:
+            raise NoRoom("the tier holds only fixed-order blocks")
+        return planned
+
     def _global_candidates(
         self, tenant: TenantId, planned: Mapping[StorageKey, int]
     ) -> Iterator[tuple[StorageKey, int]]:

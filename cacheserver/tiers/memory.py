@@ -33,7 +33,9 @@ class MemoryTier:
         fixed_order: frozenset[TenantId] = frozenset(),
     ) -> None:
         """`fixed_order`: namespaces whose blocks a read neither reorders nor promotes
-        (BlockIndex); the store admits them here only when they are put."""
+        (BlockIndex); the store admits them here only when they are put (and at
+        start-up), and keeps them here within their share: the public scope is pinned,
+        so how fast a published block is served never depends on who read what."""
         self._index = BlockIndex(budget_bytes, quotas_bytes, fixed_order)
         self._payloads: dict[StorageKey, Payload] = {}
         self._on_evict = on_evict
@@ -67,7 +69,10 @@ class MemoryTier:
             self._index.touch(key)
             return False
         try:
-            victims = self._index.victims_with_reasons(tenant, len(payload))
+            if tenant in self.fixed_order:  # pinned: its share is reserved
+                victims = self._index.victims_reserved(tenant, len(payload))
+            else:
+                victims = self._index.victims_with_reasons(tenant, len(payload))
         except NoRoom:
             return False  # larger than the whole tier: serve it from disk only
         for victim, reason in victims.items():
@@ -82,6 +87,18 @@ class MemoryTier:
     def drop(self, key: StorageKey) -> None:
         if self._payloads.pop(key, None) is not None:
             self._index.remove(key)
+
+    def holds(self, key: StorageKey, payload: Payload) -> bool:
+        """Whether `key` is held as this very `payload` object (not touched)."""
+        return self._payloads.get(key) is payload
+
+    def replace(self, key: StorageKey, old: Payload, new: Payload) -> bool:
+        """Hold `new` for `key` where it still holds `old` (the same bytes, another
+        buffer: a copy of a journal record's view), keeping its place in the order."""
+        if self._payloads.get(key) is not old:
+            return False
+        self._payloads[key] = new
+        return True
 
     # -- the Tier protocol (cacheserver.tiers) ---------------------------------------
 

@@ -219,6 +219,13 @@ class ServerConfig:
     # The shared tier several servers use at once (cacheserver.tiers.cluster); None: none.
     redis_cluster: RedisClusterConfig | None = None
 
+    def __post_init__(self) -> None:
+        # The file's check names its line (load_config); this one catches flags
+        # (--disk-budget-bytes) and configs built in code.
+        problem = public_quota_problem(self.access, self.storage)
+        if problem is not None:
+            raise ConfigError(f"[public] quota_bytes: {problem}")
+
     @property
     def audit_log_path(self) -> Path:
         return self.audit_log if self.audit_log is not None else self.data_dir / AUDIT_FILE
@@ -230,6 +237,21 @@ class ServerConfig:
     @property
     def is_dev_mode(self) -> bool:
         return self.access is None
+
+
+def public_quota_problem(access: AccessConfig | None, storage: StorageConfig) -> str | None:
+    """Why the public scope's quota cannot be served with this storage, or None. A
+    quota past the disk budget lets a publisher fill the whole store: every tenant's
+    puts would then be refused or evict one another for the scope's sake."""
+    public = access.public if access is not None else None
+    if public is None or public.quota_bytes <= storage.disk_budget_bytes:
+        return None
+    return (
+        f"{public.quota_bytes} bytes exceeds [storage] disk_budget_bytes "
+        f"{storage.disk_budget_bytes}, so a publisher could fill the whole store; lower "
+        "quota_bytes (to at most half of memory_budget_bytes, so that every published "
+        "block stays in memory) or raise disk_budget_bytes"
+    )
 
 
 def _section(
@@ -324,12 +346,16 @@ def load_config(path: Path) -> ServerConfig:
     top = cfg.check_table({k: v for k, v in raw.items() if k in TOP_SPECS}, TOP_SPECS, ())
     audit_log = top.get("audit_log")
     secret_file = top.get("secret_file")
+    storage = _section(_table(raw, "storage", cfg), StorageConfig, STORAGE_SPECS, "storage", cfg)
+    problem = public_quota_problem(access, storage)
+    if problem is not None:
+        raise cfg.error(("public", "quota_bytes"), problem)
     return ServerConfig(
         listen=top.get("listen", DEFAULT_LISTEN),
         # relative to the working directory, like --data-dir
         data_dir=Path(top.get("data_dir", DEFAULT_DATA_DIR)),
         allow_insecure_listen=top.get("allow_insecure_listen", False),
-        storage=_section(_table(raw, "storage", cfg), StorageConfig, STORAGE_SPECS, "storage", cfg),
+        storage=storage,
         limits=_section(_table(raw, "limits", cfg), LimitsConfig, LIMITS_SPECS, "limits", cfg),
         access=access,
         tls=_parse_tls(_table(raw, "tls", cfg), cfg),

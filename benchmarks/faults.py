@@ -16,6 +16,8 @@ Scenarios (benchmarks/reliability/fault_scenarios*.py; each docstring says what 
                  listener says so and serves again once they end
   refused_put_memory  gRPC Puts refused after a 14 MiB frame give their memory back
   dripped_reply  a relay drips the bulk replies: the client's call ends at its deadline
+  redis_node_shutdown  a Redis Cluster node shut down under two servers holding pooled
+                 connections to it: no call fails, its blocks are misses (needs Redis)
 A scenario that needs root or a tool it does not find is skipped with the reason
 ("passed": null). `--json` prints {"scenarios": [{"name", "passed", "detail"}],
 "kill9_cycles", "acknowledged_lost", "torn_served"}.
@@ -36,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 from benchmarks.reliability import fault_scenarios as f1
 from benchmarks.reliability import fault_scenarios2 as f2
 from benchmarks.reliability import fault_scenarios3 as f3
+from benchmarks.reliability import fault_scenarios_cluster as fc
 from benchmarks.reliability.harness import private_journal_dir
 
 SCENARIOS = {
@@ -50,6 +53,7 @@ SCENARIOS = {
     "descriptor_flood": f3.descriptor_flood,
     "refused_put_memory": f3.refused_put_memory,
     "dripped_reply": f3.dripped_reply,
+    "redis_node_shutdown": fc.redis_node_shutdown,
 }
 
 

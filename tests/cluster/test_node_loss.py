@@ -253,7 +253,8 @@ def test_a_stopped_node_that_cannot_answer_costs_only_misses(
     tmp_path: Path, start_servers: Callable[..., Servers]
 ) -> None:
     """SIGSTOP: the node's port still takes connections but nothing answers on them;
-    each call waits `timeout_ms` for it, then answers a miss."""
+    each call waits `timeout_ms` for it (twice when it connects: redis-py tries a
+    connect twice), then answers a miss."""
     with make_cluster(tmp_path / "redis") as cluster:
         servers = start_servers(cluster, extra=EVERY_CALL_MEETS_IT + "\ntimeout_ms = 500")
         writer, reader = servers[0], servers[1]

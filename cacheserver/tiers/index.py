@@ -221,7 +221,7 @@ class BlockIndex:
         return planned
 
     def _global_candidates(
-        self, tenant: TenantId, planned: Mapping[StorageKey, int]
+        self, tenant: TenantId, planned: Mapping[StorageKey, object]
     ) -> Iterator[tuple[StorageKey, int]]:
         """Eviction candidates for the global budget, in the order of the module docstring."""
         over = [
@@ -243,7 +243,7 @@ class BlockIndex:
                 yield key, entry.size
 
     def _lru_among_unquoted(
-        self, planned: Mapping[StorageKey, int]
+        self, planned: Mapping[StorageKey, object]
     ) -> Iterator[tuple[StorageKey, int]]:
         """Blocks of tenants without a quota, least recently used first, across tenants."""
         iters = {

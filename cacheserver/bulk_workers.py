@@ -9,11 +9,15 @@ import socket
 from cacheserver.config import ServerConfig
 from cacheserver.store import BlockStore
 from cacheserver.telemetry import ServerTelemetry
+from cacheserver.tiers.lmdb import MAX_READERS
 from cacheserver.transport.bulk.delegation import Delegation, TenantReport
 from cacheserver.transport.bulk.handler import OPS
 from cacheserver.transport.bulk.listener import IDLE_TIMEOUT_S
+from cacheserver.transport.bulk.slots import MAX_AUTHENTICATED
 from cacheserver.transport.bulk.workers import BulkWorkers, WorkerSpec
+from cacheserver.transport.grpc.workers import THREADS
 from kvcommon import bulkwire
+from kvcommon.errors import ConfigError
 from policy import AccessPolicy, Action
 from policy.ratelimit import RequestRateLimiter
 from policy.tickets import Grant
@@ -22,6 +26,30 @@ from policy.types import TenantId
 # The methods of the bulk channel's calls, as the listener names them.
 BULK_GET = f"kvshare.bulk/{OPS[bulkwire.OP_GET]}"
 BULK_LOOKUP = f"kvshare.bulk/{OPS[bulkwire.OP_LOOKUP]}"
+
+# Threads of the server's own, besides the bulk channel's and gRPC's pools, that may
+# hold a read transaction: the asyncio default executor's (at most 32: the health
+# probes, whose own LMDB work is a write), the store's writer, the tiers' threads (a
+# shared tier's copies of local blocks, few), and the start-up scan. Generous: a slot
+# costs 64 bytes of the lock file, and LMDB scans only the slots ever used.
+SERVER_OWN_READERS = 64
+
+
+def lmdb_readers_needed(config: ServerConfig) -> int:
+    """The most LMDB read transactions the server and its bulk workers can hold at once
+    (cacheserver.tiers.lmdb sizes the reader table above it, MAX_READERS):
+
+    - every authenticated bulk connection (TCP, TLS, sealed or same-host: one cap for
+      all, `MAX_AUTHENTICATED`) is served by one thread at a time, in one process (a
+      worker waits, with no transaction open, while the server serves what it handed
+      back), and that thread holds at most one read transaction, never while it waits
+      on the peer: one each;
+    - gRPC's read and write pools (`THREADS` each): one each;
+    - the server's other threads (SERVER_OWN_READERS);
+    - each process (the server and every worker) keeps one spare read transaction,
+      and with it a slot, for its next read (py-lmdb's).
+    """
+    return MAX_AUTHENTICATED + 2 * THREADS + SERVER_OWN_READERS + config.bulk.processes()
 
 
 class WorkerAssembly:
@@ -38,6 +66,13 @@ class WorkerAssembly:
         telemetry: ServerTelemetry,
     ) -> None:
         assert limiter.shared is not None, "workers draw from the server's shared buckets"
+        needed = lmdb_readers_needed(config)
+        if needed > MAX_READERS:  # not at the specs' maxima (tests/unit/test_lmdb_readers.py)
+            raise ConfigError(
+                f"{processes} bulk-serving processes may hold {needed} LMDB read "
+                f"transactions at once, over its {MAX_READERS} reader slots; lower "
+                "[bulk] workers"
+            )
         self._config = config
         self._policy = policy
         self._limiter = limiter

@@ -21,6 +21,25 @@ answers only what it can answer exactly as the server would:
   traced requests, bodies too large to peek at). The worker waits for the server's
   answer before it reads the connection again.
 
+Two rules keep a worker's reads what the server's would be, and LMDB's reader table
+(shared by every process, cacheserver.tiers.lmdb) free:
+
+- A read transaction never waits on the peer. The blocks are verified and the reply
+  goes out straight from the memory map as far as the socket buffer takes it at once
+  (no copy: the usual case for a reader that keeps up); only what it did not take is
+  copied out, and the transaction ends before the send waits. A reader that stalls
+  then holds a follower thread and a copy of at most MAX_GET_BYTES, not a snapshot,
+  a reader slot and every page freed after it, as it did while the transaction
+  lasted as long as the send. (Copying every reply out would cost a copy per block
+  on every GET; holding the transaction for a bounded time would still let
+  stalled readers hold every slot for that long.)
+- A block the server's index no longer lists is not served: a journaled put's
+  eviction drops it from the index at once but from LMDB only when that put is
+  drained. The server marks such keys in a shared table until their delete commits
+  (cacheserver.tiers.retiring); the worker asks it before it takes its snapshot (a
+  few array reads per request) and hands a marked key's request back, so the server's
+  index answers it.
+
 So every write, quota, eviction, journal record, audit record and refusal stays in the
 server process; a worker writes nothing. What it served, it reports every
 REPORT_INTERVAL_S (delegation.Report): the keys become recently used in the server's
@@ -49,7 +68,7 @@ from cacheserver.transport.bulk.listener import IDLE_TIMEOUT_S
 from cacheserver.transport.bulk.readyloop import ReadyLoop
 from kvcommon import bulkwire as w
 from kvcommon import handoff
-from kvcommon.errors import InvalidArgument
+from kvcommon.errors import InvalidArgument, Unavailable
 from kvcommon.logs import configure_logging
 from policy.identity import Principal
 from policy.naming import TenantNamer
@@ -67,6 +86,7 @@ MAX_GET_BYTES = 1 << 20
 # Plain ints: or-ing socket's flag enums costs microseconds a call.
 _PEEK = int(socket.MSG_PEEK)
 _PEEK_ALL = int(socket.MSG_PEEK | socket.MSG_WAITALL)
+_OK = bytes([w.OK])
 
 
 class Tally:
@@ -167,7 +187,8 @@ class Connection:
         return self._limiter.try_admit(self._principal)
 
     def _answer(self, op: int, request: bytes, model_len: int, count: int) -> bool:
-        """Serve the peeked request if every block it names is in LMDB; False: not."""
+        """Serve the peeked request if every block it names is in LMDB and listed in the
+        server's index; False: not (the server answers it)."""
         body = memoryview(request)[w.REQUEST.size :]
         try:
             model = parse_model(parse_model_bytes(body[:model_len]))
@@ -175,26 +196,62 @@ class Connection:
             return False  # the server refuses it, with its message
         digests = cast("list[BlockDigest]", w.request_digests(body[model_len:]))
         keys = self._namer.storage_keys(model, digests)
-        with self._reader.reads() as reads:
-            if op == w.OP_LOOKUP:
-                if reads.leading_present(keys) < count:
-                    return False
-                self._consume(len(request))
-                w.send_parts(self._conn, [w.lookup_reply(count)], self._pace.deadline(0))
-                self._tally.lookup(self._tenant, keys)
-                return True
-            views = reads.leading(self._tenant, keys, MAX_GET_BYTES)
-            if views is None or len(views) < count:
+        # Asked before the snapshot is taken: a delete committed after this is in it.
+        if self._reader.any_retiring(keys):
+            return False  # evicted from the index, still in LMDB: the server's miss
+        if op == w.OP_LOOKUP:
+            if not self._all_present(keys):
                 return False
             self._consume(len(request))
-            nbytes = sum(len(view) for view in views)
-            parts: list[bytes | bytearray | memoryview] = [bytes([w.OK])]
-            for view in views:
-                parts += [w.SIZE.pack(len(view)), view]
-            parts.append(w.END)
-            w.send_parts(self._conn, parts, self._pace.deadline(nbytes))
+            w.send_parts(self._conn, [w.lookup_reply(count)], self._pace.deadline(0))
+            self._tally.lookup(self._tenant, keys)
+            return True
+        sent = self._send_blocks(keys, len(request))
+        if sent is None:
+            return False
+        rest, deadline, nbytes = sent
+        if rest:  # the peer is slower than the socket buffer: wait, with no snapshot held
+            w.send_parts(self._conn, rest, deadline)
         self._tally.get(self._tenant, keys, nbytes)
         return True
+
+    def _all_present(self, keys: Sequence[StorageKey]) -> bool:
+        try:
+            with self._reader.reads() as reads:
+                return reads.leading_present(keys) == len(keys)
+        except Unavailable:
+            return False  # LMDB's reader table is full: the server answers
+
+    def _send_blocks(
+        self, keys: Sequence[StorageKey], request_bytes: int
+    ) -> tuple[list[bytes | bytearray | memoryview], w.Deadline, int] | None:
+        """Within one read transaction: the blocks of `keys` read and verified, the
+        request consumed, and as much of the reply sent as the socket takes at once,
+        straight from the memory map; what it did not take is copied out before the
+        transaction ends. Returns that rest (empty: all sent), the reply's deadline and
+        its payload bytes; None when a block is missing (nothing consumed or sent).
+
+        So a read transaction, and its slot in LMDB's reader table, never waits on the
+        peer: a slow or stalled reader cannot hold a snapshot (and the pages freed
+        after it) or fill the table every process shares."""
+        try:
+            reads = self._reader.reads()
+        except Unavailable:
+            return None
+        with reads:
+            views = reads.leading(self._tenant, keys, MAX_GET_BYTES)
+            if views is None or len(views) < len(keys):
+                return None
+            self._consume(request_bytes)
+            nbytes = sum(len(view) for view in views)
+            deadline = self._pace.deadline(nbytes)
+            parts: list[memoryview] = [memoryview(_OK)]
+            for view in views:
+                parts += [memoryview(w.SIZE.pack(len(view))), view]
+            parts.append(memoryview(w.END))
+            w.send_now(self._conn, parts)
+            rest: list[bytes | bytearray | memoryview] = [b"".join(parts)] if parts else []
+        return rest, deadline, nbytes
 
     def _hand_back(self, *, rate_drawn: bool) -> bool:
         """The server serves the request at the head of the socket; True when the

@@ -89,6 +89,7 @@ class Tiers:
                     superseded.append((admitted.pop(victim), reason))
                 elif entry is not None:
                     evicted.append((victim, entry, reason))
+                    self.disk.retire(victim)  # bulk workers: out until its delete commits
             self.index.add(job.key, job.tenant, len(job.payload), tag=job.model_tag)
             job.clock = self.index.clock
             admitted[job.key] = job

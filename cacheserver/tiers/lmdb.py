@@ -12,6 +12,20 @@ rewrites to prove the tier still commits, and `journal` the put journal's checkp
 
 The only module that imports `lmdb`. Blocking; thread-safe (LMDB's own transactions):
 the store calls it outside its lock, reads on executor threads, writes on its writer.
+
+Readers. LMDB's reader table (in its lock file, shared by every process that opens the
+environment: the server and its bulk workers) has a slot for each read transaction
+open at once; when none is free a read fails. So no read transaction here is held
+across a wait on a peer (the server copies payloads out; a worker sends what the
+socket takes at once and copies the rest: cacheserver.worker), the table is sized
+above what every process can open at once (MAX_READERS, against
+cacheserver.bulk_workers.lmdb_readers_needed), a process that died holding slots is
+cleared by LMDB's reader check (every READER_CHECK_INTERVAL_S here, and by each bulk
+worker as it starts: a dead worker's snapshot would otherwise keep every page freed
+after it from reuse, and the file would grow to the map's end), and a table that is
+full anyway fails a read as UNAVAILABLE, with what to do, never as an internal error.
+Blocks the index has evicted but LMDB still holds are marked for the workers until
+their delete commits (`retire`; cacheserver.tiers.retiring).
 """
 
 from __future__ import annotations
@@ -36,7 +50,8 @@ from cacheserver.tiers import (
     PendingWrite,
     Position,
 )
-from kvcommon.errors import ConfigError, ResourceExhausted
+from cacheserver.tiers.retiring import RetiringKeys, RetiringView
+from kvcommon.errors import ConfigError, ResourceExhausted, Unavailable
 from policy.types import ModelTag, StorageKey, TenantId
 
 # checksum (16) | size (8) | epoch (4) | clock (8) | then the tenant id in UTF-8
@@ -44,7 +59,13 @@ _META = struct.Struct(">16sQIQ16s")  # checksum, size, epoch, clock, model tag
 # The environment's shape, the same for the server and the bulk workers that read it.
 _BLOCKS_DB, _META_DB = b"blocks", b"meta"
 _MAX_DBS = 8
-_MAX_READERS = 256  # read transactions at once, across every process (the lock file's table)
+# Read transactions open at once, across every process (the lock file's table, 64 bytes
+# a slot): above lmdb_readers_needed for any valid configuration (400 at the specs'
+# maxima, 344 with 8 workers; tests/unit/test_lmdb_readers.py). The server, opening the
+# environment first, sizes the table; the workers take its size from the lock file.
+MAX_READERS = 1024
+# How often the server clears slots of processes that died (LMDB's reader check).
+READER_CHECK_INTERVAL_S = 1.0
 _PROBE_KEY = b"probe"
 _DRAINED_KEY = b"drained"
 # journal id | last sequence number in LMDB | offset where the journal's chain goes on;
@@ -80,6 +101,22 @@ def checksum(payload: Payload) -> bytes:
     return xxhash.xxh3_128_digest(payload)
 
 
+def _begin_read(env: lmdb.Environment) -> lmdb.Transaction:
+    """A read transaction; UNAVAILABLE, saying so, when LMDB's reader table is full
+    (after one reader check: a process that died may have held the slots)."""
+    try:
+        return env.begin(buffers=True)
+    except lmdb.ReadersFullError:
+        env.reader_check()
+    try:
+        return env.begin(buffers=True)
+    except lmdb.ReadersFullError:
+        raise Unavailable(
+            f"every one of LMDB's {env.max_readers()} reader slots is in use; retry "
+            "shortly (the blocks are still stored)"
+        ) from None
+
+
 def _pack_meta(w: PendingWrite, digest: bytes) -> bytes:
     return _META.pack(digest, len(w.payload), w.epoch, w.clock, w.model_tag) + w.tenant.encode(
         "utf-8"
@@ -103,8 +140,10 @@ class LmdbTier:
         map_bytes: int,
         sync_writes: bool,
         on_integrity_failure: Callable[[TenantId, int], None] | None = None,
+        max_readers: int | None = None,
     ) -> None:
-        """`on_integrity_failure(tenant, blocks)` hears of every corrupt block dropped."""
+        """`on_integrity_failure(tenant, blocks)` hears of every corrupt block dropped.
+        `max_readers`: the reader table's slots (MAX_READERS when None)."""
         try:
             path.mkdir(mode=0o700, parents=True, exist_ok=True)
             self._env = lmdb.open(
@@ -124,7 +163,7 @@ class LmdbTier:
                 # through the read-only mapping either way; a full disk fails a commit
                 # (pwrite) instead of faulting the process.
                 writemap=False,
-                max_readers=_MAX_READERS,
+                max_readers=max_readers or MAX_READERS,
                 lock=True,
             )
         except lmdb.Error as error:
@@ -147,6 +186,9 @@ class LmdbTier:
         self._data_fd = os.open(path / "data.mdb", os.O_RDWR | os.O_CLOEXEC)
         self._space_lock = threading.Lock()
         self._allocated_to = 0  # the data file's blocks are reserved up to here
+        self._retiring = RetiringKeys(path)
+        self._checking = threading.Event()  # set: the reader check's thread ends
+        self._checker: threading.Thread | None = None
 
     def used_file_bytes(self) -> int:
         """How far into the data file LMDB's pages reach (the file may be longer: space
@@ -193,10 +235,39 @@ class LmdbTier:
         return None
 
     def start(self, local: LocalCopies) -> None:
-        """Nothing runs on threads of its own."""
+        """LMDB's reader check, every READER_CHECK_INTERVAL_S, on a thread of its own."""
+        if self._checker is None:
+            self._checker = threading.Thread(
+                target=self._check_readers_loop, name="kvshare-lmdb-readers", daemon=True
+            )
+            self._checker.start()
 
     def stop(self) -> None:
-        """Nothing runs on threads of its own."""
+        self._checking.set()
+        if self._checker is not None:
+            self._checker.join()
+
+    def _check_readers_loop(self) -> None:
+        while not self._checking.wait(READER_CHECK_INTERVAL_S):
+            self.check_readers()
+
+    def check_readers(self) -> int:
+        """Free the reader slots of processes that ended (a bulk worker killed mid-read):
+        how many were freed."""
+        try:
+            return int(self._env.reader_check())
+        except lmdb.Error:
+            return 0  # the environment is closing
+
+    def reader_list(self) -> str:
+        """LMDB's reader table as it prints it (pid, thread, snapshot): for operators and
+        tests."""
+        return str(self._env.readers())
+
+    def retire(self, key: StorageKey) -> None:
+        """The index no longer lists `key` (evicted), and a later `write` deletes it:
+        bulk workers hand reads of it back meanwhile (cacheserver.tiers.retiring)."""
+        self._retiring.retire(key)
 
     def counts(self) -> dict[str, int]:
         with self._lock:
@@ -207,9 +278,11 @@ class LmdbTier:
         self._env.sync(True)
 
     def close(self) -> None:
+        self.stop()
         self._env.sync(True)
         self._env.close()
         os.close(self._data_fd)
+        self._retiring.close()
 
     def scan(self) -> Iterator[StoredMeta]:
         with self._env.begin(db=self._meta, buffers=True) as txn:
@@ -220,7 +293,7 @@ class LmdbTier:
         """Payloads for `keys` (None where absent or corrupt), one read transaction."""
         out: list[bytes | None] = []
         corrupt: list[tuple[StorageKey, TenantId]] = []
-        with self._env.begin(buffers=True) as txn:
+        with _begin_read(self._env) as txn:
             for key in keys:
                 raw_meta = txn.get(key, db=self._meta)
                 raw = txn.get(key, db=self._blocks)
@@ -267,36 +340,47 @@ class LmdbTier:
         With `drained`, the same commit records how far the put journal is now in LMDB.
 
         Returns, per write, whether it was stored (False: the key already existed).
+        Once it has committed, bulk workers may serve `deletes` again (`retire`).
         """
         new_pages = SMALL_TXN_PAGES + TXN_PAGES_PER_KEY * len(deletes)
         for w in writes:
             new_pages += len(w.payload) // self._page_bytes + 1 + TXN_PAGES_PER_KEY
         try:
             self._ensure_space(new_pages)
-            with self._env.begin(write=True) as txn:
-                if drained is not None:
-                    position, path = drained
-                    txn.put(
-                        _DRAINED_KEY,
-                        _DRAINED.pack(position.journal_id, position.seq, position.offset)
-                        + str(path).encode("utf-8"),
-                        db=self._journal,
-                    )
-                for key in deletes:
-                    txn.delete(key, db=self._blocks)
-                    txn.delete(key, db=self._meta)
-                stored = []
-                for w in writes:
-                    fresh = txn.put(w.key, w.payload, db=self._blocks, overwrite=False)
-                    if fresh:
-                        txn.put(w.key, _pack_meta(w, checksum(w.payload)), db=self._meta)
-                    stored.append(bool(fresh))
-                return stored
+            stored = self._commit(writes, deletes, drained)
         except lmdb.MapFullError:
             raise ResourceExhausted(
                 f"LMDB map full at {self.map_bytes} bytes; raise [storage] lmdb_map_bytes or "
                 "lower [storage] disk_budget_bytes so evictions keep it below the map"
             ) from None
+        self._retiring.settled(deletes)
+        return stored
+
+    def _commit(
+        self,
+        writes: Sequence[PendingWrite],
+        deletes: Sequence[StorageKey],
+        drained: JournalCheckpoint | None,
+    ) -> list[bool]:
+        with self._env.begin(write=True) as txn:
+            if drained is not None:
+                position, path = drained
+                txn.put(
+                    _DRAINED_KEY,
+                    _DRAINED.pack(position.journal_id, position.seq, position.offset)
+                    + str(path).encode("utf-8"),
+                    db=self._journal,
+                )
+            for key in deletes:
+                txn.delete(key, db=self._blocks)
+                txn.delete(key, db=self._meta)
+            stored = []
+            for w in writes:
+                fresh = txn.put(w.key, w.payload, db=self._blocks, overwrite=False)
+                if fresh:
+                    txn.put(w.key, _pack_meta(w, checksum(w.payload)), db=self._meta)
+                stored.append(bool(fresh))
+            return stored
 
     def delete(self, keys: Sequence[StorageKey]) -> int:
         self._ensure_space(SMALL_TXN_PAGES + TXN_PAGES_PER_KEY * len(keys))
@@ -313,7 +397,8 @@ class LmdbReader:
     cacheserver.worker): LMDB serves readers in several processes at once, each read
     transaction a consistent snapshot of committed blocks. It writes nothing: a block
     that fails its checksum is reported as absent, and the server, reading it next,
-    drops it (LmdbTier.read_many)."""
+    drops it (LmdbTier.read_many). Opening it runs LMDB's reader check: a worker that
+    replaces one that died frees the dead one's slots before it reads."""
 
     def __init__(self, path: Path, map_bytes: int) -> None:
         self._env = lmdb.open(
@@ -324,25 +409,38 @@ class LmdbReader:
             subdir=True,
             readahead=False,
             lock=True,
-            max_readers=_MAX_READERS,
+            max_readers=MAX_READERS,  # the server's table, as sized, wins (it opened first)
         )
+        self._env.reader_check()
         self._blocks = self._env.open_db(_BLOCKS_DB, create=False)
         self._meta = self._env.open_db(_META_DB, create=False)
+        self._retiring = RetiringView(path)
 
     def close(self) -> None:
         self._env.close()
+        self._retiring.close()
+
+    def any_retiring(self, keys: Sequence[StorageKey]) -> bool:
+        """Whether any of `keys` may be a block the server's index no longer lists (its
+        delete from LMDB still to commit): ask before `reads`, then hand such a read
+        back (cacheserver.tiers.retiring)."""
+        return self._retiring.any_retiring(keys)
 
     def reads(self) -> BlockReads:
         """A read transaction, `with` it: the views it returns are valid until the
-        block ends."""
-        return BlockReads(self._env.begin(buffers=True), self._blocks, self._meta)
+        block ends, and its reader slot is free then. Unavailable when LMDB's reader
+        table is full."""
+        return BlockReads(_begin_read(self._env), self._blocks, self._meta)
+
+    def reader_list(self) -> str:
+        return str(self._env.readers())
 
 
 class BlockReads:
     """The blocks of one read transaction (LmdbReader.reads)."""
 
     def __init__(self, txn: lmdb.Transaction, blocks: lmdb._Database, meta: lmdb._Database) -> None:
-        self._txn = txn
+        self._txn: lmdb.Transaction | None = txn
         self._blocks = blocks
         self._meta = meta
 
@@ -350,12 +448,20 @@ class BlockReads:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._txn.abort()  # a read transaction: nothing to commit
+        txn, self._txn = self._txn, None
+        if txn is not None:
+            txn.abort()  # a read transaction: nothing to commit; dropped, its slot is free
+
+    @property
+    def _open(self) -> lmdb.Transaction:
+        assert self._txn is not None, "read after the transaction ended"
+        return self._txn
 
     def leading_present(self, keys: Sequence[StorageKey]) -> int:
         """How many of `keys`, leading, are committed (checksums not read)."""
+        txn = self._open
         for index, key in enumerate(keys):
-            if self._txn.get(key, db=self._meta) is None:
+            if txn.get(key, db=self._meta) is None:
                 return index
         return len(keys)
 
@@ -365,12 +471,13 @@ class BlockReads:
         """Zero-copy views of the leading blocks of `keys` that are committed for
         `tenant` and whose checksum matches; the first that is not ends the list. None
         when they come to more than `max_bytes` (known from their sizes before any of
-        their pages is touched)."""
+        their pages is touched). Valid until the transaction ends."""
+        txn = self._open
         found: list[tuple[bytes, memoryview]] = []
         total = 0
         for key in keys:
-            raw_meta = self._txn.get(key, db=self._meta)
-            raw = self._txn.get(key, db=self._blocks)
+            raw_meta = txn.get(key, db=self._meta)
+            raw = txn.get(key, db=self._blocks)
             if raw_meta is None or raw is None:
                 break
             digest, meta = _unpack_meta(key, raw_meta)

@@ -9,8 +9,11 @@ it on its own descriptor of the same connection (cacheserver.transport.bulk.list
 
 What is shared, and how (docs/architecture.md, "Bulk workers"):
 - LMDB: one environment, opened read-only by each worker; every read transaction is a
-  consistent snapshot of committed blocks. Puts, deletes and evictions are the
-  server's: a block leaves LMDB synchronously on Delete, so no worker serves it after.
+  consistent snapshot of committed blocks, never held while a peer is waited on.
+  Puts, deletes and evictions are the server's: a block leaves LMDB synchronously on
+  Delete, so no worker serves it after; one a journaled put evicted stays in LMDB
+  until that put is drained, and is marked meanwhile (cacheserver.tiers.retiring), so
+  a worker hands its reads back and the server's index answers them.
 - The memory tier, the put journal, the index, quotas and eviction stay in the
   server. A block still only in the journal is a worker's miss: handed back.
 - Rate limits: one bucket per principal in shared memory (SharedBuckets).
@@ -20,7 +23,10 @@ What is shared, and how (docs/architecture.md, "Bulk workers"):
 Never delegated: TLS connections, the sealed channel, same-host arenas (their state
 is the server's), and the public scope (its readers' recency and figures stay where
 C70 audits them). A worker that dies is started again a second later; its
-connections close, and their clients reconnect.
+connections close, and their clients reconnect. LMDB's reader slots that it held (a
+worker killed mid-read) are freed by the reader check of the worker started in its
+place (as it opens LMDB, once the dead one has been reaped) and by the server's own,
+every second (cacheserver.tiers.lmdb).
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from policy.types import TenantId
 
 log = logging.getLogger(__name__)
 RESTART_DELAY_S = 1.0
+REAP_TIMEOUT_S = 5.0
 REPO_ROOT = Path(__file__).resolve().parents[3]  # where `cacheserver` is imported from
 
 # Applies one tenant's report in the server (index recency, metrics, Stats).
@@ -85,6 +92,16 @@ class _Process:
             )
         finally:
             child.close()
+
+    def reap(self) -> int:
+        """Its exit status, once it has ended (its control socket closed, the process is
+        exiting): waited for, so that the worker started in its place runs LMDB's reader
+        check after the dead one has let go of its locks (cacheserver.tiers.lmdb)."""
+        try:
+            return self.proc.wait(REAP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:  # it closed its control socket yet lives on
+            self.proc.kill()
+            return self.proc.wait()
 
     def stop(self) -> None:
         with contextlib.suppress(OSError):
@@ -141,7 +158,7 @@ class BulkWorkers:
             if self._stopping or self._procs[slot] is not proc:
                 return
             self._procs[slot] = None
-        code = proc.proc.poll()
+        code = proc.reap()
         log.error("bulk worker %d ended (exit status %s); starting another", slot, code)
         with contextlib.suppress(OSError):
             proc.control.close()

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +85,9 @@ class Output:
     token_ids: tuple[int, ...]
     num_cached_tokens: int  # vLLM's prefix hits: its own cache plus tokens the store supplied
     ttft_s: float
+    # A load's stages in ms after the request was submitted (replica_agent.adapters.
+    # vllm_trace, plus "first_token"); empty when nothing loaded from the store.
+    timeline: dict[str, float] = field(default_factory=dict)
 
 
 class EngineProcess:
@@ -150,7 +153,7 @@ class EngineProcess:
             op="generate", prompts=[asdict(p) for p in prompts], max_tokens=max_tokens
         )
         return [
-            Output(tuple(o["token_ids"]), o["num_cached_tokens"], o["ttft_s"])
+            Output(tuple(o["token_ids"]), o["num_cached_tokens"], o["ttft_s"], o["timeline"])
             for o in reply["outputs"]
         ]
 
@@ -247,6 +250,21 @@ def _build(model_dir: str, config: dict[str, Any]) -> Any:
     )
 
 
+def _load_timeline(llm: Any, submitted: float) -> dict[str, float]:
+    """The stages of the load of the one request just served, in ms after `submitted`
+    (both connector sides' marks; {} without a connector or a load)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if not has_kv_transfer_group():
+        return {}
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    merged: dict[str, float] = {}
+    for side in (scheduler.timeline.take(), get_kv_transfer_group().timeline.take()):
+        for marks in side.values():  # one request at a time: at most one id
+            merged.update({stage: round((at - submitted) * 1e3, 2) for stage, at in marks.items()})
+    return merged
+
+
 def _generate(llm: Any, message: dict[str, Any]) -> list[dict[str, Any]]:
     from vllm import SamplingParams
 
@@ -262,14 +280,19 @@ def _generate(llm: Any, message: dict[str, Any]) -> list[dict[str, Any]]:
         if prompt["cache_salt"]:
             request["cache_salt"] = prompt["cache_salt"]
         started = time.perf_counter()
+        submitted = time.monotonic()  # the connector's clock (vllm_trace)
         (out,) = llm.generate([request], params, use_tqdm=False)
         wall = time.perf_counter() - started
         latency = getattr(out.metrics, "first_token_latency", 0.0) or wall
+        timeline = _load_timeline(llm, submitted)
+        if timeline:
+            timeline["first_token"] = round(latency * 1e3, 2)
         outputs.append(
             {
                 "token_ids": list(out.outputs[0].token_ids),
                 "num_cached_tokens": int(out.num_cached_tokens or 0),
                 "ttft_s": float(latency),
+                "timeline": timeline,
             }
         )
     return outputs

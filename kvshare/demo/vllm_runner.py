@@ -38,13 +38,21 @@ def vllm_available() -> bool:
 
 
 def serve(
-    engine: EngineProcess, replica: int, request: DemoRequest, *, with_tenant: bool
+    engine: EngineProcess,
+    replica: int,
+    request: DemoRequest,
+    *,
+    with_tenant: bool,
+    timelines: list[dict[str, float]] | None = None,
 ) -> RequestResult:
+    """One request on one engine; a load's stages go to `timelines` when given."""
     before = engine.stats().get("scheduler", {}).get("tokens_planned", 0)
     prompt = Prompt(request.token_ids, request.tenant if with_tenant else None)
     (output,) = engine.generate([prompt], max_tokens=request.max_new_tokens)
     store = engine.stats().get("scheduler", {}).get("tokens_planned", 0) - before
     cached = min(output.num_cached_tokens, len(request.token_ids))
+    if timelines is not None and output.timeline:
+        timelines.append(output.timeline)
     return RequestResult(
         request.index,
         replica,
@@ -57,18 +65,27 @@ def serve(
     )
 
 
-def _run(
+def run_round_robin(
     engines: list[EngineProcess],
     name: str,
     requests: list[DemoRequest],
-    progress: Progress | None,
+    progress: Progress | None = None,
+    timelines: list[dict[str, float]] | None = None,
 ) -> RunReport:
+    """One run of the workload: "local_only" sends no tenant (the connector stays out),
+    any other name sends each request's tenant, as a gateway would."""
     report = RunReport(name)
     for engine in engines:
         engine.reset_prefix_cache()
     for request in requests:
         replica = request.index % len(engines)  # round robin
-        result = serve(engines[replica], replica, request, with_tenant=name == "shared_store")
+        result = serve(
+            engines[replica],
+            replica,
+            request,
+            with_tenant=name != "local_only",
+            timelines=timelines,
+        )
         report.results.append(result)
         if progress is not None:
             progress(name, request.index + 1, len(requests))
@@ -116,8 +133,8 @@ def run_vllm_demo(
         model_dir = write_tiny_llama(directory / "model", seed, DEMO_MODEL)
         engines = [EngineProcess(model_dir, connector) for _ in range(replicas)]
         try:
-            local = _run(engines, "local_only", requests, progress)
-            shared = _run(engines, "shared_store", requests, progress)
+            local = run_round_robin(engines, "local_only", requests, progress)
+            shared = run_round_robin(engines, "shared_store", requests, progress)
         finally:
             for engine in engines:
                 engine.close()

@@ -14,10 +14,12 @@ write-behind saver; a block that fails to open or decode is reported through
 `get_block_ids_with_load_errors` and recomputed by vLLM. The store down or slow opens
 a breaker: requests are served by recompute, none fails.
 
-Loads are asynchronous by default (`"load_mode": "async"`): vLLM keeps a loading
-request out of the batch while a worker thread (`vllm_loader`) places its blocks, and
-`get_finished` reports it, so a slow store never stalls the requests already decoding.
-`"load_mode": "sync"` loads before the forward pass instead (the whole batch waits).
+Who waits for a load is chosen per request (`"load_mode": "auto"`, the default;
+`vllm_modes`): with other requests in the batch the load is asynchronous (vLLM keeps
+the loading request out of the batch while a worker thread, `vllm_loader`, places its
+blocks, and `get_finished` reports it, so a slow store never stalls the requests
+already decoding); with none, it runs before the forward pass of the step that
+schedules the request, which then starts at once. `"async"` and `"sync"` force one.
 Saves cover the model's output too (`"save_generated"`, default true): the next turn of
 a conversation, whose prompt holds the answer, finds those blocks on any replica.
 Public prefixes (`"public_prefixes"`, default true; replica_agent.public): the scheduler
@@ -49,6 +51,7 @@ from kvcommon.errors import ConfigError
 from replica_agent.adapters.settings import parse_store_settings
 from replica_agent.adapters.vllm_layout import PagedLayout, detect_layout, learn_page_layout
 from replica_agent.adapters.vllm_loader import AsyncLoader
+from replica_agent.adapters.vllm_modes import SYNC
 from replica_agent.adapters.vllm_plan import (
     ENGINE_KEYS,
     LoadPlan,
@@ -62,6 +65,7 @@ from replica_agent.adapters.vllm_plan import (
     store_block_tokens,
 )
 from replica_agent.adapters.vllm_store import PagedCache, WorkerStore
+from replica_agent.adapters.vllm_trace import LoadTimeline
 from replica_agent.breaker import CircuitBreaker
 from replica_agent.gate import StoreGate, StoreStats
 from replica_agent.public import PUBLIC_SCOPE, PublicCatalogue
@@ -73,6 +77,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 SOURCE = "kv_connector_extra_config"
+# How long a step with no forward pass waits for the loader thread (it has nothing
+# else to do, and the thread gets the interpreter's lock meanwhile). Bounded, since
+# the engine takes new requests only between steps: an arrival waits this long at most.
+IDLE_STEP_WAIT_S = 0.02
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _NOT_ID_CHARS = re.compile(r"[^A-Za-z0-9._/:+-]")
 _LAYER_INDEX = re.compile(r"\d+")
@@ -84,6 +92,8 @@ class KVShareMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
     loads: list[LoadPlan] = field(default_factory=list)
     saves: list[SavePlan] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)  # finished: skip their queued loads
+    has_forward: bool = True  # the step runs a forward pass (else only connector work)
 
 
 def engine_spec(
@@ -137,6 +147,7 @@ class KVShareConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._load_errors: set[int] = set()
         self._loader: AsyncLoader | None = None
         self._loaded_early: set[str] = set()  # async loads with no cache to fill: done
+        self.timeline = LoadTimeline()  # this side's marks (vllm_trace)
         if role == KVConnectorRole.SCHEDULER:
             self._adopt_recompute_policy()
             catalogue = self._public_catalogue()
@@ -146,6 +157,7 @@ class KVShareConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self.vllm_block_tokens,
                 self._lookup,
                 catalogue.digests if catalogue is not None else None,
+                self.options.load_mode,
             )
 
     def _public_catalogue(self) -> PublicCatalogue | None:
@@ -182,10 +194,15 @@ class KVShareConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int, bool]:
         assert self._planner is not None
+        request_id = request.request_id
         tokens = self._planner.new_matched_tokens(
-            request.request_id, num_computed_tokens, lambda: self._request_key(request)
+            request_id, num_computed_tokens, lambda: self._request_key(request), request
         )
-        return tokens, self.options.is_load_async and tokens > 0
+        is_async = tokens > 0 and self._planner.is_load_async(request_id)
+        if tokens > 0:
+            self.timeline.mark(request_id, "looked_up")
+            self.timeline.mark(request_id, "async" if is_async else "sync")
+        return tokens, is_async
 
     def _request_key(self, request: Any) -> RequestKey | None:
         tenant = request_tenant(
@@ -209,7 +226,9 @@ class KVShareConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         assert self._planner is not None
-        is_async = self.options.is_load_async and num_external_tokens > 0
+        is_async = num_external_tokens > 0 and self._planner.is_load_async(request.request_id)
+        if num_external_tokens > 0:
+            self.timeline.mark(request.request_id, "allocated")
         block_ids = blocks.get_block_ids()[0] if is_async else ()
         self._planner.after_alloc(
             request.request_id, num_external_tokens, block_ids, is_async=is_async
@@ -234,7 +253,14 @@ class KVShareConnector(KVConnectorBase_V1):  # type: ignore[misc]
             for i, req_id in enumerate(cached.req_ids)
         ]
         loads, saves = self._planner.build(new, running)
-        return KVShareMetadata(loads, saves)
+        for step in new:
+            self.timeline.mark_known(step.request_id, "scheduled")
+        return KVShareMetadata(
+            loads,
+            saves,
+            self._planner.take_cancelled(),
+            scheduler_output.total_num_scheduled_tokens > 0,
+        )
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
         if self._planner is not None:
@@ -274,9 +300,11 @@ class KVShareConnector(KVConnectorBase_V1):  # type: ignore[misc]
             gate=self._gate,
             save_queue_bytes=self.options.save_queue_bytes,
         )
-        if self.options.is_load_async:
+        if self.options.load_mode != SYNC:
             store, cache = self._store, self._cache
-            self._loader = AsyncLoader(lambda plan: store.load(cache, plan), cache.device)
+            self._loader = AsyncLoader(
+                lambda plan: store.load(cache, plan), cache.device, self.timeline
+            )
 
     def _layout(self, layer_name: str, kv: torch.Tensor) -> PagedLayout:
         """Learnt from the attention backend's own cache writer where it has one (the CPU
@@ -314,29 +342,35 @@ class KVShareConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return int(get_tensor_model_parallel_rank())
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        """Synchronous mode: every planned block is in the cache (or reported) on return.
-        Asynchronous: the loads are queued for the loader thread, reported by
-        `get_finished`."""
+        """A synchronous plan's blocks are in the cache (or reported) on return; an
+        asynchronous plan is queued for the loader thread, reported by `get_finished`."""
         metadata = self._get_connector_metadata()
         if not isinstance(metadata, KVShareMetadata):
             return
-        store, cache = self._store, self._cache
+        store, cache, loader = self._store, self._cache, self._loader
         for plan in metadata.loads:
-            if store is None or cache is None:  # no cache registered: vLLM recomputes
-                self._load_errors.update(plan.block_ids)
-                if self.options.is_load_async:
+            if store is None or cache is None or (plan.is_async and loader is None):
+                self._load_errors.update(plan.block_ids)  # nothing to fill: vLLM recomputes
+                if plan.is_async:
                     self._loaded_early.add(plan.request_id)
-            elif self._loader is not None:
-                self._loader.submit(plan)
+            elif plan.is_async and loader is not None:
+                loader.submit(plan)
             else:
+                self.timeline.mark(plan.request_id, "load_started")
                 self._load_errors.update(store.load(cache, plan))
+                self.timeline.mark(plan.request_id, "load_finished")
+        if loader is not None and metadata.cancelled:
+            loader.cancel(metadata.cancelled)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        if not self.options.is_load_async:
-            return None, None
         done, self._loaded_early = self._loaded_early, set()
         if self._loader is not None:
+            metadata = self._get_connector_metadata()
+            if isinstance(metadata, KVShareMetadata) and not metadata.has_forward:
+                self._loader.wait_settled(IDLE_STEP_WAIT_S)
             done |= self._loader.take_finished()
+        for request_id in done:
+            self.timeline.mark(request_id, "reported")
         return None, done or None
 
     def wait_for_layer_load(self, layer_name: str) -> None:

@@ -50,6 +50,7 @@ from typing import Any
 
 from kvcommon.errors import ConfigError
 from policy.types import is_valid_tenant_id
+from replica_agent.adapters.vllm_modes import AUTO, LOAD_MODES, LoadModes
 from replica_agent.public import PUBLIC_SCOPE, plan_chain
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,6 @@ ENGINE_KEYS = frozenset(
         "public_prefixes",
     }
 )
-LOAD_MODES = ("async", "sync")
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ class VllmOptions:
     require_request_tenant: bool = False
     save_queue_bytes: int = DEFAULT_SAVE_QUEUE_BYTES
     flush_timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S
-    is_load_async: bool = True  # "load_mode": loads off the forward path, or before it
+    load_mode: str = AUTO  # one of LOAD_MODES: who waits for a load (vllm_modes)
     save_generated: bool = True  # save the blocks the model's output fills, not only the prompt's
     public_prefixes: bool = True  # read leading blocks listed in the public catalogue from @public
 
@@ -102,7 +102,7 @@ def parse_vllm_options(raw: Mapping[str, Any], *, source: str) -> VllmOptions:
     flush = raw.get("flush_timeout_s", DEFAULT_FLUSH_TIMEOUT_S)
     if isinstance(flush, bool) or not isinstance(flush, int | float) or flush < 0:
         raise ConfigError(f"{source}: flush_timeout_s must be a number of seconds >= 0")
-    mode = raw.get("load_mode", "async")
+    mode = raw.get("load_mode", AUTO)
     if mode not in LOAD_MODES:
         raise ConfigError(f"{source}: load_mode must be one of {list(LOAD_MODES)}")
     generated = raw.get("save_generated", True)
@@ -111,9 +111,7 @@ def parse_vllm_options(raw: Mapping[str, Any], *, source: str) -> VllmOptions:
     public = raw.get("public_prefixes", True)
     if not isinstance(public, bool):
         raise ConfigError(f"{source}: public_prefixes must be true or false")
-    return VllmOptions(
-        block_tokens, require, queue_bytes, float(flush), mode == "async", generated, public
-    )
+    return VllmOptions(block_tokens, require, queue_bytes, float(flush), mode, generated, public)
 
 
 def store_block_tokens(vllm_block_tokens: int, configured: int | None) -> int:
@@ -165,6 +163,7 @@ class LoadPlan:
     skip_tokens: int  # leading tokens of the first store block vLLM already holds
     block_ids: tuple[int, ...]  # the vLLM blocks that receive the tokens after those
     public_blocks: int = 0  # leading `digests` read from @public; the rest from `tenant`
+    is_async: bool = False  # by the worker's loader thread, reported in get_finished
 
 
 @dataclass(frozen=True)
@@ -212,6 +211,8 @@ class RequestState:
     block_ids: list[int] = field(default_factory=list)
     pending_load_tokens: int = 0
     load_issued: bool = False  # an asynchronous load was planned: never plan another
+    load_async: bool = False  # the mode given with the last answer (vllm_modes)
+    owner: object = field(default=None, repr=False)  # vLLM's Request: one per request id
 
     def digests_upto(self, blocks: int) -> tuple[bytes, ...]:
         """The first `blocks` digests, extending the chain over tokens decoded since."""
@@ -247,6 +248,9 @@ class PlannerStats:
     public_blocks_matched: int = 0  # of blocks_matched, those found in @public
     requests_skipped: int = 0  # no tenant, malformed tenant, or nothing hashable
     tokens_planned: int = 0  # tokens put in load plans (a failed load is recomputed)
+    loads_sync: int = 0  # load plans run before a forward pass (vllm_modes)
+    loads_async: int = 0  # load plans run by the worker's loader thread
+    duplicate_ids: int = 0  # a second live request under one id: that id skips the cache
 
 
 Lookup = Callable[[str, Sequence[bytes]], int]  # (tenant or @public, digests) -> leading held
@@ -261,10 +265,12 @@ class SchedulerPlanner:
         vllm_block_tokens: int,
         lookup: Lookup,
         catalogue: Catalogue | None = None,
+        load_mode: str = AUTO,
     ) -> None:
         """`chain_model` names the digest chain (the connector's rank-0 namespace);
         `catalogue`, when given, the public digests it may read from @public (None:
-        public prefixes off, every chain the ordinary one)."""
+        public prefixes off, every chain the ordinary one); `load_mode` who waits for
+        a load (vllm_modes)."""
         if store_block_tokens % vllm_block_tokens:
             raise ConfigError("store block tokens must be a multiple of vLLM's block size")
         self.chain_model = chain_model
@@ -275,6 +281,8 @@ class SchedulerPlanner:
         self._catalogue = catalogue
         self._states: dict[str, RequestState | None] = {}
         self._async_loads: list[LoadPlan] = []  # planned at allocation, sent next step
+        self._cancelled: list[str] = []  # finished while their asynchronous load was queued
+        self.modes = LoadModes(load_mode)
         self.stats = PlannerStats()
 
     @property
@@ -282,21 +290,42 @@ class SchedulerPlanner:
         return len(self._states)
 
     def new_matched_tokens(
-        self, request_id: str, num_computed_tokens: int, describe: Callable[[], RequestKey | None]
+        self,
+        request_id: str,
+        num_computed_tokens: int,
+        describe: Callable[[], RequestKey | None],
+        owner: object = None,
     ) -> int:
-        """Tokens the store can supply after `num_computed_tokens` (0 when none)."""
+        """Tokens the store can supply after `num_computed_tokens` (0 when none).
+        `owner` is vLLM's request object: a second live request under the same id
+        (vLLM randomises ids unless told not to) is refused the cache, and so is the
+        first from then on, so neither loads nor saves under the other's digests."""
         if request_id not in self._states:
             if len(self._states) >= MAX_TRACKED_REQUESTS:
                 self._states.pop(next(iter(self._states)))
-            self._states[request_id] = self._first_look(describe())
+            state = self._first_look(describe())
+            if state is not None:
+                state.owner = owner
+            self._states[request_id] = state
         state = self._states[request_id]
+        if state is not None and owner is not None and state.owner not in (None, owner):
+            log.warning("two live requests share one request id; both skip the cache")
+            self.stats.duplicate_ids += 1
+            self._states[request_id] = state = None
         if state is None or state.load_issued:
             # After an asynchronous load vLLM caches the blocks that arrived; a request
             # asked again (its load failed, or it was preempted) recomputes the rest, so a
             # block that keeps failing cannot bounce the request between load and retry.
             return 0
         loadable = min(state.store_blocks, (state.prompt_tokens - 1) // self.block_tokens)
-        return max(0, loadable * self.block_tokens - num_computed_tokens)
+        tokens = max(0, loadable * self.block_tokens - num_computed_tokens)
+        state.load_async = tokens > 0 and self.modes.is_async(request_id)
+        return tokens
+
+    def is_load_async(self, request_id: str) -> bool:
+        """The mode given with `request_id`'s last answer: vLLM allocates by it."""
+        state = self._states.get(request_id)
+        return state is not None and state.load_async
 
     def _first_look(self, key: RequestKey | None) -> RequestState | None:
         if key is None:
@@ -358,15 +387,25 @@ class SchedulerPlanner:
             state.block_ids = list(block_ids)
             state.load_issued = True
             end = min(state.store_blocks, (state.prompt_tokens - 1) // self.block_tokens)
-            self._plan(request_id, state, end * self.block_tokens, self._async_loads)
+            self._plan(request_id, state, end * self.block_tokens, self._async_loads, True)
 
     def finished(self, request_id: str) -> None:
-        self._states.pop(request_id, None)
+        """vLLM finished or aborted the request. Its asynchronous load, if one was
+        issued, is cancelled (`take_cancelled`): a queued load is skipped, and the worker
+        still reports it done, since vLLM frees the request's blocks only then. (A load
+        is sent in the step that allocates it, and vLLM aborts between steps, so no
+        load of a finished request is still to be sent.)"""
+        state = self._states.pop(request_id, None)
+        self.modes.finished(request_id)
+        if state is not None and state.load_issued:
+            self._cancelled.append(request_id)
 
     def build(
         self, new: Iterable[NewStep], running: Iterable[RunningStep]
     ) -> tuple[list[LoadPlan], list[SavePlan]]:
         """This step's plans; vLLM calls it once per step, after scheduling."""
+        new, running = list(new), list(running)
+        self.modes.observe_batch([s.request_id for s in new] + [r.request_id for r in running])
         loads, self._async_loads = self._async_loads, []
         saves: list[SavePlan] = []
         for step in new:
@@ -387,14 +426,28 @@ class SchedulerPlanner:
             self._plan_save(cont, state, saves)
         return loads, saves
 
+    def take_cancelled(self) -> list[str]:
+        """Requests finished while their asynchronous load was queued or running."""
+        cancelled, self._cancelled = self._cancelled, []
+        return cancelled
+
     def _plan(
-        self, request_id: str, state: RequestState, num_computed: int, loads: list[LoadPlan]
+        self,
+        request_id: str,
+        state: RequestState,
+        num_computed: int,
+        loads: list[LoadPlan],
+        is_async: bool = False,
     ) -> None:
         """A load of the `pending_load_tokens` that end at `num_computed`, if any."""
         count, state.pending_load_tokens = state.pending_load_tokens, 0
         if count <= 0:
             return
         self.stats.tokens_planned += count
+        if is_async:
+            self.stats.loads_async += 1
+        else:
+            self.stats.loads_sync += 1
         start, end = num_computed - count, num_computed
         first, last = start // self.block_tokens, end // self.block_tokens
         vllm_ids = state.block_ids[start // self.vllm_block_tokens : end // self.vllm_block_tokens]
@@ -406,6 +459,7 @@ class SchedulerPlanner:
                 start - first * self.block_tokens,
                 tuple(vllm_ids),
                 max(0, min(last, state.public_blocks) - first),
+                is_async,
             )
         )
 

@@ -81,6 +81,7 @@ def test_store_block_tokens_are_a_multiple_of_vllms_block() -> None:
         ({"save_queue_bytes": -1}, "save_queue_bytes"),
         ({"flush_timeout_s": "5"}, "flush_timeout_s"),
         ({"public_prefixes": "no"}, "public_prefixes"),
+        ({"load_mode": "later"}, "load_mode"),
     ],
 )
 def test_bad_vllm_options_name_the_key(raw: dict[str, object], message: str) -> None:
@@ -169,6 +170,68 @@ def test_a_resumed_request_gets_its_new_block_table_and_load() -> None:
     plan.after_alloc("r", 64)  # preempted, then allocated again
     loads, _ = plan.build([], [RunningStep("r", [7, 8, 9, 10, 11], True, 64, 6)])
     assert [p.block_ids for p in loads] == [(7, 8, 9, 10)]
+
+
+def test_auto_loads_synchronously_alone_and_asynchronously_beside_others() -> None:
+    """The default mode: a load that would stall nobody runs before the forward pass
+    (the request starts in the same step); beside a running request it runs off it."""
+    plan, _ = planner(present=3)
+    assert plan.new_matched_tokens("alone", 0, lambda: key(100)) == 96
+    assert not plan.is_load_async("alone")
+    plan.after_alloc("alone", 96, [1, 2, 3, 4, 5, 6, 7], is_async=False)
+    loads, _ = plan.build([NewStep("alone", [1, 2, 3, 4, 5, 6, 7], 96, 4)], [])
+    assert [p.is_async for p in loads] == [False]
+    # "alone" now decodes: the next arrival's load must not stall it.
+    assert plan.new_matched_tokens("next", 0, lambda: key(100)) == 96
+    assert plan.is_load_async("next")
+    plan.after_alloc("next", 96, [8, 9, 10, 11, 12, 13, 14], is_async=True)
+    loads, _ = plan.build([], [RunningStep("alone", None, False, 100, 1)])
+    assert [(p.request_id, p.is_async) for p in loads] == [("next", True)]
+    assert (plan.stats.loads_sync, plan.stats.loads_async) == (1, 1)
+    plan.finished("alone")  # the batch empties: the next load is synchronous again
+    plan.build([], [])
+    assert plan.new_matched_tokens("third", 0, lambda: key(100)) == 96
+    assert not plan.is_load_async("third")
+
+
+@pytest.mark.parametrize(("mode", "is_async"), [("sync", False), ("async", True)])
+def test_a_forced_load_mode_holds_whatever_runs(mode: str, is_async: bool) -> None:
+    store = CountingStore(3)
+    plan = SchedulerPlanner(MODEL, BT, BS, store.lookup, load_mode=mode)
+    for name, running in (("r1", []), ("r2", [RunningStep("r0", None, False, 10, 1)])):
+        plan.build([], running)
+        assert plan.new_matched_tokens(name, 0, lambda: key(100)) == 96
+        assert plan.is_load_async(name) is is_async
+
+
+def test_a_request_finished_during_its_asynchronous_load_cancels_it() -> None:
+    """vLLM frees an aborted request's blocks once the worker reports its load: the
+    worker is told, so it skips the load if it has not started (no write into blocks
+    that are about to be freed), and still reports it."""
+    plan, _ = planner(present=3)
+    plan.build([], [RunningStep("other", None, False, 10, 1)])
+    plan.new_matched_tokens("r", 0, lambda: key(100))
+    plan.after_alloc("r", 96, [1, 2, 3, 4, 5, 6, 7], is_async=True)
+    loads, _ = plan.build([], [RunningStep("other", None, False, 11, 1)])
+    assert [p.request_id for p in loads] == ["r"] and plan.take_cancelled() == []
+    plan.finished("r")
+    assert plan.take_cancelled() == ["r"] and plan.take_cancelled() == []
+    assert plan.tracked_requests == 0
+    plan.finished("never-loaded")
+    assert plan.take_cancelled() == []
+
+
+def test_two_live_requests_under_one_id_both_skip_the_cache() -> None:
+    """vLLM randomises request ids unless VLLM_DISABLE_REQUEST_ID_RANDOMIZATION is set;
+    two live requests under one id must never load or save under each other's digests."""
+    plan, store = planner(present=3)
+    first, second = object(), object()
+    assert plan.new_matched_tokens("dup", 0, lambda: key(100), first) == 96
+    assert plan.new_matched_tokens("dup", 0, lambda: key(100), first) == 96  # same request
+    assert plan.new_matched_tokens("dup", 0, lambda: key(70, "beta"), second) == 0
+    assert plan.new_matched_tokens("dup", 0, lambda: key(100), first) == 0
+    assert plan.build([NewStep("dup", [1, 2, 3, 4, 5, 6, 7], 0, 100)], []) == ([], [])
+    assert plan.stats.duplicate_ids == 1 and store.calls == [("alpha", 3)]
 
 
 def test_plans_never_show_digests_in_their_repr() -> None:

@@ -50,6 +50,7 @@ class Cluster:
     model_dir: Path
     a: EngineProcess
     b: EngineProcess
+    load_mode: str = "auto"
     store_stopped: bool = False
 
     def stop_store(self) -> None:
@@ -79,7 +80,7 @@ class Cluster:
                 time.sleep(0.2)
 
 
-@pytest.fixture(scope="module", params=["async", "sync"])
+@pytest.fixture(scope="module", params=["auto", "async", "sync"])
 def cluster(
     tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
 ) -> Iterator[Cluster]:
@@ -96,7 +97,7 @@ def cluster(
         "load_mode": request.param,
     }
     a, b = EngineProcess(model_dir, connector), EngineProcess(model_dir, connector)
-    cluster = Cluster(server, store, model_dir, a, b)
+    cluster = Cluster(server, store, model_dir, a, b, load_mode=request.param)
     try:
         yield cluster
     finally:
@@ -130,6 +131,34 @@ def test_engine_b_loads_the_prefix_engine_a_saved(cluster: Cluster) -> None:
     assert out.num_cached_tokens == 2 * BLOCK  # B's cache was empty: both from the store
     assert cluster.b.stats()["worker"]["blocks_loaded"] == 2
     assert cluster.tenant_stats("alpha").blocks_served - served_before == 2
+
+
+def test_the_load_mode_decides_who_waits_and_outputs_never_change(cluster: Cluster) -> None:
+    """A load beside a decoding request is asynchronous in "auto" and "async"; a load
+    on an idle engine is synchronous in "auto" and "sync". Greedy tokens are those of
+    the run without the connector either way, and the prefix comes from the store."""
+    running, alone, beside = tokens(80), tokens(600), tokens(600)
+    (expected_alone, expected_beside) = baseline(cluster.b, alone, beside)
+    for prompt in (alone, beside):
+        run(cluster.a, prompt, "alpha")
+        cluster.wait_stored("alpha", cluster.digests(prompt))
+    before = cluster.b.stats()["scheduler"]
+    assert run(cluster.b, alone, "alpha").token_ids == expected_alone
+    timeline = cluster.b.interleave(
+        Prompt(running, "alpha"),
+        40,
+        Prompt(beside, "alpha"),
+        arrive_after=5,
+        arriving_tokens=len(expected_beside),
+    )
+    after = cluster.b.stats()["scheduler"]
+    assert tuple(timeline["arriving_tokens"]) == expected_beside
+    assert timeline["arriving_cached_tokens"] == 2 * BLOCK  # from the store
+    modes = (
+        after["loads_sync"] - before["loads_sync"],
+        after["loads_async"] - before["loads_async"],
+    )
+    assert modes == {"auto": (1, 1), "async": (0, 2), "sync": (2, 0)}[cluster.load_mode]
 
 
 def test_saved_blocks_hold_the_kv_transformers_computes(cluster: Cluster) -> None:

@@ -84,3 +84,50 @@ def test_close_drops_queued_loads_and_waits_only_for_the_one_in_flight() -> None
     threading.Timer(0.2, release.set).start()
     loader.close(5)
     assert seen == ["r0"]
+
+
+def test_a_cancelled_load_is_skipped_and_still_reported() -> None:
+    """An aborted request's queued load never writes into its blocks (vLLM frees them
+    at the report), and the report still comes, exactly once."""
+    started, release = threading.Event(), threading.Event()
+    seen: list[str] = []
+
+    def load(p: LoadPlan) -> list[int]:
+        seen.append(p.request_id)
+        started.set()
+        release.wait(5)
+        return []
+
+    loader = AsyncLoader(load, torch.device("cpu"))
+    loader.submit(plan("running", 1))
+    assert started.wait(5)
+    loader.submit(plan("aborted", 2))
+    loader.cancel(["aborted", "running", "unknown"])  # the running one completes anyway
+    release.set()
+    done, failed = wait_finished(loader, 2)
+    assert done == {"running", "aborted"} and failed == set()
+    assert seen == ["running"] and not loader.is_busy
+    loader.cancel(["aborted"])  # already reported: nothing is left behind
+    loader.submit(plan("aborted", 3))  # the same id again is loaded, not skipped
+    assert wait_finished(loader, 1)[0] == {"aborted"} and seen == ["running", "aborted"]
+    loader.close(5)
+
+
+def test_a_step_without_a_forward_pass_waits_for_the_load_to_end() -> None:
+    """`wait_settled` returns when a load ends (so the step reports it), not after its
+    bound; when nothing is loading it returns at once."""
+    release = threading.Event()
+
+    def load(p: LoadPlan) -> list[int]:
+        release.wait(5)
+        return []
+
+    loader = AsyncLoader(load, torch.device("cpu"))
+    began = time.monotonic()
+    loader.wait_settled(60)  # idle
+    loader.submit(plan("r1", 1))
+    threading.Timer(0.1, release.set).start()
+    loader.wait_settled(60)
+    # Woken by the load's end (0.1 s), not by the bound: the margin is generous.
+    assert time.monotonic() - began < 30 and loader.take_finished() == {"r1"}
+    loader.close(5)

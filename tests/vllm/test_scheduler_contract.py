@@ -40,7 +40,7 @@ from tests.vllm.conftest import CONFIG_DIR, Store
 BLOCK, STORE_BLOCK, PROMPT = 16, 32, 100  # 3 full store blocks; 96 tokens loadable
 
 
-def make_scheduler(store: Store | Path, **extra: Any) -> Scheduler:
+def make_scheduler(store: Store | Path, *, num_blocks: int = 200, **extra: Any) -> Scheduler:
     """A scheduler whose connector uses `store`, or a dead address (a token in a dir)."""
     if isinstance(store, Path):
         token_file = store / "engine.token"
@@ -78,10 +78,12 @@ def make_scheduler(store: Store | Path, **extra: Any) -> Scheduler:
             kv_connector_extra_config=connector_config,
         ),
     )
-    config.cache_config.num_gpu_blocks = 200
+    config.cache_config.num_gpu_blocks = num_blocks
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.float32)
     cache = KVCacheConfig(
-        num_blocks=200, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)]
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)],
     )
     return Scheduler(
         vllm_config=config,
@@ -332,6 +334,99 @@ def test_async_load_that_failed_entirely_is_recomputed_not_retried(store: Store)
     finish_step(scheduler, output, kv=failed)
     output, metadata = step(scheduler)
     assert output.num_scheduled_tokens["r1"] == PROMPT and metadata.loads == []
+
+
+def test_auto_loads_before_the_forward_alone_and_off_it_beside_a_running_request(
+    store: Store,
+) -> None:
+    """The default mode: alone, the request's load runs before this step's forward
+    pass and the request starts in it; beside a decoding request, the load is
+    asynchronous, so the decoding request's step does not wait for it."""
+    scheduler = make_scheduler(store, load_mode="auto")
+    put_blocks(store, scheduler, TOKENS, 3)
+    scheduler.add_request(request("r1", TOKENS, max_tokens=10))
+    output, metadata = step(scheduler)
+    (load,) = metadata.loads
+    assert not load.is_async and output.has_sync_kv_loads and metadata.has_forward
+    assert output.num_scheduled_tokens["r1"] == PROMPT - 96  # scheduled in the same step
+    finish_step(scheduler, output)
+    other = [token + 1 for token in TOKENS]
+    put_blocks(store, scheduler, other, 3)
+    scheduler.add_request(request("r2", other))
+    output, metadata = step(scheduler)
+    (load,) = metadata.loads
+    assert load.request_id == "r2" and load.is_async and not output.has_sync_kv_loads
+    assert list(output.num_scheduled_tokens) == ["r1"]  # r1 decodes; r2 waits for its blocks
+    stats = connector(scheduler)._planner.stats  # type: ignore[union-attr]
+    assert (stats.loads_sync, stats.loads_async) == (1, 1)
+
+
+def test_a_request_aborted_during_its_async_load_frees_its_blocks_at_the_report(
+    store: Store,
+) -> None:
+    """The blocks stay allocated until the worker reports the load (its thread may be
+    writing them); the worker is told to skip it; the report frees them; nothing of
+    the request is left in the connector."""
+    scheduler = make_scheduler(store, load_mode="async")
+    put_blocks(store, scheduler, TOKENS, 3)
+    pool = scheduler.kv_cache_manager.block_pool
+    free_before = pool.get_num_free_blocks()
+    scheduler.add_request(request("r1", TOKENS))
+    output, metadata = step(scheduler)
+    assert [plan.is_async for plan in metadata.loads] == [True]
+    finish_step(scheduler, output)
+    scheduler.finish_requests("r1", RequestStatus.FINISHED_ABORTED)
+    assert connector(scheduler).tracked_requests == 0
+    assert pool.get_num_free_blocks() < free_before  # held for the loader thread
+    output, metadata = step(scheduler)
+    assert metadata.cancelled == ["r1"] and metadata.loads == [] and not metadata.has_forward
+    finish_step(scheduler, output, kv=KVConnectorOutput(finished_recving={"r1"}))
+    assert pool.get_num_free_blocks() == free_before
+    output, metadata = step(scheduler)
+    assert (metadata.loads, metadata.cancelled, scheduler.requests) == ([], [], {})
+
+
+def test_two_live_requests_under_one_id_are_refused_the_cache(store: Store) -> None:
+    """With VLLM_DISABLE_REQUEST_ID_RANDOMIZATION two requests may share an id: neither
+    loads or saves under the other's digests (positive control: the first alone hits)."""
+    scheduler = make_scheduler(store)
+    put_blocks(store, scheduler, TOKENS, 3)
+    conn = connector(scheduler)
+    first, second = request("dup", TOKENS), request("dup", [5, *TOKENS[1:]])
+    assert conn.get_num_new_matched_tokens(first, 0) == (96, False)
+    assert conn.get_num_new_matched_tokens(second, 0) == (0, False)
+    assert conn.get_num_new_matched_tokens(first, 0) == (0, False)
+
+
+def test_generated_blocks_under_preemption_are_saved_once_and_only_by_their_owner(
+    store: Store,
+) -> None:
+    """Three requests decode in a cache too small for all, so vLLM preempts and resumes
+    them: every save names blocks the request holds in that step, every digest is
+    saved once, and each request's saves are digests of its own tokens."""
+    scheduler = make_scheduler(store, num_blocks=24)
+    prompts = {f"r{i}": [i * 7 + 1, *TOKENS[1:]] for i in range(3)}
+    for request_id, prompt in prompts.items():
+        scheduler.add_request(request(request_id, prompt, max_tokens=60))
+    saved: dict[str, list[bytes]] = {request_id: [] for request_id in prompts}
+    preempted = 0
+    for _ in range(400):
+        if not scheduler.requests:
+            break
+        output, metadata = step(scheduler)
+        preempted += len(output.preempted_req_ids or ())
+        for save in metadata.saves:
+            held = scheduler.kv_cache_manager.get_block_ids(save.request_id)[0]
+            assert set(save.block_ids) <= set(held)
+            saved[save.request_id].extend(save.digests)
+        finish_step(scheduler, output)
+    assert not scheduler.requests and preempted > 0  # the scenario happened
+    every = [digest for digests in saved.values() for digest in digests]
+    assert len(every) == len(set(every))
+    namespace = connector(scheduler).namespace
+    for request_id, prompt in prompts.items():
+        own = BlockHasher(namespace, STORE_BLOCK).digests(prompt + [7] * 60)
+        assert saved[request_id] and set(saved[request_id]) <= set(own)
 
 
 @pytest.mark.parametrize("save_generated", [True, False])

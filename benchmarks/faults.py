@@ -18,6 +18,8 @@ Scenarios (benchmarks/reliability/fault_scenarios*.py; each docstring says what 
   dripped_reply  a relay drips the bulk replies: the client's call ends at its deadline
   redis_node_shutdown  a Redis Cluster node shut down under two servers holding pooled
                  connections to it: no call fails, its blocks are misses (needs Redis)
+  worker_killed_mid_read  a bulk worker killed -9 with a read transaction open: LMDB's
+                 reader table keeps none of its slots, and LMDB stops growing under churn
 A scenario that needs root or a tool it does not find is skipped with the reason
 ("passed": null). `--json` prints {"scenarios": [{"name", "passed", "detail"}],
 "kill9_cycles", "acknowledged_lost", "torn_served"}.
@@ -39,6 +41,7 @@ from benchmarks.reliability import fault_scenarios as f1
 from benchmarks.reliability import fault_scenarios2 as f2
 from benchmarks.reliability import fault_scenarios3 as f3
 from benchmarks.reliability import fault_scenarios_cluster as fc
+from benchmarks.reliability import fault_scenarios_workers as fw
 from benchmarks.reliability.harness import private_journal_dir
 
 SCENARIOS = {
@@ -54,6 +57,7 @@ SCENARIOS = {
     "refused_put_memory": f3.refused_put_memory,
     "dripped_reply": f3.dripped_reply,
     "redis_node_shutdown": fc.redis_node_shutdown,
+    "worker_killed_mid_read": fw.worker_killed_mid_read,
 }
 
 

@@ -151,11 +151,11 @@ class GrpcCalls:
             stored[result.index] = result.outcome == pb.PUT_OUTCOME_STORED
         return stored
 
-    def delete(self, request: pb.DeleteRequest) -> int:
-        return int(self._call(self._stub.Delete, request).deleted)
+    def delete(self, request: pb.DeleteRequest, deadline: CallDeadline | None = None) -> int:
+        return int(self._call(self._stub.Delete, request, deadline).deleted)
 
-    def stats(self) -> pb.StatsResponse:
-        response: pb.StatsResponse = self._call(self._stub.Stats, pb.StatsRequest())
+    def stats(self, deadline: CallDeadline | None = None) -> pb.StatsResponse:
+        response: pb.StatsResponse = self._call(self._stub.Stats, pb.StatsRequest(), deadline)
         return response
 
 

@@ -3,7 +3,8 @@
     kvshare audit timing --target HOST:PORT \\
         --attacker-tenant T --attacker-token-file F \\
         --victim-tenant T --victim-token-file F \\
-        [--tls-ca F] [--probes N] [--publisher-token-file F] [--json]
+        [--tls-ca F] [--probes N] [--publisher-token-file F] [--json] \\
+        [--also-target HOST:PORT ...] [--public-settle-bytes N] [--evict-page-cache F ...]
 
 `timing` plants random blocks in the victim's tenant and in the attacker's, then times
 the attacker's probes over every transport it can use (kvshare.audit.timing): does a
@@ -62,6 +63,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="F",
         help="token with `publish`: also audit reads of the public scope (@public)",
     )
+    timing.add_argument(
+        "--also-target",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="another server of the same deployment (one Redis Cluster): the public check "
+        "also reads through it; repeat for each",
+    )
+    timing.add_argument(
+        "--public-settle-bytes",
+        type=_bytes,
+        default=0,
+        metavar="N",
+        help="put N bytes of the attacker's own blocks before the public check, so the "
+        "published blocks leave the put journal as on a long-running server (give twice "
+        "the target's [storage] journal_bytes); deleted again",
+    )
+    timing.add_argument(
+        "--evict-page-cache",
+        action="append",
+        default=[],
+        type=Path,
+        metavar="F",
+        help="a server's LMDB data file on this host (DATA_DIR/lmdb/data.mdb): its pages "
+        "no process has mapped are dropped from the page cache before each public trial, "
+        "as memory pressure does; repeat for each",
+    )
     timing.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -75,7 +103,18 @@ def _probes(text: str) -> int:
     return value
 
 
+def _bytes(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of bytes") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"give 0 or more bytes (got {value})")
+    return value
+
+
 def run(args: argparse.Namespace) -> int:
+    from kvshare.audit.public import check_evict_files
     from kvshare.audit.timing import PASS, AuditError, Party, Setup, run_audit
     from replica_agent.client import ClientTls
 
@@ -99,9 +138,13 @@ def run(args: argparse.Namespace) -> int:
                 else None
             ),
             probes=args.probes,
+            also_targets=tuple(args.also_target),
+            public_settle_bytes=args.public_settle_bytes,
+            evict_files=tuple(args.evict_page_cache),
         )
         if args.tls_ca and not args.tls_ca.is_file():
             raise AuditError(f"--tls-ca {args.tls_ca} is not a readable file")
+        check_evict_files(setup.evict_files)
         audit = run_audit(setup)
     except AuditError as error:
         print(f"kvshare audit timing: error: {error}", file=sys.stderr)
@@ -155,7 +198,10 @@ def format_report(report: dict[str, Any]) -> str:
     if "skipped" in public:
         rows.append(["@public", "skipped", "-", "-", "-", public["skipped"]])
     else:
-        rows.append(["@public", "after victim read", *_cells(public), public["verdict"]])
+        for server, entry in public["servers"].items():
+            name = f"@public via {server}"
+            rows.append([name, "after victim read", *_cells(entry["public"]), entry["verdict"]])
+            rows.append(["", "control", *_cells(entry["control"]), ""])
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
     lines = [
         "  ".join([*(c.ljust(w) for c, w in zip(row[:-1], widths, strict=True)), row[-1]])
@@ -163,10 +209,19 @@ def format_report(report: dict[str, Any]) -> str:
     ]
     for name, entry in report["transports"].items():
         lines += [f"{name}: {reason}" for reason in entry.get("reasons", [])]
+    for server, entry in public.get("servers", {}).items():
+        lines += [f"@public via {server}: {reason}" for reason in entry.get("reasons", [])]
+    if "held" in public:
+        held = public["held"]
+        lines.append(
+            f"@public: blocks measured after {held['settle_bytes']} bytes of other puts, "
+            f"page cache {held['page_cache']}"
+        )
     lines += [
         "",
         "cross-tenant (a probe of the victim's digests vs random misses): |auc - 0.5| <= 0.1 "
-        "and ks_p >= 0.01 passes; control (own hits vs misses): auc >= 0.7 separates",
+        "and ks_p >= 0.01 passes; control (own hits vs misses): auc >= 0.7 separates "
+        "(@public: published hits vs misses, |auc - 0.5| >= 0.2, either way)",
         f"verdict: {VERDICT_WORDS.get(report['verdict'], report['verdict'])}",
     ]
     return "\n".join(lines)

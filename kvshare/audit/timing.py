@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from kvcommon.errors import KvshareError, PermissionDenied
@@ -42,7 +43,7 @@ from policy.types import PUBLIC
 from replica_agent.client import BlockClient, ClientTls
 
 PUBLIC_TENANT: str = PUBLIC  # the reserved tenant id of the public scope, "@public"
-PUBLIC_BLOCK_BYTES = 16 << 10  # one block per public trial: small, for a small [public] quota
+PUBLIC_BLOCK_BYTES = 64 << 10  # one block per public trial (a read from disk: 16 pages)
 BLOCK_BYTES = 1 << 20  # a get's block: a 16-token KV block of a 7B-class model
 PLANTED = 16  # blocks of BLOCK_BYTES each party plants for the get arms
 LOOKUP_RUN = 1024  # digests per lookup (a 16k-token prompt): a hit walks the whole run
@@ -85,6 +86,12 @@ class Setup:
     publisher_token: str | None = None
     probes: int = 400
     timeout_s: float = TIMEOUT_S
+    # The public check (kvshare.audit.public): the deployment's other servers, the
+    # bytes of other puts that move published blocks out of the put journal first,
+    # and data files (on this host) whose cold pages are evicted before each trial.
+    also_targets: tuple[str, ...] = ()
+    public_settle_bytes: int = 0
+    evict_files: tuple[Path, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -496,69 +503,11 @@ def _median(values: Sequence[int]) -> float:
 
 
 def probe_public(setup: Setup, planted: Planted, rng: random.Random, cleanup: list[str]) -> Report:
-    """Can the attacker tell that the victim read a public block? Each trial takes a
-    block X published for this audit and never read before; at random the victim reads
-    X or does nothing, then the attacker's `get(PUBLIC_TENANT, model, [X])` is timed.
-    auc: attacker timings after a victim read vs after none."""
-    if setup.publisher_token is None:
-        return {"skipped": "no --publisher-token-file"}
-    publisher = Party(PUBLIC_TENANT, setup.publisher_token, "--publisher-token-file")
-    grpc_only = Transport("grpc", bulk=False, same_host=False)
-    trials = 2 * setup.probes
-    planted.public = _digests(trials + WARMUP_CALLS)
-    with (
-        _client(setup, publisher, grpc_only) as pub,
-        _client(setup, setup.victim, grpc_only) as victim,
-        _client(setup, setup.attacker, grpc_only) as attacker,
-    ):
-        try:
-            _plant(setup, pub, publisher, planted.model, planted.public, PUBLIC_BLOCK_BYTES)
-            after_read, after_none, misses = _time_public(attacker, victim, planted, trials, rng)
-        except KvshareError as error:
-            status = getattr(error, "status", type(error).__name__)
-            return {
-                "skipped": f"reading {PUBLIC_TENANT} failed ({status}): the attacker's and "
-                "the victim's tenants both need read_public = true"
-            }
-        finally:
-            cleanup.append(_cleanup(pub, PUBLIC_TENANT, planted.model, planted.public))
-    report: Report = compare(after_read, after_none)
-    report["verdict"] = CHANNEL if leaks(report) else PASS
-    report["transport"] = grpc_only.name
-    if misses:  # the scope's quota evicted blocks before they were read: timings mixed
-        report["misses"] = misses
-        report["verdict"] = INCONCLUSIVE
-    return report
+    """Can the attacker tell which published blocks the victim read? The check lives in
+    kvshare.audit.public, which builds on this module (hence imported here, late)."""
+    from kvshare.audit.public import audit_public
 
-
-def _time_public(
-    attacker: BlockClient, victim: BlockClient, planted: Planted, trials: int, rng: random.Random
-) -> tuple[list[int], list[int], int]:
-    """Attacker timings after a victim read and after none (trials // 2 each, random
-    order, after WARMUP_CALLS discarded), and how many attacker reads missed."""
-    model = planted.model
-    after_read: list[int] = []
-    after_none: list[int] = []
-    misses = 0
-    reads = [True, False] * (trials // 2)
-    rng.shuffle(reads)
-    warmup = [rng.random() < 0.5 for _ in range(WARMUP_CALLS)]
-    gc.collect()
-    gc.disable()
-    try:
-        for i, read in enumerate(warmup + reads):
-            x = [planted.public[i]]
-            if read:
-                victim.get(PUBLIC_TENANT, model, x)
-            start = time.perf_counter_ns()
-            found = attacker.get(PUBLIC_TENANT, model, x)
-            elapsed = time.perf_counter_ns() - start
-            misses += len(found) != 1
-            if i >= WARMUP_CALLS:
-                (after_read if read else after_none).append(elapsed)
-    finally:
-        gc.enable()
-    return after_read, after_none, misses
+    return audit_public(setup, planted, rng, cleanup)
 
 
 # -- the whole audit --------------------------------------------------------------------

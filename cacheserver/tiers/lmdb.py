@@ -140,10 +140,8 @@ class LmdbTier:
         map_bytes: int,
         sync_writes: bool,
         on_integrity_failure: Callable[[TenantId, int], None] | None = None,
-        max_readers: int | None = None,
     ) -> None:
-        """`on_integrity_failure(tenant, blocks)` hears of every corrupt block dropped.
-        `max_readers`: the reader table's slots (MAX_READERS when None)."""
+        """`on_integrity_failure(tenant, blocks)` hears of every corrupt block dropped."""
         try:
             path.mkdir(mode=0o700, parents=True, exist_ok=True)
             self._env = lmdb.open(
@@ -163,7 +161,7 @@ class LmdbTier:
                 # through the read-only mapping either way; a full disk fails a commit
                 # (pwrite) instead of faulting the process.
                 writemap=False,
-                max_readers=max_readers or MAX_READERS,
+                max_readers=MAX_READERS,
                 lock=True,
             )
         except lmdb.Error as error:
@@ -258,11 +256,6 @@ class LmdbTier:
             return int(self._env.reader_check())
         except lmdb.Error:
             return 0  # the environment is closing
-
-    def reader_list(self) -> str:
-        """LMDB's reader table as it prints it (pid, thread, snapshot): for operators and
-        tests."""
-        return str(self._env.readers())
 
     def retire(self, key: StorageKey) -> None:
         """The index no longer lists `key` (evicted), and a later `write` deletes it:
@@ -431,9 +424,6 @@ class LmdbReader:
         block ends, and its reader slot is free then. Unavailable when LMDB's reader
         table is full."""
         return BlockReads(_begin_read(self._env), self._blocks, self._meta)
-
-    def reader_list(self) -> str:
-        return str(self._env.readers())
 
 
 class BlockReads:

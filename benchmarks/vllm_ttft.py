@@ -20,14 +20,17 @@ queued, load started and finished, reported, scheduled, first token), over the
 requests that loaded. Every run must produce the same greedy tokens, or the benchmark
 exits 1. `--itl` also runs benchmarks/vllm_async.py's measurement (a decoding request's
 inter-token latency while another request's prefix loads, per mode) and adds it as
-`co_running_itl`. `--json` prints one object:
-{"replicas", "requests", "runs": {name: summary}, "ttft_p50_ratio": {mode: x},
+`co_running_itl`. `--forget-local` empties each engine's own prefix cache before every
+request, so every hit comes from the store (with `--replicas 1`: one engine, its loads
+alone). `--json` prints one object:
+{"replicas", "requests", "forget_local", "runs": {name: summary}, "ttft_p50_ratio": {mode: x},
  "timelines": {mode: {stage: ms}}, "outputs_identical", "co_running_itl"?}.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import statistics
 import sys
@@ -60,6 +63,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=72, help="requests per run")
     parser.add_argument("--seed", type=int, default=0, help="the workload's seed")
     parser.add_argument("--modes", default=",".join(MODES), help="load modes to run")
+    parser.add_argument(
+        "--forget-local",
+        action="store_true",
+        help="empty each engine's own cache before every request (hits: the store's only)",
+    )
     parser.add_argument("--itl", action="store_true", help="also run vllm_async --quick")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     return parser.parse_args(argv)
@@ -92,7 +100,9 @@ def run_mode(
     timelines: list[dict[str, float]] = []
     try:
         name = "local_only" if mode is None else f"shared_{mode}"
-        report = run_round_robin(engines, name, requests, timelines=timelines)
+        report = run_round_robin(
+            engines, name, requests, timelines=timelines, forget_local=args.forget_local
+        )
     finally:
         for engine in engines:
             engine.close()
@@ -122,6 +132,7 @@ def measure(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
     return {
         "replicas": args.replicas,
         "requests": args.requests,
+        "forget_local": args.forget_local,
         "runs": summaries,
         "ttft_p50_ratio": {
             mode: round(local_p50 / summaries[f"shared_{mode}"]["ttft_p50_s"], 2) for mode in modes
@@ -133,11 +144,10 @@ def measure(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
 
 def co_running_itl() -> dict[str, Any]:
     sys.path.insert(0, str(Path(__file__).parent))
-    import vllm_async
-
+    vllm_async = importlib.import_module("vllm_async")  # the script beside this one
     args = vllm_async.parse_args(["--quick"])
     with tempfile.TemporaryDirectory(prefix="kvshare-vllm-itl-") as tmp:
-        figures = vllm_async.measure(args, Path(tmp))
+        figures: dict[str, Any] = vllm_async.measure(args, Path(tmp))
     figures.pop("alone", None)
     return figures
 

@@ -71,14 +71,19 @@ def run_round_robin(
     requests: list[DemoRequest],
     progress: Progress | None = None,
     timelines: list[dict[str, float]] | None = None,
+    *,
+    forget_local: bool = False,
 ) -> RunReport:
     """One run of the workload: "local_only" sends no tenant (the connector stays out),
-    any other name sends each request's tenant, as a gateway would."""
+    any other name sends each request's tenant, as a gateway would. `forget_local`
+    empties the engine's own cache before each request (every hit is the store's)."""
     report = RunReport(name)
     for engine in engines:
         engine.reset_prefix_cache()
     for request in requests:
         replica = request.index % len(engines)  # round robin
+        if forget_local:
+            engines[replica].reset_prefix_cache()
         result = serve(
             engines[replica],
             replica,

@@ -261,8 +261,13 @@ def test_the_store_down_fails_no_request(cluster: Cluster) -> None:
 
 
 def test_kvshare_demo_on_vllm_engines() -> None:
-    """`kvshare demo --engine vllm --json`: the contract keys, the store supplying tokens
-    in the second run, and the same greedy tokens in both runs."""
+    """`kvshare demo --engine vllm --json` on the demo's own workload (4 engines, 72
+    requests, the default load mode): the contract keys, the store supplying tokens in
+    the second run, the same greedy tokens in both runs, and the mission's number: TTFT
+    p50 with the shared store lower than with local caches only. Not a timing: a ratio
+    within one run, which measured 1.5x and more on this machine (docs/vllm.md), so
+    noise does not reach 1.0; it fails when the default mode makes TTFT worse, as
+    asynchronous loads on an idle engine did (2.1x higher)."""
     import json
     import subprocess
     import sys
@@ -276,10 +281,6 @@ def test_kvshare_demo_on_vllm_engines() -> None:
             "--engine",
             "vllm",
             "--json",
-            "--replicas",
-            "2",
-            "--requests",
-            "10",
         ],
         capture_output=True,
         text=True,
@@ -290,4 +291,6 @@ def test_kvshare_demo_on_vllm_engines() -> None:
     shared = report["runs"]["shared_store"]
     assert report["engine"] == "vllm" and report["outputs_identical"] is True
     assert shared["store_hit_rate"] > 0
-    assert shared["prefill_tokens"] < report["runs"]["local_only"]["prefill_tokens"]
+    local = report["runs"]["local_only"]
+    assert shared["prefill_tokens"] < local["prefill_tokens"]
+    assert shared["ttft_p50_s"] < local["ttft_p50_s"]

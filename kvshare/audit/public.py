@@ -35,7 +35,6 @@ from pathlib import Path
 
 from kvcommon.errors import KvshareError
 from kvshare.audit.timing import (
-    BLOCK_BYTES,
     CHANNEL,
     CONTROL_AUC,
     INCONCLUSIVE,
@@ -65,11 +64,11 @@ SETTLE_BLOCK_BYTES = 1 << 20  # the settling puts' blocks
 SETTLE_WAIT_S = 1.0  # a pause after publishing: the server's writer drains meanwhile
 REACH_TIMEOUT_S = 60.0  # for published blocks to reach the other servers
 ARMS = ("read", "none", "hit", "miss")
-# The control's hits: published blocks of CONTROL_BLOCK_BYTES, cycled. Four times the
-# transports' control block: on a clustered server a miss costs a round trip to the
-# cluster too, and a hit must still stand apart from it.
+# The control's hits: published blocks of CONTROL_BLOCK_BYTES, cycled. On a clustered
+# server a miss costs a round trip to the cluster too (and a block it does not hold,
+# another), and a hit must still stand apart from it.
 CONTROL_BLOCKS = 2
-CONTROL_BLOCK_BYTES = 4 * BLOCK_BYTES
+CONTROL_BLOCK_BYTES = 4 << 20
 GRPC = Transport("grpc", bulk=False, same_host=False)
 # The attacker times over the bulk channel where it can: its calls vary the least (the
 # same-host arena is for clients on the server's host only).

@@ -44,9 +44,15 @@ from replica_agent.client import BlockClient, ClientTls
 
 PUBLIC_TENANT: str = PUBLIC  # the reserved tenant id of the public scope, "@public"
 PUBLIC_BLOCK_BYTES = 64 << 10  # one block per public trial (a read from disk: 16 pages)
-BLOCK_BYTES = 1 << 20  # a get's block: a 16-token KV block of a 7B-class model
-PLANTED = 16  # blocks of BLOCK_BYTES each party plants for the get arms
-LOOKUP_RUN = 1024  # digests per lookup (a 16k-token prompt): a hit walks the whole run
+# A get's block: a 32-token KV block of a 7B-class model. On a server with a Redis
+# Cluster tier a miss asks the cluster, and over the same-host arena that costs about
+# what taking 1 MiB does: a hit of this size stays apart from a miss there too.
+BLOCK_BYTES = 2 << 20
+PLANTED = 8  # blocks of BLOCK_BYTES each party plants for the get arms
+# Digests per lookup (a 64k-token prompt at 16 tokens a block): a hit walks the whole
+# run. On a server with a Redis Cluster tier a miss asks the cluster, which costs about
+# what walking 1024 local entries does; a run this long keeps hits apart from misses there.
+LOOKUP_RUN = 4096
 RUN_BLOCK_BYTES = 1 << 10  # the lookup arms' blocks: a lookup never reads a payload
 PUT_BATCH_BYTES = 4 << 20
 REPEATS = 3  # a probe's time: the fastest of this many back-to-back calls

@@ -288,8 +288,12 @@ def _plant_pool(setup: Setup, client: BlockClient, party: Party, model: str, poo
 
 def _cleanup(client: BlockClient, tenant: str, model: str, digests: list[bytes]) -> str:
     """Delete planted blocks; what happened, in words (never an exception)."""
+    step = LOOKUP_RUN  # a call names at most [limits] max_digests_per_call (8192 by default)
     try:
-        deleted = client.delete(tenant, model, digests)
+        deleted = sum(
+            client.delete(tenant, model, digests[start : start + step])
+            for start in range(0, len(digests), step)
+        )
     except KvshareError as error:
         status = getattr(error, "status", type(error).__name__)
         return f"not deleted from {tenant!r} ({status}): its principal lacks the right"

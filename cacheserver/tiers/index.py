@@ -22,6 +22,7 @@ one too. Tiers import nothing of the store.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -204,11 +205,14 @@ class BlockIndex:
             planned[key] = "quota"
             tenant_used -= entry.size
             used -= entry.size
-        if used + size <= self.budget_bytes:
-            return planned
-        sizes = {key: entry_size for key, entry_size in self._global_candidates(tenant, planned)}
-        sizes.update((key, entry.size) for key, entry in self.oldest_first())
-        for key, entry_size in sizes.items():
+        # Rule 2's candidates first, walked lazily (a full tier asks on every put);
+        # only when every other tenant is within its quota, their blocks by age (a
+        # sort of the tier: publications are rare).
+        candidates = itertools.chain(
+            self._global_candidates(tenant, planned),
+            ((key, entry.size) for key, entry in self._oldest_when_needed()),
+        )
+        for key, entry_size in candidates:
             if used + size <= self.budget_bytes:
                 break
             owner = self._entries[key].tenant
@@ -219,6 +223,10 @@ class BlockIndex:
         if used + size > self.budget_bytes:
             raise NoRoom("the tier holds only fixed-order blocks")
         return planned
+
+    def _oldest_when_needed(self) -> Iterator[tuple[StorageKey, Entry]]:
+        """`oldest_first`, sorted only once the iteration gets here."""
+        yield from self.oldest_first()
 
     def _global_candidates(
         self, tenant: TenantId, planned: Mapping[StorageKey, object]

@@ -192,11 +192,7 @@ def audit_public(setup: Setup, planted: Planted, rng: random.Random, cleanup: li
                     for i, address in enumerate(addresses)
                 }
             except KvshareError as error:
-                status = getattr(error, "status", type(error).__name__)
-                return {
-                    "skipped": f"reading {PUBLIC_TENANT} failed ({status}): the attacker's "
-                    "and the victim's tenants both need read_public = true"
-                }
+                return {"skipped": _why_skipped(error)}
         finally:
             cleanup.append(_cleanup(pub, PUBLIC_TENANT, planted.model, planted.public))
     held = {
@@ -205,6 +201,21 @@ def audit_public(setup: Setup, planted: Planted, rng: random.Random, cleanup: li
         "servers": len(addresses),
     }
     return summarize_public(servers, held)
+
+
+def _why_skipped(error: KvshareError) -> str:
+    status = getattr(error, "status", type(error).__name__)
+    if status == "RESOURCE_EXHAUSTED":
+        return (
+            f"no room for the check's blocks ({status}): it publishes (2 x probes + 50) x "
+            f"{PUBLIC_BLOCK_BYTES >> 10} KiB per server plus {CONTROL_BLOCKS} x "
+            f"{CONTROL_BLOCK_BYTES >> 20} MiB, and --public-settle-bytes in the attacker's "
+            "tenant; raise [public] quota_bytes or the tenant's quota, or give fewer --probes"
+        )
+    return (
+        f"the public check failed ({status}): the attacker's and the victim's tenants both "
+        "need read_public = true"
+    )
 
 
 def _wait_until_reached(

@@ -4,7 +4,7 @@
 One connection per thread and tenant (bulk_connect.py), opened with a one-time ticket
 and kept for reuse; a kept connection the server closed meanwhile (a restart) is replaced
 before it is used, so a restart is no failure of the channel (no fallback, no backoff in
-client.py). `read` is the one read path: each leading present payload as a view,
+fallback.py). `read` is the one read path: each leading present payload as a view,
 as soon as it arrived — into the connection's reused buffers, or, on the server's host,
 into the shared-memory arena the server wrote it to. With `keep=False` a view is valid
 until the next one is asked for (the restore path decodes block i while block i+1 is on

@@ -72,7 +72,7 @@ TRANSPORTS = {
 # Bugs this campaign found in the server's data path that are not fixed yet, each with
 # its xfail test in tests/reliability/test_found_bugs.py: tolerated (and counted) here so
 # the rest of the campaign runs. Remove an entry when its xfail test starts passing.
-# ("same-batch-eviction", the one it found, is fixed: Tiers.plan.)
+# ("same-batch-eviction", the one it found, is fixed: IndexedTiers.plan.)
 KNOWN_BUGS: frozenset[str] = frozenset()
 MAX_RESTARTS = 3  # per example: server processes are the expensive part
 # What the runs of this process did (steps, kills, evictions...): for the reports.

@@ -15,7 +15,7 @@ Invariants (each module states its own in detail):
 
 Modules, in the order to read them:
 - `facade`: `BlockStore`, what the request core and the transports call;
-- `tiering`: `Tiers`, the index and the in-process state under one lock, and the verbs
+- `tiering`: `IndexedTiers`, the index and the in-process state under one lock, and the verbs
   the rest of the store uses: admission (`plan`), the commit of new blocks, reads,
   puts' checks, deletes, figures;
 - `lineup`: `Lineup`, the tiers as one ordered list, sorted once by what each declares
@@ -45,7 +45,7 @@ section: `BlockStore(..., lower_tiers=[tier])`. From then on (`Lineup`):
 - Reads fall through to it (`Lineup.read_below`): a key the index lists that neither
   the journal nor LMDB can return (a local copy found corrupt, say) is read from it,
   served and promoted to memory like an LMDB read.
-- Writes reach it after the local commit, on the writer thread: `Tiers.commit`
+- Writes reach it after the local commit, on the writer thread: `IndexedTiers.commit`
   (write-through puts, the replay at start-up) and `Writer._drain` (journaled puts)
   hand `Lineup.write_behind` the blocks LMDB has just committed. Written behind: a
   failure there fails no put (each is acknowledged already); it is logged, and the
@@ -69,7 +69,7 @@ the index is a miss, and the journal and LMDB hold exactly the indexed blocks (b
 records the writer will pass over). With one (`cacheserver.tiers.cluster`): what this
 server holds locally. An index miss then asks the shared tiers, in `BlockStore.lookup`
 after the index walk (the gRPC Lookup handler runs on a worker thread once
-`lookup_blocks` is true) and in `Tiers.read_through` when the first key is not
+`lookup_blocks` is true) and in `IndexedTiers.read_through` when the first key is not
 indexed; what they return is kept as a local copy (`StoreCopies.keep_copy`). Deletes
 made through other servers arrive through the shared tier's delete stream and drop
 this server's copies (`StoreCopies.forget_local`); the shared tier reclaims retired

@@ -8,7 +8,7 @@ Invariants of the facade (the store's own are in `cacheserver.store.tiering`):
   the event loop; nor does `lookup` unless a shared tier is configured
   (`lookup_blocks`: it asks that tier on an index miss). Methods marked Blocking run
   off it.
-- The facade reaches the tiers only through the verbs of `Tiers` and `Lineup`, which
+- The facade reaches the tiers only through the verbs of `IndexedTiers` and `Lineup`, which
   take the lock where they need it.
 - Everything countable (hits, misses, blocks and bytes per tier, evictions, refusals,
   integrity failures) is reported to `events` as it happens; the events carry
@@ -37,7 +37,7 @@ from cacheserver.store.recovery import (
     replay_journal,
     restore_pinned,
 )
-from cacheserver.store.tiering import Tiers
+from cacheserver.store.tiering import IndexedTiers
 from cacheserver.store.upkeep import start_prefaulter, start_syncer
 from cacheserver.store.writer import Writer
 from cacheserver.tiers import JournalCheckpoint, Payload, Tier
@@ -112,7 +112,7 @@ class BlockStore:
         _warn_if_not_pinned(quotas_bytes, fixed_order, storage.memory_budget_bytes)
         index = BlockIndex(storage.disk_budget_bytes, quotas_bytes, fixed_order)
         self._lineup = Lineup(memory, disk, lower_tiers)
-        self._tiers = Tiers(index, self._lineup, self.events)
+        self._tiers = IndexedTiers(index, self._lineup, self.events)
         self._journaled: JournaledPuts | None = None
         self._epochs = dict(epochs)
         self._closing = threading.Event()

@@ -1,5 +1,5 @@
 """What the store's threads hand each other: put jobs, barriers, reclaim requests, the
-admission of a batch, and what a failed commit means for a caller.
+plan of a batch of puts (`PutPlan`), and what a failed commit means for a caller.
 
 Invariant: a put job's future completes exactly once, and only when the put's outcome
 is final: stored (True, the block is visible and survives a crash of the server),
@@ -98,8 +98,8 @@ def was_stored(job: PutJob) -> bool:
 Evicted = list[tuple[StorageKey, Entry, EvictReason]]
 
 
-class Admission(NamedTuple):
-    """What `Tiers.plan` decided for a batch of puts."""
+class PutPlan(NamedTuple):
+    """What `IndexedTiers.plan` decided for a batch of puts: which enter the index."""
 
     admitted: list[PutJob]  # in the index now, to be committed
     evicted: Evicted  # entries their room took, stored before the batch

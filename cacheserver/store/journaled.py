@@ -8,7 +8,7 @@ LMDB. Its record goes RESERVED (`_begin`), receives its bytes in place, then is
 COMMITTED and made visible (`_finish`), or is given up (`_abandon`); either way the
 writer is handed the job, to drain it or just pass over its record.
 
-Invariants (the state here changes only under the store's lock, `Tiers.lock`):
+Invariants (the state here changes only under the store's lock, `IndexedTiers.lock`):
 - A key is in `_pending` exactly while its block is visible and not yet in LMDB:
   reads fall back to the record's view there (`held`).
 - The memory tier may hold a view of a record only while `_views` tracks it: views
@@ -32,7 +32,7 @@ from cacheserver.blocks import BlockSource
 from cacheserver.store.backlog import WriteBacklog
 from cacheserver.store.jobs import PutJob, commit_error
 from cacheserver.store.journal import Journal, JournalFull
-from cacheserver.store.tiering import Tiers
+from cacheserver.store.tiering import IndexedTiers
 from cacheserver.tiers import Payload
 from kvcommon.errors import KvshareError, Unavailable
 from policy.types import ModelTag, StorageKey, TenantId
@@ -44,7 +44,7 @@ JOURNAL_WAIT_S = 5.0  # a put waits this long for journal room before it is refu
 class JournaledPuts:
     def __init__(
         self,
-        tiers: Tiers,
+        tiers: IndexedTiers,
         journal: Journal,
         path: Path,
         epochs: dict[TenantId, int],

@@ -12,7 +12,7 @@ import concurrent.futures
 from collections.abc import Callable, Sequence
 
 from cacheserver.blocks import BlockSource
-from cacheserver.store.tiering import Tiers
+from cacheserver.store.tiering import IndexedTiers
 from policy.types import ModelTag, StorageKey, TenantId
 
 Put = Callable[[TenantId, StorageKey, ModelTag, BlockSource], concurrent.futures.Future[bool]]
@@ -21,7 +21,7 @@ Put = Callable[[TenantId, StorageKey, ModelTag, BlockSource], concurrent.futures
 class StoreCopies:
     def __init__(
         self,
-        tiers: Tiers,
+        tiers: IndexedTiers,
         put: Put,
         pin: Callable[[], Callable[[], None]],
         barrier: Callable[[], None],

@@ -33,7 +33,7 @@ from cacheserver.store.journal import (
     remove_orphans,
     replay,
 )
-from cacheserver.store.tiering import Tiers
+from cacheserver.store.tiering import IndexedTiers
 from cacheserver.store.writer import MAX_BATCH_BYTES
 from cacheserver.tiers import JournalCheckpoint, Position
 from kvcommon.errors import ConfigError, KvshareError
@@ -42,7 +42,7 @@ from policy.types import StorageKey, TenantId
 log = logging.getLogger(__name__)
 
 
-def rebuild_index(tiers: Tiers, epochs: dict[TenantId, int]) -> int:
+def rebuild_index(tiers: IndexedTiers, epochs: dict[TenantId, int]) -> int:
     """Load the disk index; reclaim blocks of retired epochs or removed tenants and
     evict down to the budget. Returns how many blocks were reclaimed."""
     disk, index = tiers.disk, tiers.index
@@ -74,7 +74,7 @@ def rebuild_index(tiers: Tiers, epochs: dict[TenantId, int]) -> int:
     return reclaimed
 
 
-def restore_pinned(tiers: Tiers) -> int:
+def restore_pinned(tiers: IndexedTiers) -> int:
     """Read the blocks of fixed-order namespaces from LMDB into the memory tier, oldest
     put first, as their puts had left them there; returns how many. Reads never
     promote these blocks (docs/isolation.md, public scope), so without this a restart
@@ -102,7 +102,7 @@ def restore_pinned(tiers: Tiers) -> int:
 
 
 def replay_journal(
-    tiers: Tiers,
+    tiers: IndexedTiers,
     epochs: dict[TenantId, int],
     recorded: JournalCheckpoint | None,
     on_corrupt: Callable[[TenantId, int], None],
@@ -114,7 +114,7 @@ def replay_journal(
     tenants are skipped, as start-up reclamation would drop them anyway.
 
     Records whose payload fails its checksum are dropped, counted
-    (`Tiers.journal_integrity_failures`) and reported to `on_corrupt(tenant, blocks)`. Raises
+    (`IndexedTiers.journal_integrity_failures`) and reported to `on_corrupt(tenant, blocks)`. Raises
     JournalNotReplayed when LMDB cannot take the rest (its map or the disk is full):
     the start fails, and the journal is left as it is for the next one."""
     if recorded is None:
@@ -174,7 +174,7 @@ class JournalNotReplayed(ConfigError):
 
 
 def open_journal(
-    tiers: Tiers, data_dir: Path, storage: StorageConfig, recorded: JournalCheckpoint | None
+    tiers: IndexedTiers, data_dir: Path, storage: StorageConfig, recorded: JournalCheckpoint | None
 ) -> tuple[Journal, Path] | None:
     """Start a fresh journal, and record its start in LMDB; `recorded` is the one
     replayed at start-up, if any. None: no tmpfs for it (puts are then acknowledged

@@ -1,4 +1,5 @@
-"""The tiers the store composes, the index over them, and the one lock that guards both.
+"""`IndexedTiers`: the tiers the store composes, the index over them (the authority on
+what they hold), and the one lock that guards both.
 
 Invariants:
 - The index is the authority on what exists here. Every block it lists is held by the
@@ -28,7 +29,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from cacheserver.events import EvictReason, StoreEvents
-from cacheserver.store.jobs import Admission, Evicted, PutJob, commit_error
+from cacheserver.store.jobs import Evicted, PutJob, PutPlan, commit_error
 from cacheserver.store.lineup import Lineup
 from cacheserver.tiers import JournalCheckpoint, Payload
 from cacheserver.tiers.index import BlockIndex, NoRoom
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class Tiers:
+class IndexedTiers:
     def __init__(self, index: BlockIndex, lineup: Lineup, events: StoreEvents) -> None:
         self.lock = threading.Lock()
         self.index = index
@@ -62,10 +63,10 @@ class Tiers:
 
     # -- admission (under `lock`) ----------------------------------------------------
 
-    def plan(self, batch: Sequence[PutJob]) -> Admission:
+    def plan(self, batch: Sequence[PutJob]) -> PutPlan:
         """Reserve room for the batch in the index, job after job, as if each were put
         on its own: the admitted jobs, the entries their room evicted, and the jobs a
-        later job of the same batch evicted again (`Admission`)."""
+        later job of the same batch evicted again (`PutPlan`)."""
         admitted: dict[StorageKey, PutJob] = {}
         evicted: Evicted = []
         superseded: list[tuple[PutJob, EvictReason]] = []
@@ -93,7 +94,7 @@ class Tiers:
             self.index.add(job.key, job.tenant, len(job.payload), tag=job.model_tag)
             job.clock = self.index.clock
             admitted[job.key] = job
-        return Admission(list(admitted.values()), evicted, superseded)
+        return PutPlan(list(admitted.values()), evicted, superseded)
 
     def no_room(self, tenant: TenantId, size: int, error: NoRoom) -> ResourceExhausted:
         self.events.quota_rejected(tenant)

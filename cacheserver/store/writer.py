@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from cacheserver.events import StoreEvents
 from cacheserver.store.backlog import WriteBacklog
 from cacheserver.store.jobs import Barrier, Message, PutJob, Reclaim
-from cacheserver.store.tiering import Tiers
+from cacheserver.store.tiering import IndexedTiers
 from cacheserver.store.upkeep import lower_this_threads_priority
 from kvcommon.errors import Unavailable
 
@@ -52,7 +52,7 @@ BARRIER_TIMEOUT_S = 60.0  # a delete waits at most this long for the writer
 class Writer:
     def __init__(
         self,
-        tiers: Tiers,
+        tiers: IndexedTiers,
         events: StoreEvents,
         max_pending_bytes: int,
         max_pending_tenant_bytes: int,

@@ -66,7 +66,7 @@ class PendingWrite:
 
 class Capability(enum.Flag):
     """What a tier declares beyond the `Tier` interface. The store reads it once, when
-    it is assembled (`cacheserver.store.tiering.Tiers`), into separate lists of tiers;
+    it is assembled (`cacheserver.store.tiering.IndexedTiers`), into separate lists of tiers;
     no call path branches on a tier's type."""
 
     NONE = 0

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from cacheserver.tiers.cluster.accounting import Admission
+from cacheserver.tiers.cluster.accounting import QuotaListing
 from cacheserver.tiers.cluster.layout import HEADER_BYTES, unpack_header
 from kvshare.bench.redis_cluster import LocalRedisCluster
 from policy.types import StorageKey, TenantId
@@ -71,7 +71,7 @@ def test_a_block_written_and_never_admitted_is_swept(
     operator = direct(cluster)
     for key in (orphan, admitted):
         operator.set(tier.keys.block(key), b"v" * 100)
-    assert tier.accounting.admit([(alpha, admitted, 100)])[0] == Admission(True, False)
+    assert tier.accounting.admit([(alpha, admitted, 100)])[0] == QuotaListing(True, False)
     assert tier.accounting.sweep(alpha) == []  # too recent: its writer may be slow
     assert tier.accounting.sweep(alpha, age_s=0) == [orphan]  # the caller deletes it
     assert tier.accounting.sweep(alpha, age_s=0) == []  # once

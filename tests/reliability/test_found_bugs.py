@@ -37,7 +37,7 @@ def _present(client: BlockClient) -> int:
 def test_one_put_call_over_the_quota_leaves_the_tenant_within_it(serve: Serve) -> None:
     """Without the journal, a put call whose later block evicts an earlier block of the
     same call commits as one batch: the evicted block must not be written with it
-    (Tiers.plan's superseded jobs), or the tenant ends over its quota."""
+    (IndexedTiers.plan's superseded jobs), or the tenant ends over its quota."""
     server, tenancy = serve(BETA, OWNER, storage={"journal_bytes": 0})
     with BlockClient(server.address, tenancy.tokens["b"]) as client:
         assert client.put("beta", MODEL, DIGESTS, PAYLOADS) == [True] * 4

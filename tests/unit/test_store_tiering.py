@@ -1,4 +1,4 @@
-"""`Tiers.commit`, the one commit path of write-through puts and of the journal replay at
+"""`IndexedTiers.commit`, the one commit path of write-through puts and of the journal replay at
 start-up: a batch of puts must end where the same puts one by one would. Real index,
 memory tier and LMDB in a temporary directory; no store threads."""
 
@@ -13,7 +13,7 @@ import pytest
 from cacheserver.events import NoEvents
 from cacheserver.store.jobs import PutJob
 from cacheserver.store.lineup import Lineup
-from cacheserver.store.tiering import Tiers
+from cacheserver.store.tiering import IndexedTiers
 from cacheserver.tiers import Capability
 from cacheserver.tiers.index import BlockIndex
 from cacheserver.tiers.lmdb import LmdbTier
@@ -28,10 +28,10 @@ BLOCK = 64 * KiB
 
 
 @pytest.fixture
-def tiers(tmp_path: Path) -> Iterator[Tiers]:
+def tiers(tmp_path: Path) -> Iterator[IndexedTiers]:
     quotas = {A: 3 * BLOCK}  # alpha: three blocks; beta: no quota
     disk = LmdbTier(tmp_path / "lmdb", map_bytes=64 * MiB, sync_writes=False)
-    t = Tiers(
+    t = IndexedTiers(
         BlockIndex(64 * MiB, quotas), Lineup(MemoryTier(4 * MiB, quotas), disk, ()), NoEvents()
     )
     yield t
@@ -45,7 +45,7 @@ def jobs(tenant: TenantId, n: int) -> list[PutJob]:
 
 
 def test_a_batch_whose_later_block_evicts_an_earlier_one_stays_within_the_quota(
-    tiers: Tiers,
+    tiers: IndexedTiers,
 ) -> None:
     batch = jobs(A, 5)  # five blocks for a three-block quota, in one commit
     assert tiers.commit(batch) is None
@@ -60,7 +60,7 @@ def test_a_batch_whose_later_block_evicts_an_earlier_one_stays_within_the_quota(
 
 
 def test_a_batch_within_the_quota_stores_every_block_and_other_tenants_are_untouched(
-    tiers: Tiers,
+    tiers: IndexedTiers,
 ) -> None:
     theirs = jobs(B, 2)
     assert tiers.commit(theirs) is None
@@ -77,7 +77,7 @@ def test_a_failed_commit_fails_the_whole_batch_superseded_blocks_included(
     """A job evicted by its own batch is reported stored only once the batch commits."""
     quotas = {A: 2 * MiB}  # one block of 2 MiB: the second of the batch evicts the first
     disk = LmdbTier(tmp_path / "lmdb", map_bytes=1 * MiB, sync_writes=False)  # too small
-    t = Tiers(
+    t = IndexedTiers(
         BlockIndex(64 * MiB, quotas), Lineup(MemoryTier(4 * MiB, quotas), disk, ()), NoEvents()
     )
     try:
@@ -122,7 +122,7 @@ def test_a_read_promotes_a_block_to_memory_unless_its_namespace_keeps_a_fixed_or
     fixed = frozenset({B})
     disk = LmdbTier(tmp_path / "lmdb", map_bytes=64 * MiB, sync_writes=False)
     memory = MemoryTier(BLOCK, {}, fixed_order=fixed)  # room for one block at a time
-    tiers = Tiers(BlockIndex(64 * MiB, {}, fixed), Lineup(memory, disk, ()), NoEvents())
+    tiers = IndexedTiers(BlockIndex(64 * MiB, {}, fixed), Lineup(memory, disk, ()), NoEvents())
     try:
         own, public, newest = jobs(A, 1)[0], jobs(B, 1)[0], jobs(A, 1)[0]
         for job in (own, public, newest):  # each put takes memory from the one before

@@ -49,7 +49,9 @@ class Tenant:
 
 
 @dataclass(frozen=True, slots=True)
-class Admission:
+class QuotaListing:
+    """What `Accounting.admit` made of one block in its tenant's quota list."""
+
     listed: bool  # True: newly listed (write it); False: listed already, or refused
     refused: bool  # larger than the quota on its own
     victims: tuple[StorageKey, ...] = ()
@@ -69,7 +71,9 @@ class Accounting:
     def _of(self, tenant: Tenant) -> TenantKeys:
         return self._keys.tenant(tenant.tag)
 
-    def admit(self, blocks: Sequence[tuple[Tenant, StorageKey, int]]) -> list[Admission | Failed]:
+    def admit(
+        self, blocks: Sequence[tuple[Tenant, StorageKey, int]]
+    ) -> list[QuotaListing | Failed]:
         """List each (tenant, key, size), evicting as the quota requires: one script
         per block, pipelined per node."""
         commands = []
@@ -78,14 +82,14 @@ class Accounting:
             names = [*t.of_epoch(tenant.epoch), t.clock, t.epochs, t.doomed, t.writing]
             args = (key, size, tenant.quota_bytes, tenant.epoch)
             commands.append((t.base, ("EVALSHA", self._admit, len(names), *names, *args)))
-        out: list[Admission | Failed] = []
+        out: list[QuotaListing | Failed] = []
         for answer in self._nodes.run(commands):
             if isinstance(answer, Failed):
                 out.append(answer)
                 continue
             status = int(answer[0])
             victims = tuple(StorageKey(bytes(v)) for v in answer[1:])
-            out.append(Admission(status == 1, status < 0, victims))
+            out.append(QuotaListing(status == 1, status < 0, victims))
         return out
 
     def mark_writing(self, blocks: Sequence[tuple[Tenant, StorageKey]]) -> None:

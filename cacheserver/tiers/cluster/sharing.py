@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 from cacheserver.blocks import BytesSource
 from cacheserver.tiers import LocalCopies, Payload
-from cacheserver.tiers.cluster.accounting import Admission, Tenant
+from cacheserver.tiers.cluster.accounting import QuotaListing, Tenant
 from cacheserver.tiers.cluster.layout import pack_header
 from cacheserver.tiers.cluster.nodes import Failed
 from kvcommon.errors import KvshareError
@@ -245,17 +245,15 @@ class Sharing:
             if answer is not None:
                 stored[i] = answer  # True: written by this server; False: by another
         admitted = [ready[i] for i in stored]
-        admissions = tier.accounting.admit([(i.tenant, i.key, len(p)) for i, p in admitted])
+        listings = tier.accounting.admit([(i.tenant, i.key, len(p)) for i, p in admitted])
         undo: list[StorageKey] = []
-        for (item, payload), ours, admission in zip(
-            admitted, stored.values(), admissions, strict=True
-        ):
-            if isinstance(admission, Failed) or admission.refused:
+        for (item, payload), ours, listing in zip(admitted, stored.values(), listings, strict=True):
+            if isinstance(listing, Failed) or listing.refused:
                 tier.count(dropped=1)
                 if ours:  # out of the quota's reach: take the bytes back out
                     undo.append(item.key)
                 continue
-            self._evict(item.tenant, admission)
+            self._evict(item.tenant, listing)
             if ours:
                 tier.count(written=1, written_bytes=len(payload))
             self.mark_shared([item.key])
@@ -266,15 +264,15 @@ class Sharing:
         if undo:
             tier.erasure.delete_blocks(undo)
 
-    def _evict(self, tenant: Tenant, admission: Admission) -> None:
-        if not admission.victims:
+    def _evict(self, tenant: Tenant, listing: QuotaListing) -> None:
+        if not listing.victims:
             return
         tier = self._tier
-        names = [tier.keys.block(key) for key in admission.victims]
+        names = [tier.keys.block(key) for key in listing.victims]
         answers = tier.nodes.run([(n, ("DEL", n)) for n in names])
-        tier.count(evicted=len(admission.victims))
+        tier.count(evicted=len(listing.victims))
         if not any(isinstance(a, Failed) for a in answers):
-            tier.accounting.forget_doomed(tenant, admission.victims)
+            tier.accounting.forget_doomed(tenant, listing.victims)
 
     def _set(self, writes: list[tuple[_Share, Payload]]) -> list[bool | None]:
         """`SET NX` each block's value: True (written), False (another server's copy

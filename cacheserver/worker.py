@@ -66,8 +66,8 @@ from cacheserver.transport.bulk import delegation as d
 from cacheserver.transport.bulk.handler import Pace
 from cacheserver.transport.bulk.listener import IDLE_TIMEOUT_S
 from cacheserver.transport.bulk.readyloop import ReadyLoop
+from kvcommon import bulkio, handoff
 from kvcommon import bulkwire as w
-from kvcommon import handoff
 from kvcommon.errors import InvalidArgument, Unavailable
 from kvcommon.logs import configure_logging
 from policy.identity import Principal
@@ -203,7 +203,7 @@ class Connection:
             if not self._all_present(keys):
                 return False
             self._consume(len(request))
-            w.send_parts(self._conn, [w.lookup_reply(count)], self._pace.deadline(0))
+            bulkio.send_parts(self._conn, [w.lookup_reply(count)], self._pace.deadline(0))
             self._tally.lookup(self._tenant, keys)
             return True
         sent = self._send_blocks(keys, len(request))
@@ -211,7 +211,7 @@ class Connection:
             return False
         rest, deadline, nbytes = sent
         if rest:  # the peer is slower than the socket buffer: wait, with no snapshot held
-            w.send_parts(self._conn, rest, deadline)
+            bulkio.send_parts(self._conn, rest, deadline)
         self._tally.get(self._tenant, keys, nbytes)
         return True
 
@@ -224,7 +224,7 @@ class Connection:
 
     def _send_blocks(
         self, keys: Sequence[StorageKey], request_bytes: int
-    ) -> tuple[list[bytes | bytearray | memoryview], w.Deadline, int] | None:
+    ) -> tuple[list[bytes | bytearray | memoryview], bulkio.Deadline, int] | None:
         """Within one read transaction: the blocks of `keys` read and verified, the
         request consumed, and as much of the reply sent as the socket takes at once,
         straight from the memory map; what it did not take is copied out before the
@@ -249,7 +249,7 @@ class Connection:
             for view in views:
                 parts += [memoryview(w.SIZE.pack(len(view))), view]
             parts.append(memoryview(w.END))
-            w.send_now(self._conn, parts)
+            bulkio.send_now(self._conn, parts)
             rest: list[bytes | bytearray | memoryview] = [b"".join(parts)] if parts else []
         return rest, deadline, nbytes
 
@@ -277,7 +277,7 @@ class Connection:
         return bytes(view[:got]) if got == size else None
 
     def _consume(self, size: int) -> None:
-        w.recv_exact(self._conn, memoryview(self._scratch)[:size])
+        bulkio.recv_exact(self._conn, memoryview(self._scratch)[:size])
 
 
 class Worker:

@@ -26,6 +26,7 @@ import ssl
 import threading
 from collections.abc import Callable, Iterator, Sequence
 
+from kvcommon import bulkio, samehost
 from kvcommon import bulkwire as w
 from kvcommon.tracing import binary_context
 from replica_agent.bulk_connect import (
@@ -144,7 +145,7 @@ class BulkChannel:
         header = w.REQUEST.pack(op, len(encoded), len(digests))
         parts = [header, trace, encoded] if trace is not None else [header, encoded]
         try:  # digests: one buffer
-            w.send_parts(conn.sock, [*parts, b"".join(digests), *then], conn.timer)
+            bulkio.send_parts(conn.sock, [*parts, b"".join(digests), *then], conn.timer)
         except (BrokenPipeError, ConnectionResetError):
             # The server refused the request from its header and closed (a Unix socket
             # then fails the send at once): its error frame may be waiting to be read.
@@ -236,11 +237,11 @@ class BulkChannel:
                     raise store_error("DATA_LOSS", f"the server announced a {size}-byte block")
                 view = conn.buffers.take(size, keep=keep)
                 if index + 1 < len(digests):
-                    w.recv_exact(conn.sock, view, conn.timer)  # yielded before the next size
+                    bulkio.recv_exact(conn.sock, view, conn.timer)  # yielded before the next size
                     yield view
-                    w.recv_exact(conn.sock, size_buf, conn.timer)
+                    bulkio.recv_exact(conn.sock, size_buf, conn.timer)
                 else:  # the last block asked for: the end follows it at once, read with it
-                    w.recv_exact_parts(conn.sock, [view, size_buf], conn.timer)
+                    bulkio.recv_exact_parts(conn.sock, [view, size_buf], conn.timer)
                     yield view
             raise store_error("DATA_LOSS", "the server sent more blocks than were asked for")
         finally:
@@ -286,7 +287,7 @@ class BulkChannel:
             count, truncated = w.LOCAL_GET.unpack(reply)
             if count > len(digests):
                 raise store_error("DATA_LOSS", "the server described more blocks than asked")
-            raw = w.recv_bytes(conn.sock, count * w.SIZE.size, conn.timer)
+            raw = bulkio.recv_bytes(conn.sock, count * w.SIZE.size, conn.timer)
             sizes = [size for (size,) in w.SIZE.iter_unpack(raw)]
             offsets, end = w.arena_offsets(sizes)
             if end > len(arena):
@@ -329,7 +330,7 @@ class BulkChannel:
             offsets, _ = w.arena_offsets(sizes[start:end])
             view = memoryview(conn.arena)
             for offset, payload in zip(offsets, payloads[start:end], strict=True):
-                w.copy_into(view[offset:], payload)
+                samehost.copy_into(view[offset:], payload)
             view.release()
             outcomes += self._put_request(
                 tenant, conn, model, digests[start:end], sizes[start:end], (), tcp=False
@@ -361,7 +362,7 @@ class BulkChannel:
 def _kept(conn: Connection, view: memoryview) -> memoryview:
     """`view` copied into the connection's buffers (valid until the next call)."""
     copy = conn.buffers.take(view.nbytes, keep=True)
-    w.copy_into(copy, view)
+    samehost.copy_into(copy, view)
     return copy
 
 

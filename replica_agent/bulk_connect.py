@@ -31,6 +31,7 @@ import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvcommon import bulkio, samehost
 from kvcommon import bulkwire as w
 from policy.tickets import is_local_binding
 from replica_agent.bulk_sealed import SealedChannel
@@ -139,7 +140,7 @@ def connect_tcp(
         if tls is not None:
             timer.arm(sock)  # the handshake gets what is left
             sock = tls.wrap_socket(sock, server_hostname=server_name or host)
-        w.send_parts(sock, [w.HELLO.pack(w.MAGIC, ticket.ticket)], timer)
+        bulkio.send_parts(sock, [w.HELLO.pack(w.MAGIC, ticket.ticket)], timer)
         expect_ok(sock, timer)
         if tls is None:
             _wait_in_kernel(sock, deadline, timer)
@@ -157,7 +158,7 @@ def _wait_in_kernel(sock: socket.socket, deadline: CallDeadline, timer: SocketTi
     GET made 6 polls beside its 5 sends and receives). TLS keeps Python's timeouts."""
     left = deadline.left_s()
     if left is not None:
-        w.kernel_timeouts(sock, left)
+        bulkio.kernel_timeouts(sock, left)
         timer.timeout_s = left
 
 
@@ -172,7 +173,7 @@ def can_use_local(ticket: Ticket) -> bool:
     """Whether to try the same-host listener at all: the server offers one, bound to
     where it counts (an older server binds nothing: TCP), and this process knows its
     own namespace."""
-    return bool(ticket.local_address and ticket.local_binding and w.host_namespace())
+    return bool(ticket.local_address and ticket.local_binding and samehost.host_namespace())
 
 
 def is_the_servers(ticket: Ticket, sock: socket.socket) -> bool:
@@ -180,10 +181,10 @@ def is_the_servers(ticket: Ticket, sock: socket.socket) -> bool:
     is the listener's name the server's: a listener of that name anywhere else, or of
     another user (the name is free once the server dies), is an impostor that would
     get the ticket and the payloads. OpenBulk bound both to the ticket."""
-    uid = w.peer_uid(sock)
+    uid = samehost.peer_uid(sock)
     if uid is None:
         return False
-    return is_local_binding(ticket.ticket, w.host_namespace(), uid, ticket.local_binding)
+    return is_local_binding(ticket.ticket, samehost.host_namespace(), uid, ticket.local_binding)
 
 
 def connect_local(ticket: Ticket, deadline: CallDeadline) -> tuple[Connection | None, bool]:
@@ -205,7 +206,7 @@ def connect_local(ticket: Ticket, deadline: CallDeadline) -> tuple[Connection | 
             log.warning("the same-host bulk listener is not the server's; using TCP")
             sock.close()
             return None, False
-        w.send_parts(sock, [w.HELLO.pack(w.MAGIC, ticket.ticket)], timer)
+        bulkio.send_parts(sock, [w.HELLO.pack(w.MAGIC, ticket.ticket)], timer)
         arena, data = _receive_arena(sock, timer)
         if arena is None and data[:1] == bytes([w.OK]):
             log.warning("same-host bulk channel gave no usable arena; using TCP")
@@ -214,7 +215,7 @@ def connect_local(ticket: Ticket, deadline: CallDeadline) -> tuple[Connection | 
         if arena is None:
             if not data:
                 raise w.ConnectionClosed("the same-host listener closed the connection")
-            error = store_error(*w.recv_error(sock, data, timer))
+            error = store_error(*bulkio.recv_error(sock, data, timer))
             if error.status != "RESOURCE_EXHAUSTED":
                 raise error
             log.warning("same-host bulk channel refused (%s); using TCP", error.details())
@@ -233,7 +234,7 @@ def _receive_arena(sock: socket.socket, timer: SocketTimer) -> tuple[mmap.mmap |
     try:
         if data[:1] != bytes([w.OK]):
             return None, data
-        data += w.recv_bytes(sock, w.ARENA_REPLY.size - len(data), timer)  # if split
+        data += bulkio.recv_bytes(sock, w.ARENA_REPLY.size - len(data), timer)  # if split
         return _map_arena(fds, w.ARENA_REPLY.unpack(data)[1]), data
     finally:
         for fd in fds:
@@ -255,21 +256,21 @@ def _map_arena(fds: Sequence[int], size: int) -> mmap.mmap | None:
         return None
 
 
-def expect_ok(sock: socket.socket, timer: w.Timer | None = None) -> None:
+def expect_ok(sock: socket.socket, timer: bulkio.Timer | None = None) -> None:
     """Read a status byte; raise the server's error if it is not OK."""
     recv_reply(sock, 0, timer)
 
 
-def recv_reply(sock: socket.socket, size: int, timer: w.Timer | None = None) -> memoryview:
+def recv_reply(sock: socket.socket, size: int, timer: bulkio.Timer | None = None) -> memoryview:
     """The `size` bytes that follow an OK status byte, received with it in one call when
     they arrived together (a reply's first bytes come in one segment); the server's
     error raised if the status is not OK."""
     head = memoryview(bytearray(1 + size))
-    got = w.recv_some(sock, head, timer)
+    got = bulkio.recv_some(sock, head, timer)
     if head[0] != w.OK:
-        raise store_error(*w.recv_error(sock, bytes(head[:got]), timer))
+        raise store_error(*bulkio.recv_error(sock, bytes(head[:got]), timer))
     if got < head.nbytes:
-        w.recv_exact(sock, head[got:], timer)
+        bulkio.recv_exact(sock, head[got:], timer)
     return head[1:]
 
 

@@ -28,6 +28,7 @@ import socket
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
+from kvcommon import bulkio
 from kvcommon import bulkwire as w
 from kvcommon.tracing import binary_context
 from policy.bulkchannel import TAG_BYTES, ChannelError, Receiver, Sender, client_side
@@ -64,14 +65,14 @@ class SealedChannel:
         """Present the ticket with this side's proof, and check the server's."""
         sender, receiver = client_side(secret, ticket)
         hello = w.HELLO_SEALED.pack(w.MAGIC_SEALED, ticket, sender.hello_proof())
-        w.send_parts(sock, [hello], timer)
-        status = w.recv_bytes(sock, 1, timer)
+        bulkio.send_parts(sock, [hello], timer)
+        status = bulkio.recv_bytes(sock, 1, timer)
         if status[0] != w.OK:
             # Not authenticated (the hello is not done): a reason to give up, not a
             # verdict to pass on. The call falls back to gRPC, which gives the real one.
-            _code, message = w.recv_error(sock, bytes(status), timer)
+            _code, message = bulkio.recv_error(sock, bytes(status), timer)
             raise w.ChannelBroken(f"the bulk listener refused the sealed channel: {message}")
-        proof = bytes(w.recv_bytes(sock, w.PROOF_BYTES, timer))
+        proof = bytes(bulkio.recv_bytes(sock, w.PROOF_BYTES, timer))
         try:
             receiver.check_hello(proof)
         except ChannelError:
@@ -98,7 +99,7 @@ class SealedChannel:
         """The next reply header's fields after its OK status (`size` bytes); the
         server's error (a BlockStoreError) when it sent one."""
         most = max(1 + size, MAX_ERROR_BYTES) + TAG_BYTES
-        frame = w.recv_frame(sock, 1 + TAG_BYTES, most, self._timer)
+        frame = bulkio.recv_frame(sock, 1 + TAG_BYTES, most, self._timer)
         try:
             plain = self._in.open_header(frame)
         except ChannelError:
@@ -132,7 +133,7 @@ class SealedChannel:
             if size > MAX_BLOCK_BYTES:
                 raise store_error("DATA_LOSS", f"the server announced a {size}-byte block")
             view = buffers.take(size, keep=keep)
-            w.recv_exact(sock, view, self._timer)
+            bulkio.recv_exact(sock, view, self._timer)
             yield view
         raise w.ChannelBroken("the server sent more blocks than were asked for")
 
@@ -154,7 +155,7 @@ class SealedChannel:
 
     def _send(self, sock: socket.socket, parts: Sequence[Payload]) -> None:
         try:
-            w.send_parts(sock, list(parts), self._timer)
+            bulkio.send_parts(sock, list(parts), self._timer)
         except (BrokenPipeError, ConnectionResetError):
             # The server refused the request from its header and closed: its error frame
             # may be waiting to be read.

@@ -40,7 +40,7 @@ from typing import Any
 
 import grpc
 
-from kvcommon import bulkwire as w
+from kvcommon import bulkio
 from kvcommon.v1 import kvshare_pb2 as pb
 from replica_agent.bulk import BulkChannel
 from replica_agent.deadline import CallDeadline
@@ -71,7 +71,7 @@ class ClientTls:
     def ssl_context(self) -> ssl.SSLContext:
         """The same trust for the bulk channel as for gRPC."""
         context = ssl.create_default_context(cafile=self.root_ca)
-        context.options |= w.SSL_OP_ENABLE_KTLS  # kernel TLS where the kernel has it
+        context.options |= bulkio.SSL_OP_ENABLE_KTLS  # kernel TLS where the kernel has it
         if self.client_cert is not None and self.client_key is not None:
             context.load_cert_chain(self.client_cert, self.client_key)
         return context

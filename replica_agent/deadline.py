@@ -20,7 +20,7 @@ import socket
 import time
 from typing import Final
 
-from kvcommon import bulkwire as w
+from kvcommon import bulkio
 from replica_agent.errors import BlockStoreError, store_error
 
 # How far past its deadline a single receive may end. Re-arming on every receive would
@@ -72,7 +72,7 @@ NO_DEADLINE: Final = CallDeadline(None)
 
 class SocketTimer:
     """A connection's socket timeout, kept within the current call's deadline: what
-    `kvcommon.bulkwire` calls around each system call (`recv_exact`, `send_parts`).
+    `kvcommon.bulkio` calls around each system call (`recv_exact`, `send_parts`).
 
     Invariant: whenever a system call starts, the socket's timeout is at least what is
     left of the deadline (no call fails early) and at most that plus `slack_s` (none
@@ -90,7 +90,7 @@ class SocketTimer:
         current = self.timeout_s
         if current is not None and left <= current <= left + self.deadline.slack_s:
             return
-        w.set_timeout(sock, left)
+        bulkio.set_timeout(sock, left)
         self.timeout_s = left
 
     def disarm(self, sock: socket.socket) -> None:

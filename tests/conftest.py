@@ -26,7 +26,7 @@ from cacheserver.store import BlockStore
 from cacheserver.store.journal.files import JOURNAL_NAME, SHM, remove_journal
 from cacheserver.store.journal.format import SUPERBLOCK_READ_BYTES, owner_of
 from cacheserver.telemetry import ServerTelemetry
-from kvcommon import bulkwire
+from kvcommon import bulkio
 from policy import AccessPolicy
 from replica_agent.client import BlockClient, ClientTls
 from tests.certs import Certs, make_certs
@@ -459,16 +459,16 @@ def sealer(tmp_path: Path) -> BlockSealer:
 
 @pytest.fixture
 def timeouts_set(monkeypatch: pytest.MonkeyPatch) -> list[float]:
-    """Every timeout kvcommon.bulkwire sets on a socket, in order (a Deadline: what is
+    """Every timeout kvcommon.bulkio sets on a socket, in order (a Deadline: what is
     left when armed, the idle timeout when disarmed; a client's SocketTimer: when re-armed)."""
     sets: list[float] = []
-    real = bulkwire.set_timeout
+    real = bulkio.set_timeout
 
     def counted(sock: socket.socket, seconds: float) -> None:
         sets.append(seconds)
         real(sock, seconds)
 
-    monkeypatch.setattr(bulkwire, "set_timeout", counted)
+    monkeypatch.setattr(bulkio, "set_timeout", counted)
     return sets
 
 

@@ -25,7 +25,7 @@ import atheris
 import grpc
 
 from kvcommon import bulkwire as w
-from kvcommon import errors
+from kvcommon import errors, samehost
 from kvcommon.v1 import kvshare_pb2 as pb
 from kvcommon.v1 import kvshare_pb2_grpc as pb_grpc
 from policy.tickets import local_binding
@@ -361,7 +361,7 @@ def hostile_ticket(hostile: HostileServer, *, local: bool) -> Ticket:
     same-host listener, bound as OpenBulk binds it (policy.tickets.local_binding), so
     the client takes it for the server's and reads its arena reply."""
     secret = os.urandom(32)
-    binding = local_binding(secret, w.host_namespace(), os.getuid()) if local else ""
+    binding = local_binding(secret, samehost.host_namespace(), os.getuid()) if local else ""
     return Ticket(secret, hostile.address, False, hostile.local_name if local else "", binding)
 
 

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from kvcommon import bulkio
 from kvcommon import bulkwire as w
 
 FRAME = "frame"  # a plan item: one frame (u32 length, then that many bytes)
@@ -168,10 +169,10 @@ class Mitm:
 
 def _segment(sock: socket.socket, item: int | str) -> bytes:
     if item == FRAME:
-        head = bytes(w.recv_bytes(sock, w.FRAME.size))
-        return head + bytes(w.recv_bytes(sock, w.FRAME.unpack(head)[0]))
+        head = bytes(bulkio.recv_bytes(sock, w.FRAME.size))
+        return head + bytes(bulkio.recv_bytes(sock, w.FRAME.unpack(head)[0]))
     assert isinstance(item, int)
-    return bytes(w.recv_bytes(sock, item))
+    return bytes(bulkio.recv_bytes(sock, item))
 
 
 def _shut(sock: socket.socket) -> None:

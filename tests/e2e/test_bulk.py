@@ -10,6 +10,7 @@ import time
 import grpc
 import pytest
 
+from kvcommon import bulkio
 from kvcommon import bulkwire as w
 from kvcommon.errors import PermissionDenied, Unauthenticated
 from kvcommon.v1 import kvshare_pb2 as pb
@@ -38,7 +39,7 @@ def hello(address: str, ticket: bytes) -> int:
     host, _, port = address.rpartition(":")
     with socket.create_connection((host, int(port)), timeout=10) as sock:
         sock.sendall(w.HELLO.pack(w.MAGIC, ticket))
-        return w.recv_bytes(sock, 1)[0]
+        return bulkio.recv_bytes(sock, 1)[0]
 
 
 def test_a_ticket_opens_one_connection_only(tenant_server: Running) -> None:

@@ -19,6 +19,7 @@ import pytest
 
 from cacheserver.transport.bulk.handler import BulkHandler
 from cacheserver.transport.bulk.readyloop import ReadyLoop
+from kvcommon import bulkio
 from kvcommon import bulkwire as w
 from tests.conftest import TEST_BULK_WORKERS, Running
 from tests.e2e.test_bulk import MODEL, open_bulk
@@ -43,7 +44,7 @@ def raw_connection(running: Running, who: str = "a", tenant: str = "alpha") -> s
     host, _, port = response.address.rpartition(":")
     sock = socket.create_connection((host, int(port)), timeout=30)
     sock.sendall(w.HELLO.pack(w.MAGIC, response.ticket))
-    assert w.recv_bytes(sock, 1)[0] == w.OK
+    assert bulkio.recv_bytes(sock, 1)[0] == w.OK
     return sock
 
 
@@ -54,10 +55,10 @@ def get_request(digest: bytes) -> bytes:
 
 def read_get_reply(sock: socket.socket) -> bytes:
     """The one block of a one-digest GET's reply."""
-    assert w.recv_bytes(sock, 1)[0] == w.OK
-    (size,) = w.SIZE.unpack(w.recv_bytes(sock, w.SIZE.size))
-    payload = bytes(w.recv_bytes(sock, size))
-    assert bytes(w.recv_bytes(sock, len(w.END))) == w.END
+    assert bulkio.recv_bytes(sock, 1)[0] == w.OK
+    (size,) = w.SIZE.unpack(bulkio.recv_bytes(sock, w.SIZE.size))
+    payload = bytes(bulkio.recv_bytes(sock, size))
+    assert bytes(bulkio.recv_bytes(sock, len(w.END))) == w.END
     return payload
 
 

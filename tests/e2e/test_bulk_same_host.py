@@ -24,9 +24,10 @@ import pytest
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from cacheserver.telemetry import ServerTelemetry
+from kvcommon import bulkio
 from kvcommon import bulkwire as w
-from kvcommon.bulkwire import host_namespace
 from kvcommon.errors import InvalidArgument, Unauthenticated
+from kvcommon.samehost import host_namespace
 from kvcommon.v1 import kvshare_pb2 as pb
 from kvcommon.v1 import kvshare_pb2_grpc as pb_grpc
 from policy.tickets import local_binding
@@ -162,8 +163,8 @@ def test_a_client_cannot_resize_its_arena_or_reach_past_it(tenant_server: Runnin
         model = MODEL.encode()
         request = w.REQUEST.pack(w.OP_PUT, len(model), 2) + model + os.urandom(64)
         sock.sendall(request + w.SIZE.pack(size - 100) + w.SIZE.pack(200))  # past the end
-        status, length = w.ERROR.unpack(w.recv_bytes(sock, w.ERROR.size))
-        message = w.recv_bytes(sock, length).decode()
+        status, length = w.ERROR.unpack(bulkio.recv_bytes(sock, w.ERROR.size))
+        message = bulkio.recv_bytes(sock, length).decode()
         assert status == InvalidArgument.wire_code and "arena" in message
         assert sock.recv(1) == b""  # the connection is closed
     with tenant_server.client("a") as client:  # the server serves on
@@ -225,7 +226,7 @@ class Impostor:
         with contextlib.suppress(OSError):
             conn, _ = self._listener.accept()
             with conn:
-                self.hellos.append(w.recv_bytes(conn, w.HELLO.size))
+                self.hellos.append(bulkio.recv_bytes(conn, w.HELLO.size))
                 flags = os.MFD_CLOEXEC | (os.MFD_ALLOW_SEALING if self.sealed else 0)
                 self.arena = os.memfd_create("impostor", flags)
                 os.ftruncate(self.arena, MiB)
@@ -334,9 +335,9 @@ def test_an_arena_kept_after_its_connection_holds_no_memory(tenant_server: Runni
         with sock:
             model = MODEL.encode()
             sock.sendall(w.REQUEST.pack(w.OP_GET, len(model), 1) + model + b"m" * 32)
-            assert w.recv_bytes(sock, 1)[0] == w.OK
-            count, _ = w.LOCAL_GET.unpack(w.recv_bytes(sock, w.LOCAL_GET.size))
-            w.recv_bytes(sock, count * w.SIZE.size)
+            assert bulkio.recv_bytes(sock, 1)[0] == w.OK
+            count, _ = w.LOCAL_GET.unpack(bulkio.recv_bytes(sock, w.LOCAL_GET.size))
+            bulkio.recv_bytes(sock, count * w.SIZE.size)
             assert count == 1 and os.fstat(fd).st_blocks * 512 >= 4 * MiB  # positive control
         deadline = time.monotonic() + 5  # the server notices the close, then frees
         while os.fstat(fd).st_blocks and time.monotonic() < deadline:

@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 import pytest
 
+from kvcommon import bulkio
 from kvcommon import bulkwire as w
 from kvcommon.v1 import kvshare_pb2 as pb
 from kvcommon.v1 import kvshare_pb2_grpc as pb_grpc
@@ -70,10 +71,12 @@ class FakeStore(AnsweringStore):
                 return
             with conn:
                 try:
-                    w.recv_bytes(conn, w.HELLO.size)
+                    bulkio.recv_bytes(conn, w.HELLO.size)
                     conn.sendall(bytes([w.OK]))
-                    _op, model_len, count = w.REQUEST.unpack(w.recv_bytes(conn, w.REQUEST.size))
-                    w.recv_bytes(conn, model_len + 32 * count)
+                    _op, model_len, count = w.REQUEST.unpack(
+                        bulkio.recv_bytes(conn, w.REQUEST.size)
+                    )
+                    bulkio.recv_bytes(conn, model_len + 32 * count)
                     conn.sendall(bytes([w.OK]) + w.SIZE.pack(min(self.size, 2**64 - 1)))
                     conn.recv(1)
                 except OSError:

@@ -24,6 +24,7 @@ import torch
 
 from cacheserver.config import BulkConfig
 from cacheserver.transport.bulk import server_tls_context
+from kvcommon import bulkio
 from kvcommon import bulkwire as w
 from kvcommon.errors import InvalidArgument, Unauthenticated
 from policy.sealing import BlockSealer
@@ -224,7 +225,7 @@ def test_an_impostor_on_the_bulk_port_gets_the_hello_and_nothing_more(
     def answer() -> None:  # says OK, but cannot prove the secret
         conn, _ = impostor.accept()
         with conn:
-            received.extend(w.recv_bytes(conn, CLIENT_HELLO))
+            received.extend(bulkio.recv_bytes(conn, CLIENT_HELLO))
             conn.sendall(bytes([w.OK]) + os.urandom(SERVER_HELLO - 1))
             conn.settimeout(1.0)
             try:
@@ -421,7 +422,7 @@ def _hello_status(address: tuple[str, int], hello: bytes) -> int:
     """The status a plain-TCP hello gets from the bulk listener (0: OK)."""
     with socket.create_connection(address, timeout=TIMEOUT_S) as sock:
         sock.sendall(hello)
-        return int(w.recv_bytes(sock, 1)[0])
+        return int(bulkio.recv_bytes(sock, 1)[0])
 
 
 def test_the_tls_listener_refuses_a_clear_ticket_and_a_sealed_hello_without_a_secret(
@@ -465,9 +466,9 @@ def test_tenants_without_sealing_keep_tls_on_the_bulk_channel_with_kernel_tls_as
         assert connection.sent[C2S][0] == w.TLS_RECORD_HANDSHAKE
         assert payload[:64] not in connection.sent[C2S]
     tls = store.tls()
-    assert tls is not None and tls.ssl_context().options & w.SSL_OP_ENABLE_KTLS
+    assert tls is not None and tls.ssl_context().options & bulkio.SSL_OP_ENABLE_KTLS
     server = server_tls_context(certs.server.cert.read_bytes(), certs.server.key.read_bytes(), None)
-    assert server.options & w.SSL_OP_ENABLE_KTLS
+    assert server.options & bulkio.SSL_OP_ENABLE_KTLS
 
 
 def test_a_connection_that_used_up_its_keys_is_replaced_and_no_call_goes_wrong(

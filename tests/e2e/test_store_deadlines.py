@@ -25,6 +25,7 @@ from typing import Any
 import grpc
 import pytest
 
+from kvcommon import bulkio, samehost
 from kvcommon import bulkwire as w
 from kvcommon.v1 import kvshare_pb2 as pb
 from policy.tickets import local_binding
@@ -78,7 +79,7 @@ class DrippingStore(AnsweringStore):
             address=f"{host}:{port}",
             ttl_ms=10_000,
             local_address=self.local_name,  # bound as a real server binds it
-            local_namespace=local_binding(ticket, w.host_namespace(), os.getuid()),
+            local_namespace=local_binding(ticket, samehost.host_namespace(), os.getuid()),
         )
 
     def Get(self, request: Any, context: Any) -> Iterator[pb.GetFrame]:
@@ -101,14 +102,16 @@ class DrippingStore(AnsweringStore):
         local = conn.family == socket.AF_UNIX
         with conn:
             try:
-                w.recv_bytes(conn, w.HELLO.size)
+                bulkio.recv_bytes(conn, w.HELLO.size)
                 if local:
                     _send_arena(conn)
                 else:
                     conn.sendall(bytes([w.OK]))
                 while True:
-                    _op, model_len, count = w.REQUEST.unpack(w.recv_bytes(conn, w.REQUEST.size))
-                    w.recv_bytes(conn, model_len + 32 * count)
+                    _op, model_len, count = w.REQUEST.unpack(
+                        bulkio.recv_bytes(conn, w.REQUEST.size)
+                    )
+                    bulkio.recv_bytes(conn, model_len + 32 * count)
                     for byte in _arena_reply(count) if local else _tcp_reply():
                         time.sleep(DRIP_S)
                         conn.sendall(bytes([byte]))

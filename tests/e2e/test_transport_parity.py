@@ -24,6 +24,7 @@ import grpc
 import pytest
 
 from cacheserver.transport.bulk.handler import TRANSFER_SLACK_S
+from kvcommon import bulkio
 from kvcommon import bulkwire as w
 from kvcommon.errors import (
     InvalidArgument,
@@ -126,7 +127,7 @@ def connect(
         host, _, port = response.address.rpartition(":")
         sock = socket.create_connection((host, int(port)), timeout=10)
         sock.sendall(w.HELLO.pack(w.MAGIC, response.ticket))
-        assert w.recv_bytes(sock, 1)[0] == OK
+        assert bulkio.recv_bytes(sock, 1)[0] == OK
         return sock, None
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(10)
@@ -134,7 +135,7 @@ def connect(
     sock.sendall(w.HELLO.pack(w.MAGIC, response.ticket))
     data, fds, _flags, _addr = socket.recv_fds(sock, w.ARENA_REPLY.size, 1)
     assert data[:1] == bytes([OK]) and len(fds) == 1
-    data += w.recv_bytes(sock, w.ARENA_REPLY.size - len(data))
+    data += bulkio.recv_bytes(sock, w.ARENA_REPLY.size - len(data))
     arena = mmap.mmap(fds[0], w.ARENA_REPLY.unpack(data)[1])
     os.close(fds[0])
     return sock, arena
@@ -173,9 +174,9 @@ def bulk_status(running: Running, call: Call, same_host: bool, refused: bool = T
             # so a server that took the header still gets them in time.
             with contextlib.suppress(BrokenPipeError, ConnectionResetError):
                 sock.sendall(b"".join(ps))
-        status = w.recv_bytes(sock, 1)[0]
+        status = bulkio.recv_bytes(sock, 1)[0]
         if status != OK:
-            code, _message = w.recv_error(sock, bytes([status]))
+            code, _message = bulkio.recv_error(sock, bytes([status]))
             return code
         return OK
 
@@ -368,9 +369,9 @@ def test_a_bulk_connection_serves_on_after_an_internal_error(
     with sock:
         monkeypatch.setattr(parity_server.store, "read", broken)
         sock.sendall(request)
-        code, message = w.recv_error(sock, bytes(w.recv_bytes(sock, 1)))
+        code, message = bulkio.recv_error(sock, bytes(bulkio.recv_bytes(sock, 1)))
         assert code == KvshareError.wire_code and "request id" in message
         assert "secret" not in message
         monkeypatch.undo()
         sock.sendall(request)
-        assert w.recv_bytes(sock, 1)[0] == OK  # the same connection, served
+        assert bulkio.recv_bytes(sock, 1)[0] == OK  # the same connection, served

@@ -30,6 +30,7 @@ import pytest
 
 import cacheserver.tiers.lmdb
 from cacheserver.config import BulkConfig, StorageConfig
+from kvcommon import bulkio
 from kvcommon import bulkwire as w
 from kvcommon.errors import Unavailable
 from tests.conftest import Running
@@ -115,7 +116,7 @@ def stalled_get(running: Running, digests: list[bytes]) -> socket.socket:
     sock.settimeout(60)
     sock.connect((host, int(port)))
     sock.sendall(w.HELLO.pack(w.MAGIC, response.ticket))
-    assert w.recv_bytes(sock, 1)[0] == w.OK
+    assert bulkio.recv_bytes(sock, 1)[0] == w.OK
     model = MODEL.encode()
     request = w.REQUEST.pack(w.OP_GET, len(model), len(digests)) + model + b"".join(digests)
     sock.sendall(request * STALLED_GETS)
@@ -123,12 +124,12 @@ def stalled_get(running: Running, digests: list[bytes]) -> socket.socket:
 
 
 def read_reply(sock: socket.socket, count: int) -> list[bytes]:
-    assert w.recv_bytes(sock, 1)[0] == w.OK
+    assert bulkio.recv_bytes(sock, 1)[0] == w.OK
     blocks = []
     for _ in range(count):
-        (size,) = w.SIZE.unpack(w.recv_bytes(sock, w.SIZE.size))
-        blocks.append(bytes(w.recv_bytes(sock, size)))
-    assert bytes(w.recv_bytes(sock, len(w.END))) == w.END
+        (size,) = w.SIZE.unpack(bulkio.recv_bytes(sock, w.SIZE.size))
+        blocks.append(bytes(bulkio.recv_bytes(sock, size)))
+    assert bytes(bulkio.recv_bytes(sock, len(w.END))) == w.END
     return blocks
 
 

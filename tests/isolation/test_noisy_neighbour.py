@@ -34,6 +34,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from benchmarks.reliability.fault_scenarios3 import refuse_puts
 from benchmarks.reliability.harness import descriptor_limit, owned_rss_bytes, wait_until
+from kvcommon import bulkio
 from kvcommon import bulkwire as w
 from kvcommon.v1 import kvshare_pb2 as pb
 from kvcommon.v1 import kvshare_pb2_grpc as pb_grpc
@@ -130,7 +131,7 @@ def bulk_socket(served: Served, who: str) -> socket.socket:
     host, _, port = ticket.address.rpartition(":")
     sock = socket.create_connection((host, int(port)), timeout=30)
     sock.sendall(w.HELLO.pack(w.MAGIC, ticket.ticket))
-    assert w.recv_bytes(sock, 1)[0] == w.OK
+    assert bulkio.recv_bytes(sock, 1)[0] == w.OK
     return sock
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import grpc
 
+from kvcommon import bulkio
 from kvcommon import bulkwire as w
 from kvcommon.errors import Unauthenticated
 from replica_agent.client import ClientTls
@@ -60,7 +61,7 @@ def _tls_hello_status(running: Running, ticket: bytes, tls: ClientTls) -> int:
     raw = socket.create_connection(_bulk_address(running), timeout=TIMEOUT_S)
     with raw, context.wrap_socket(raw) as conn:
         conn.sendall(w.HELLO.pack(w.MAGIC, ticket))
-        return int(w.recv_bytes(conn, 1)[0])
+        return int(bulkio.recv_bytes(conn, 1)[0])
 
 
 def _sealed_hello_status(running: Running, ticket: bytes, secret: bytes) -> int:
@@ -71,7 +72,7 @@ def _sealed_hello_status(running: Running, ticket: bytes, secret: bytes) -> int:
     hello = w.HELLO_SEALED.pack(w.MAGIC_SEALED, ticket, sender.hello_proof())
     with socket.create_connection(_bulk_address(running), timeout=TIMEOUT_S) as sock:
         sock.sendall(hello)
-        return int(w.recv_bytes(sock, 1)[0])
+        return int(bulkio.recv_bytes(sock, 1)[0])
 
 
 def test_a_sealed_channel_ticket_copied_off_the_wire_opens_no_tls_connection(
@@ -96,7 +97,7 @@ def test_an_ordinary_ticket_does_not_open_the_sealed_channel(tmp_path: Path, cer
         forged = w.HELLO_SEALED.pack(w.MAGIC_SEALED, plain.ticket, os.urandom(16))
         with socket.create_connection(_bulk_address(running), timeout=TIMEOUT_S) as sock:
             sock.sendall(forged)
-            assert int(w.recv_bytes(sock, 1)[0]) == Unauthenticated.wire_code
+            assert int(bulkio.recv_bytes(sock, 1)[0]) == Unauthenticated.wire_code
         tls = running.tls()
         assert tls is not None
         assert _tls_hello_status(running, plain.ticket, tls) == w.OK  # its own path

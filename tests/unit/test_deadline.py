@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from kvcommon import bulkwire as w
+from kvcommon import bulkio
 from replica_agent.deadline import CallDeadline, SocketTimer
 from replica_agent.errors import BlockStoreError
 
@@ -43,7 +43,7 @@ def test_a_dripped_receive_times_out_at_the_calls_deadline_not_per_byte(
     """Each byte comes well within a single receive's timeout; the call's still ends."""
     ours, peer = pair
     if kind == "kernel":
-        w.kernel_timeouts(ours, 1.0)  # MSG_WAITALL receives, as on the sealed channel
+        bulkio.kernel_timeouts(ours, 1.0)  # MSG_WAITALL receives, as on the sealed channel
     else:
         ours.settimeout(1.0)
     timer = SocketTimer(1.0)
@@ -51,7 +51,7 @@ def test_a_dripped_receive_times_out_at_the_calls_deadline_not_per_byte(
     drip(peer, bytes(40), every_s=0.05)  # 2 s in all
     started = time.monotonic()
     with pytest.raises(OSError):  # TimeoutError, or EAGAIN from a kernel timeout
-        w.recv_bytes(ours, 40, timer)
+        bulkio.recv_bytes(ours, 40, timer)
     assert time.monotonic() - started < 1.0
 
 
@@ -68,16 +68,16 @@ def test_the_timer_sets_the_socket_only_when_the_deadline_needs_it(
     timer.deadline = CallDeadline(2.0)
     peer.sendall(bytes(64))
     for _ in range(8):  # a fast call: eight receives
-        w.recv_bytes(ours, 8, timer)
+        bulkio.recv_bytes(ours, 8, timer)
     assert sets == []
     time.sleep(timer.deadline.slack_s * 1.5)  # slower than the slack: re-armed once
     peer.sendall(bytes(16))
-    w.recv_bytes(ours, 8, timer)
-    w.recv_bytes(ours, 8, timer)
+    bulkio.recv_bytes(ours, 8, timer)
+    bulkio.recv_bytes(ours, 8, timer)
     assert len(sets) == 1 and sets[0] < 2.0
     timer.deadline = CallDeadline(2.0)  # the next call starts with the shrunk timeout
     peer.sendall(bytes(8))
-    w.recv_bytes(ours, 8, timer)
+    bulkio.recv_bytes(ours, 8, timer)
     assert len(sets) == 2 and sets[1] > sets[0]  # restored, so nothing times out early
 
 

@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from kvcommon import bulkwire as w
+from kvcommon import bulkio
 from kvcommon.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -177,7 +177,7 @@ def server_tls_context(
 
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
-    context.options |= w.SSL_OP_ENABLE_KTLS
+    context.options |= bulkio.SSL_OP_ENABLE_KTLS
     with tempfile.TemporaryDirectory() as tmp:
         cert_path, key_path = Path(tmp) / "cert.pem", Path(tmp) / "key.pem"
         cert_path.write_bytes(cert_chain)

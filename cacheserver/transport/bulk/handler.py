@@ -23,8 +23,8 @@ from cacheserver.blocks import BlockSource, Payload
 from cacheserver.core.requests import RequestCore
 from cacheserver.core.values import Accept, Begun, Verb, parse_model_bytes
 from cacheserver.transport.arena import Arena
+from kvcommon import bulkio, handoff, samehost
 from kvcommon import bulkwire as w
-from kvcommon import handoff
 from kvcommon.errors import InvalidArgument, KvshareError
 from policy.tickets import Grant
 
@@ -47,8 +47,8 @@ class Pace:
     idle_s: float  # the connection's timeout between requests, restored after
     slack_s: float = TRANSFER_SLACK_S
 
-    def deadline(self, nbytes: int) -> w.Deadline:
-        return w.Deadline(self.slack_s + nbytes / self.min_bytes_per_s, self.idle_s)
+    def deadline(self, nbytes: int) -> bulkio.Deadline:
+        return bulkio.Deadline(self.slack_s + nbytes / self.min_bytes_per_s, self.idle_s)
 
 
 class BulkHandler:
@@ -131,7 +131,7 @@ class BulkHandler:
             return taken[:size]
         if taken.nbytes:  # the loop's idea of a request's length and this framing differ
             raise RuntimeError("a peeked request was shorter than its framing")
-        return memoryview(w.recv_bytes(self._conn, size))
+        return memoryview(bulkio.recv_bytes(self._conn, size))
 
     def _reply(self, reply: bytes) -> None:
         """A reply header (status OK and what follows it)."""
@@ -143,7 +143,7 @@ class BulkHandler:
         transfer's pace, handing off first if the socket buffer does not take it at
         once (kvcommon.handoff)."""
         if handoff.armed():
-            w.send_parts(self._conn, [header], self._pace.deadline(0))
+            bulkio.send_parts(self._conn, [header], self._pace.deadline(0))
         else:
             self._conn.sendall(header)
 
@@ -153,7 +153,7 @@ class BulkHandler:
         for the socket buffer: kvcommon.handoff, in send_parts)."""
         self._replied = True
         self.last_bytes += nbytes
-        w.send_parts(self._conn, parts, self._pace.deadline(nbytes))
+        bulkio.send_parts(self._conn, parts, self._pace.deadline(nbytes))
 
     def handle(self, op: int, model_len: int, count: int, *, rate_drawn: bool = False) -> None:
         """One request whose header was read; raises KvshareError to refuse it.
@@ -222,7 +222,7 @@ class BulkHandler:
         with self._core.get(begun, model, digests, accept=placement.fits) as reply:
             for batch in reply:
                 for payload in batch.payloads:
-                    w.copy_into(arena.view[placement.offsets[len(sizes)] :], payload)
+                    samehost.copy_into(arena.view[placement.offsets[len(sizes)] :], payload)
                     sizes.append(len(payload))
         reply_header = [bytes([w.OK]), w.LOCAL_GET.pack(len(sizes), placement.full)]
         self._reply(b"".join(reply_header + [w.SIZE.pack(size) for size in sizes]))
@@ -286,7 +286,7 @@ class _SocketSource:
         return None
 
     def fill(self, target: memoryview) -> None:
-        w.recv_exact(self._conn, target, self._pace.deadline(self.size))
+        bulkio.recv_exact(self._conn, target, self._pace.deadline(self.size))
         self.consumed = True
 
     def skip(self) -> None:
@@ -295,7 +295,7 @@ class _SocketSource:
         left = self.size
         while left:
             step = min(left, len(scratch))
-            w.recv_exact(self._conn, scratch[:step])
+            bulkio.recv_exact(self._conn, scratch[:step])
             left -= step
         self.consumed = True
 
@@ -314,7 +314,7 @@ class _ArenaSource:
         return None
 
     def fill(self, target: memoryview) -> None:
-        w.copy_into(target, self._arena.view[self._offset : self._offset + self.size])
+        samehost.copy_into(target, self._arena.view[self._offset : self._offset + self.size])
 
     def skip(self) -> None:
         pass

@@ -63,6 +63,7 @@ from cacheserver.transport.bulk.handler import OPS, BulkHandler, Pace, send_erro
 from cacheserver.transport.bulk.readyloop import ReadyLoop
 from cacheserver.transport.bulk.sealed import SealedHandler, SealedHello
 from cacheserver.transport.bulk.slots import ConnectionSlots
+from kvcommon import bulkio, samehost
 from kvcommon import bulkwire as w
 from kvcommon.errors import InvalidArgument, KvshareError, ResourceExhausted, wire_error
 from kvcommon.tracing import context_from_binary
@@ -136,7 +137,7 @@ class BulkServer:
         self._local_listener = local[0] if local is not None else None
         if local is not None:
             self.local_address = local[1]
-            self.local_namespace = w.host_namespace()
+            self.local_namespace = samehost.host_namespace()
             self._acceptors.append(self._acceptor(local[0], self._serve_local, "local"))
 
     def _acceptor(
@@ -234,7 +235,7 @@ class BulkServer:
                 if handler is None:
                     return
                 if conn is raw:  # plain TCP: kernel timeouts, so receives can wait for all
-                    w.kernel_timeouts(raw, IDLE_TIMEOUT_S)
+                    bulkio.kernel_timeouts(raw, IDLE_TIMEOUT_S)
                     scope.adopted = self._serve_plain(raw, handler)
                     return
                 else:
@@ -347,7 +348,7 @@ class BulkServer:
         """The TCP listener's hello: a ticket over TLS (plain TCP where the server has
         no TLS), or the sealed-payload channel's "KVB2" over plain TCP, whose ticket
         only opens with its proof (cacheserver.transport.bulk.sealed). None: refused."""
-        magic, ticket = w.HELLO.unpack(w.recv_bytes(conn, w.HELLO.size))
+        magic, ticket = w.HELLO.unpack(bulkio.recv_bytes(conn, w.HELLO.size))
         if magic == w.MAGIC_SEALED and conn is raw:
             hello = SealedHello(raw, ticket, self._tickets)
             grant = self._handshake(conn, raw, hello.redeem, SEALED_HELLO)
@@ -368,7 +369,7 @@ class BulkServer:
         with self._connection_scope(conn):
             try:
                 conn.settimeout(self.handshake_timeout_s)
-                magic, ticket = w.HELLO.unpack(w.recv_bytes(conn, w.HELLO.size))
+                magic, ticket = w.HELLO.unpack(bulkio.recv_bytes(conn, w.HELLO.size))
                 grant = self._handshake(
                     conn, conn, lambda: self._redeem(magic, ticket, conn, Route.LOCAL)
                 )
@@ -382,7 +383,7 @@ class BulkServer:
                     socket.send_fds(conn, [w.ARENA_REPLY.pack(w.OK, arena.size)], [arena.fd])
                 finally:
                     arena.close_fd()  # the client holds its own descriptor now
-                w.kernel_timeouts(conn, IDLE_TIMEOUT_S)
+                bulkio.kernel_timeouts(conn, IDLE_TIMEOUT_S)
                 handler = BulkHandler(self._core, conn, grant, arena, self._pace)
                 while self._serve_one(handler):
                     pass

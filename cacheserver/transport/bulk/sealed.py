@@ -29,6 +29,7 @@ import socket
 
 from cacheserver.core.requests import RequestCore
 from cacheserver.transport.bulk.handler import DISCARD_CHUNK_BYTES, Buffer, BulkHandler, Pace
+from kvcommon import bulkio
 from kvcommon import bulkwire as w
 from kvcommon.errors import KvshareError, Unauthenticated
 from policy.bulkchannel import TAG_BYTES, ChannelError, PayloadMac, Receiver, Sender, server_side
@@ -50,7 +51,7 @@ class SealedHello:
     def redeem(self) -> Grant:
         """The ticket's grant, once the client proved it holds the ticket's channel
         secret; Unauthenticated otherwise (the ticket then stays unused)."""
-        proof = bytes(w.recv_bytes(self._conn, w.PROOF_BYTES))
+        proof = bytes(bulkio.recv_bytes(self._conn, w.PROOF_BYTES))
         grant = self._tickets.peek(self._ticket)
         if grant is None or not grant.channel_secret:
             raise Unauthenticated(
@@ -94,7 +95,7 @@ class SealedHandler(BulkHandler):
 
     def _open(self, min_size: int, max_size: int) -> bytes:
         """The next header from the client, opened, of `min_size` to `max_size` bytes."""
-        frame = w.recv_frame(self._conn, min_size + TAG_BYTES, max_size + TAG_BYTES)
+        frame = bulkio.recv_frame(self._conn, min_size + TAG_BYTES, max_size + TAG_BYTES)
         try:
             return self._in.open_header(frame)
         except ChannelError:
@@ -169,7 +170,7 @@ class _SealedSource:
         mac: PayloadMac,
         size: int,
         principal: str,
-        deadline: w.Deadline,
+        deadline: bulkio.Deadline,
     ) -> None:
         self._conn = conn
         self._mac = mac
@@ -182,7 +183,7 @@ class _SealedSource:
         return None
 
     def fill(self, target: memoryview) -> None:
-        w.recv_exact(self._conn, target, self._deadline)
+        bulkio.recv_exact(self._conn, target, self._deadline)
         self._mac.update(target)
         self._check_tag()
 
@@ -193,13 +194,13 @@ class _SealedSource:
         left = self.size
         while left:
             step = min(left, len(scratch))
-            w.recv_exact(self._conn, scratch[:step], self._deadline)
+            bulkio.recv_exact(self._conn, scratch[:step], self._deadline)
             self._mac.update(scratch[:step])
             left -= step
         self._check_tag()
 
     def _check_tag(self) -> None:
-        tag = w.recv_bytes(self._conn, TAG_BYTES)
+        tag = bulkio.recv_bytes(self._conn, TAG_BYTES)
         self.consumed = True
         try:
             self._mac.verify(tag)

@@ -121,9 +121,15 @@ def check(path: Path) -> list[str]:
 
 
 def installed() -> str:
-    """The installed version of every declared dependency, on one line (for CI's log)."""
-    names = sorted({canonicalize_name(r.name) for r in declared()})
-    return " ".join(f"{name}=={metadata.version(name)}" for name in names)
+    """The installed version of every declared dependency this environment has, on one
+    line (for CI's log)."""
+    found = []
+    for name in sorted({canonicalize_name(r.name) for r in declared()}):
+        try:
+            found.append(f"{name}=={metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            continue
+    return " ".join(found)
 
 
 def main(argv: list[str]) -> int:

@@ -26,18 +26,15 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
 
 from kvcommon import bulkio
 from kvcommon import bulkwire as w
 from kvcommon.tracing import binary_context
 from policy.bulkchannel import TAG_BYTES, ChannelError, Receiver, Sender, client_side
+from replica_agent.bulk_buffers import Buffers
+from replica_agent.deadline import SocketTimer
 from replica_agent.errors import store_error
 from replica_agent.grpc_calls import MAX_BLOCK_BYTES
-
-if TYPE_CHECKING:
-    from replica_agent.bulk_connect import Buffers
-    from replica_agent.deadline import SocketTimer
 
 Payload = bytes | bytearray | memoryview
 # A reply header's plaintext is a status byte and its fields, or an error frame

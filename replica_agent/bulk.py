@@ -1,5 +1,6 @@
 """Client side of the bulk channel: LOOKUP, GET and PUT requests (framing in
-`kvcommon.bulkwire`).
+`kvcommon.bulkwire`). `BulkChannel` is a transport (replica_agent.transport): delete,
+stats and any call its frames cannot carry are `UseGrpc`.
 
 One connection per thread and tenant (bulk_connect.py), opened with a one-time ticket
 and kept for reuse; a kept connection the server closed meanwhile (a restart) is replaced
@@ -29,6 +30,7 @@ from collections.abc import Callable, Iterator, Sequence
 from kvcommon import bulkio, samehost
 from kvcommon import bulkwire as w
 from kvcommon.tracing import binary_context
+from kvcommon.v1 import kvshare_pb2 as pb
 from replica_agent.bulk_connect import (
     Connection,
     can_use_local,
@@ -40,13 +42,9 @@ from replica_agent.bulk_connect import (
 from replica_agent.deadline import CallDeadline
 from replica_agent.errors import store_error
 from replica_agent.grpc_calls import MAX_BLOCK_BYTES, Ticket
+from replica_agent.transport import Payload, UseGrpc
 
-Payload = bytes | bytearray | memoryview
 OpenTicket = Callable[[str, CallDeadline], Ticket]  # tenant, the call's deadline -> a ticket
-
-
-class UseGrpc(Exception):
-    """This call cannot be framed on the bulk channel; send it over gRPC."""
 
 
 class BulkChannel:
@@ -58,14 +56,18 @@ class BulkChannel:
         timeout_s: float | None = 30.0,
         *,
         same_host: bool = True,
+        lookups: bool = True,
         local_allowed: Callable[[], bool] = lambda: True,
         local_failed: Callable[[], object] = lambda: None,
         local_opened: Callable[[], object] = lambda: None,
     ) -> None:
-        """`local_allowed`/`local_failed`: the client's backoff for the same-host
+        """`lookups` False: lookups are `UseGrpc` (a sealed-channel caller: its frames
+        carry blocks, and a second connection just for lookups would buy nothing).
+        `local_allowed`/`local_failed`: the client's backoff for the same-host
         transport (after it failed, TCP is used for a while); `local_opened`: called for
         each connection that got the same-host arena (the client counts them)."""
         self._open_ticket = open_ticket
+        self._lookups = lookups
         self._tls = tls
         self._server_name = server_name
         self._timeout_s = timeout_s
@@ -157,13 +159,14 @@ class BulkChannel:
         tenant: str,
         model: str,
         digests: Sequence[bytes],
-        *,
         deadline: CallDeadline | None = None,
     ) -> int:
         """How many leading digests are stored. On this thread's connection for the
         tenant if it has one (a same-host one included: a lookup moves no payload), else
         on a TCP one, so a thread that only looks up (an engine's scheduler) never takes
         a same-host arena. Not on the sealed channel (UseGrpc): its frames carry blocks."""
+        if not self._lookups:
+            raise UseGrpc("lookups over gRPC")
         _check_framable(model, digests)
         deadline = self._deadline(deadline)
         conns: dict[tuple[str, bool], Connection] = self._local.__dict__.get("conns", {})
@@ -357,6 +360,12 @@ class BulkChannel:
             self._drop(tenant, tcp=tcp)
             raise
         return [o == w.OUTCOME_STORED for o in outcomes]
+
+    def delete(self, request: pb.DeleteRequest, deadline: CallDeadline | None = None) -> int:
+        raise UseGrpc("no delete on the bulk channel")
+
+    def stats(self, deadline: CallDeadline | None = None) -> pb.StatsResponse:
+        raise UseGrpc("no stats on the bulk channel")
 
 
 def _kept(conn: Connection, view: memoryview) -> memoryview:

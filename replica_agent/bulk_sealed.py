@@ -35,8 +35,8 @@ from replica_agent.bulk_buffers import Buffers
 from replica_agent.deadline import SocketTimer
 from replica_agent.errors import store_error
 from replica_agent.grpc_calls import MAX_BLOCK_BYTES
+from replica_agent.transport import Payload
 
-Payload = bytes | bytearray | memoryview
 # A reply header's plaintext is a status byte and its fields, or an error frame
 # (status, length u16, up to MAX_MESSAGE_CHARS bytes of message).
 MAX_ERROR_BYTES = w.ERROR.size + w.MAX_MESSAGE_CHARS

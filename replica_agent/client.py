@@ -19,8 +19,9 @@ frame and a fallback from one to the other. A reply that comes too slowly, howev
 each single receive behaves, ends the call with DEADLINE_EXCEEDED (`timeout_s=None`:
 no deadline).
 
-Transports. Payloads move over the server's bulk channel (bulk.py; grpc_calls.py for the
-rest) unless `bulk=False`. Which transport carries a call, when a call falls back to
+Transports. The client holds its transports (replica_agent.transport): gRPC
+(grpc_calls.py) and, unless `bulk=False`, the server's bulk channel (bulk.py), which
+moves payloads. Which transport carries a call, when a call falls back to
 gRPC, when the bulk channel is off for a while and when that is forgiven (a server that
 gRPC cannot reach either was down or restarting: the channel was not at fault), and
 when a call gives up: one rule for every call, in replica_agent.fallback. Fallbacks are
@@ -45,18 +46,18 @@ from kvcommon.v1 import kvshare_pb2 as pb
 from replica_agent.bulk import BulkChannel
 from replica_agent.deadline import CallDeadline
 from replica_agent.errors import BlockStoreError
-from replica_agent.fallback import BulkTransport, ClientStats, Fallback, GrpcTransport, View
+from replica_agent.fallback import ClientStats, Fallback
 from replica_agent.grpc_calls import GrpcCalls
 from replica_agent.targets import balancing_options, grpc_target
+from replica_agent.transport import Payload, View
 
 DEFAULT_FRAME_BYTES = 4 << 20
 MAX_MESSAGE_BYTES = 64 << 20
 FIRST_BACKOFF_S = 1.0
 MAX_BACKOFF_S = 60.0
 LOCAL_RETRY_S = 30.0  # after the same-host listener refused or failed, use TCP this long
-Payload = bytes | bytearray | memoryview
 
-__all__ = ["BlockClient", "BlockStoreError", "ClientStats", "ClientTls", "View"]
+__all__ = ["BlockClient", "BlockStoreError", "ClientStats", "ClientTls", "Payload", "View"]
 
 
 @dataclass(frozen=True)
@@ -140,7 +141,7 @@ class BlockClient:
         self.transport_stats = ClientStats()
         # Every call goes through one fallback rule (replica_agent.fallback).
         self._transport = Fallback(
-            GrpcTransport(self._grpc),
+            self._grpc,
             self.transport_stats,
             first_backoff_s=FIRST_BACKOFF_S,
             max_backoff_s=MAX_BACKOFF_S,
@@ -154,14 +155,14 @@ class BlockClient:
                 tls.server_name if tls else None,
                 timeout_s,
                 same_host=same_host,
+                # A sealed-channel caller looks up over gRPC: the sealed channel's frames
+                # carry blocks, and a second connection just for lookups would buy nothing.
+                lookups=not (sealed_channel and tls is not None),
                 local_allowed=self._transport.same_host_allowed,
                 local_failed=self._transport.same_host_failed,
                 local_opened=self._transport.same_host_opened,
             )
-            # A sealed-channel caller looks up over gRPC: the sealed channel's frames
-            # carry blocks, and a second connection just for lookups would buy nothing.
-            lookups = not (sealed_channel and tls is not None)
-            self._transport.use(BulkTransport(self._bulk, lookups=lookups))
+            self._transport.use(self._bulk)
 
     @property
     def timeout_s(self) -> float | None:

@@ -1,12 +1,10 @@
-"""The client's one fallback rule, and the transports it chooses between.
+"""The client's one fallback rule.
 
-As in httpx, where a client builds requests and a transport moves them, `BlockClient`
-builds a call and hands it to a `Transport`; a transport moves it and knows nothing of
-the others. Two move calls today: `GrpcTransport` (grpc_calls.py: every call) and
-`BulkTransport` (bulk.py: lookups, reads and puts over the server's bulk channel, TCP,
-TLS, sealed or through the same-host arena; anything else is `UseGrpc`). `Fallback`
-is a transport made of the two, and the one place that decides, for every call
-(lookup, get, get_views, iter_views, put, delete, stats):
+`BlockClient` hands every call to a `Fallback`, a transport (replica_agent.transport)
+made of two others: gRPC (`GrpcCalls`: every call) and the server's bulk channel
+(`BulkChannel`: lookups, reads and puts over TCP, TLS, the sealed-payload channel or
+the same-host arena; anything else is `UseGrpc`). It is the one place that decides,
+for every call (lookup, get, get_views, iter_views, put, delete, stats):
 
 - which transport: the bulk channel while it is up, else gRPC;
 - when to fall back: a call the bulk channel cannot frame (`UseGrpc`) goes over gRPC,
@@ -40,19 +38,16 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 from kvcommon import bulkwire as w
 from kvcommon.v1 import kvshare_pb2 as pb
-from replica_agent.bulk import BulkChannel, UseGrpc
 from replica_agent.deadline import CallDeadline
 from replica_agent.errors import BlockStoreError, store_error
-from replica_agent.grpc_calls import GrpcCalls, NoBulkListener
+from replica_agent.transport import NoBulkListener, Payload, Transport, UseGrpc, View
 
 log = logging.getLogger(__name__)
 
-Payload = bytes | bytearray | memoryview
-View = bytes | memoryview  # a block as read: bytes (gRPC) or a view of a reused buffer
 T = TypeVar("T")
 
 # What a transport raises when its path broke below the policy layer (or, UseGrpc and
@@ -61,121 +56,6 @@ T = TypeVar("T")
 PATH_FAILURES = (OSError, w.ConnectionClosed, NoBulkListener, UseGrpc)
 # gRPC's statuses for a server it could not reach (down, restarting, or too slow).
 UNREACHABLE = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED"})
-
-
-class Transport(Protocol):
-    """What moves a call. The server's answers raise `BlockStoreError`; a path that
-    broke raises one of `PATH_FAILURES`."""
-
-    def lookup(
-        self, tenant: str, model: str, digests: Sequence[bytes], deadline: CallDeadline
-    ) -> int: ...
-
-    def read(
-        self,
-        tenant: str,
-        model: str,
-        digests: Sequence[bytes],
-        *,
-        keep: bool,
-        deadline: CallDeadline,
-    ) -> Iterator[View]: ...
-
-    def put(
-        self,
-        tenant: str,
-        model: str,
-        digests: Sequence[bytes],
-        payloads: Sequence[Payload],
-        deadline: CallDeadline,
-    ) -> list[bool]: ...
-
-    def delete(self, request: pb.DeleteRequest, deadline: CallDeadline) -> int: ...
-
-    def stats(self, deadline: CallDeadline) -> pb.StatsResponse: ...
-
-
-class GrpcTransport:
-    """Every call over gRPC (grpc_calls.py)."""
-
-    def __init__(self, calls: GrpcCalls) -> None:
-        self.calls = calls
-
-    def lookup(
-        self, tenant: str, model: str, digests: Sequence[bytes], deadline: CallDeadline
-    ) -> int:
-        return self.calls.lookup(tenant, model, digests, deadline)
-
-    def read(
-        self,
-        tenant: str,
-        model: str,
-        digests: Sequence[bytes],
-        *,
-        keep: bool,
-        deadline: CallDeadline,
-    ) -> Iterator[View]:
-        return self.calls.iter_get(tenant, model, digests, deadline)  # fresh bytes: kept
-
-    def put(
-        self,
-        tenant: str,
-        model: str,
-        digests: Sequence[bytes],
-        payloads: Sequence[Payload],
-        deadline: CallDeadline,
-    ) -> list[bool]:
-        return self.calls.put(tenant, model, digests, payloads, deadline)
-
-    def delete(self, request: pb.DeleteRequest, deadline: CallDeadline) -> int:
-        return self.calls.delete(request, deadline)
-
-    def stats(self, deadline: CallDeadline) -> pb.StatsResponse:
-        return self.calls.stats(deadline)
-
-
-class BulkTransport:
-    """Lookups, reads and puts over the bulk channel (bulk.py); `lookups` False: lookups
-    go over gRPC (a sealed-channel caller: its frames carry blocks, and a second
-    connection just for lookups would buy nothing there)."""
-
-    def __init__(self, channel: BulkChannel, *, lookups: bool = True) -> None:
-        self.channel = channel
-        self._lookups = lookups
-
-    def lookup(
-        self, tenant: str, model: str, digests: Sequence[bytes], deadline: CallDeadline
-    ) -> int:
-        if not self._lookups:
-            raise UseGrpc("lookups over gRPC")
-        return self.channel.lookup(tenant, model, digests, deadline=deadline)
-
-    def read(
-        self,
-        tenant: str,
-        model: str,
-        digests: Sequence[bytes],
-        *,
-        keep: bool,
-        deadline: CallDeadline,
-    ) -> Iterator[View]:
-        return self.channel.read(tenant, model, digests, keep=keep, deadline=deadline)
-
-    def put(
-        self,
-        tenant: str,
-        model: str,
-        digests: Sequence[bytes],
-        payloads: Sequence[Payload],
-        deadline: CallDeadline,
-    ) -> list[bool]:
-        return self.channel.put(tenant, model, digests, payloads, deadline)
-
-    def delete(self, request: pb.DeleteRequest, deadline: CallDeadline) -> int:
-        raise UseGrpc("no delete on the bulk channel")
-
-    def stats(self, deadline: CallDeadline) -> pb.StatsResponse:
-        raise UseGrpc("no stats on the bulk channel")
 
 
 @dataclass
@@ -220,7 +100,7 @@ class Backoff:
 class Fallback:
     """The bulk channel when it is up, else gRPC: the module docstring's rule, for
     every call. `use(bulk)` adds the bulk channel; without it every call goes over
-    gRPC."""
+    gRPC. A `Transport` itself."""
 
     def __init__(
         self,

@@ -1,4 +1,5 @@
-"""The client's gRPC transport: one method per RPC, errors mapped once.
+"""The client's gRPC transport (replica_agent.transport): one method per RPC, errors
+mapped once.
 
 Used for every call that moves no payload (Lookup, Delete, Stats, OpenBulk), and for
 Get and Put when the bulk channel is off or unavailable. Each call carries the caller's
@@ -24,8 +25,8 @@ from kvcommon.v1 import kvshare_pb2 as pb
 from kvcommon.v1 import kvshare_pb2_grpc as pb_grpc
 from replica_agent.deadline import CallDeadline
 from replica_agent.errors import from_rpc_error, store_error
+from replica_agent.transport import NoBulkListener, Payload
 
-Payload = bytes | bytearray | memoryview
 # No kvshare block comes near this (the server's max_block_bytes defaults to 128 MiB; a
 # 256-token block of a 70B model is 80 MiB): bigger is a broken or hostile server, whose
 # size must never become an allocation.
@@ -46,11 +47,9 @@ class Ticket:
     channel_secret: bytes = field(default=b"", repr=False)
 
 
-class NoBulkListener(Exception):
-    """The server offers no bulk channel (an older server, or none configured)."""
-
-
 class GrpcCalls:
+    """Every call over gRPC; a `Transport`, and OpenBulk's tickets for the bulk channel."""
+
     def __init__(
         self,
         channel: grpc.Channel,
@@ -113,15 +112,18 @@ class GrpcCalls:
         request = pb.LookupRequest(tenant=tenant, model=model, digests=digests)
         return int(self._call(self._stub.Lookup, request, deadline).present)
 
-    def iter_get(
+    def read(
         self,
         tenant: str,
         model: str,
         digests: Sequence[bytes],
+        *,
+        keep: bool = True,
         deadline: CallDeadline | None = None,
     ) -> Iterator[bytes]:
         """The leading present payloads, each yielded as soon as its last byte arrives,
-        so a caller can copy block i to the device while block i+1 is on the wire."""
+        so a caller can copy block i to the device while block i+1 is on the wire.
+        Each is fresh bytes, kept whatever `keep` says."""
         request = pb.GetRequest(
             tenant=tenant, model=model, digests=digests, max_frame_bytes=self.frame_bytes
         )

@@ -29,9 +29,10 @@ from kvcommon import errors, samehost
 from kvcommon.v1 import kvshare_pb2 as pb
 from kvcommon.v1 import kvshare_pb2_grpc as pb_grpc
 from policy.tickets import local_binding
-from replica_agent.bulk import BulkChannel, UseGrpc
+from replica_agent.bulk import BulkChannel
 from replica_agent.errors import BlockStoreError
 from replica_agent.grpc_calls import Ticket
+from replica_agent.transport import UseGrpc
 
 SERVICE = "/kvshare.v1.BlockStore/"
 UNARY = ("Lookup", "Delete", "Stats", "OpenBulk")

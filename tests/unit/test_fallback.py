@@ -9,11 +9,10 @@ import pytest
 
 from kvcommon import bulkwire as w
 from kvcommon.v1 import kvshare_pb2 as pb
-from replica_agent.bulk import UseGrpc
 from replica_agent.deadline import CallDeadline
 from replica_agent.errors import BlockStoreError, store_error
-from replica_agent.fallback import ClientStats, Fallback, Payload, View
-from replica_agent.grpc_calls import NoBulkListener
+from replica_agent.fallback import ClientStats, Fallback
+from replica_agent.transport import NoBulkListener, Payload, UseGrpc, View
 
 MODEL = "m"
 DIGESTS = [b"d" * 32]

@@ -1,5 +1,6 @@
-"""The server's metrics and traces: with telemetry_export.py (where they go), the one
-home of the OpenTelemetry SDK on this side.
+"""The server's metrics and traces: with telemetry_sums.py (the counters and histogram
+it sums in the process), telemetry_calls.py (one call and the status it ends with) and
+telemetry_export.py (where they go), the one home of the OpenTelemetry SDK on this side.
 
 Nothing leaves the process unless the operator asks (`[telemetry]` or flags): a
 Prometheus text endpoint (`metrics_listen`), OTLP/HTTP export of metrics and traces
@@ -19,10 +20,7 @@ unit and `_total` suffixes: `kvshare.rpc.duration` (s) -> `kvshare_rpc_duration_
 
 from __future__ import annotations
 
-import asyncio
-import bisect
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -34,13 +32,14 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import MetricReader
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace import SpanKind
 
 from cacheserver import telemetry_export as export
 from cacheserver.config import TelemetryConfig
 from cacheserver.events import EvictReason, PutOutcome, Tier
-from kvcommon.errors import KvshareError
-from kvcommon.logs import RequestId, bind_request_id
+from cacheserver.telemetry_calls import RpcCall, end_span, status_of
+from cacheserver.telemetry_sums import NO_TALLY, Labels, SdkTimings, SummedTimings, Tally
+from kvcommon.logs import bind_request_id
 from policy.types import TenantId
 
 if TYPE_CHECKING:
@@ -53,157 +52,6 @@ LATENCY_BUCKETS_S = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
     2.5, 5.0, 10.0,
 )  # fmt: skip
-# Bounds each OTLP export with its retries, so a dead collector delays shutdown by
-# seconds, not the exporter's default minute.
-OTLP_TIMEOUT_S = 3.0
-# gRPC status numbers by name, for the `rpc.grpc.status_code` span attribute.
-_STATUS_NAMES = (
-    "OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
-    "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
-    "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
-    "UNAUTHENTICATED",
-)  # fmt: skip
-GRPC_CODES = {name: number for number, name in enumerate(_STATUS_NAMES)}
-RPC_DURATION_HELP = "RPC latency by method and status"
-# A series' labels: (name, value) pairs sorted by name, as a tally keys its sums.
-Labels = tuple[tuple[str, str], ...]
-
-
-class RpcCall:
-    """One observed call; the wire edge sets `status` when it knows it better.
-
-    `request_id` is the call's id as every reader sees it (kvcommon.logs), drawn only
-    when read."""
-
-    __slots__ = ("_request_id", "method", "status")
-
-    def __init__(self, method: str, request_id: RequestId, status: str | None = None) -> None:
-        self.method = method
-        self._request_id = request_id
-        self.status = status
-
-    @property
-    def request_id(self) -> str:
-        return self._request_id.value
-
-    def __repr__(self) -> str:
-        return f"RpcCall({self.method!r}, {self._request_id!r}, {self.status!r})"
-
-
-def _end_span(span: trace.Span, status: str) -> None:
-    span.set_attribute("rpc.grpc.status_code", GRPC_CODES.get(status, 2))
-    if status != "OK":
-        span.set_status(Status(StatusCode.ERROR, status))
-    span.end()
-
-
-def status_of(error: BaseException) -> str:
-    if isinstance(error, KvshareError):
-        return error.status
-    if isinstance(error, (GeneratorExit, asyncio.CancelledError)):
-        return "CANCELLED"
-    return "UNKNOWN"
-
-
-class _Tally:
-    """A counter summed in the process and read by the SDK at collection time (an
-    observable counter). Every request adds to several counters; the SDK's own counter
-    hashes the attribute set and updates its aggregation on each call, which took about
-    a fifth of the server's time on small puts with metrics on. Here an event is one
-    dict update under a lock; the exported series are the same (monotonic sums)."""
-
-    def __init__(self, meter: metrics.Meter, name: str, unit: str, description: str) -> None:
-        self._lock = threading.Lock()
-        self._totals: dict[Labels, int] = {}
-        meter.create_observable_counter(name, [self._observe], unit, description)
-
-    def add(self, amount: int, labels: Labels) -> None:
-        """Add `amount` to the series of `labels` (made by `ServerTelemetry._labels`)."""
-        with self._lock:
-            self._totals[labels] = self._totals.get(labels, 0) + amount
-
-    def _observe(self, _options: CallbackOptions) -> Iterable[Observation]:
-        with self._lock:
-            totals = list(self._totals.items())
-        return [Observation(value, dict(key)) for key, value in totals]
-
-
-class _NoTally(_Tally):
-    """Metrics off: nothing is counted."""
-
-    def __init__(self) -> None:
-        pass
-
-    def add(self, amount: int, labels: Labels) -> None:
-        pass
-
-
-_NO_TALLY = _NoTally()
-
-
-class _Timings:
-    """The calls' latency histogram (`kvshare.rpc.duration`) by method and status,
-    summed in the process: the SDK's histogram cleaned and hashed the attributes of
-    every call and took about 6 us a call, as much as a tenth of a small GET's server
-    time. Exported by the Prometheus endpoint's own collector (`collect`), with the
-    bucket bounds, names and labels the SDK's exporter gave it. OTLP export and tests'
-    readers keep the SDK's histogram (`_SdkTimings`): only the SDK speaks OTLP."""
-
-    def __init__(self, bounds: Sequence[float]) -> None:
-        self._bounds = tuple(bounds)
-        self._lock = threading.Lock()
-        # Per (method, status): a count per bucket (the last one past every bound),
-        # then the sum of the seconds.
-        self._series: dict[tuple[str, str], list[float]] = {}
-
-    def record(self, seconds: float, method: str, status: str) -> None:
-        bucket = bisect.bisect_left(self._bounds, seconds)  # bounds are inclusive (le)
-        with self._lock:
-            row = self._series.get((method, status))
-            if row is None:
-                row = self._series[(method, status)] = [0] * (len(self._bounds) + 2)
-            row[bucket] += 1
-            row[-1] += seconds
-
-    def collect(self) -> Iterable[Any]:
-        """The histogram as Prometheus reads it (prometheus_client's collector interface)."""
-        from prometheus_client.core import HistogramMetricFamily
-
-        family = HistogramMetricFamily(
-            "kvshare_rpc_duration_seconds",
-            RPC_DURATION_HELP,
-            labels=("method", "status"),
-            unit="seconds",  # OpenMetrics scrapes get the UNIT line the SDK's exporter writes
-        )
-        with self._lock:
-            series = [(key, list(row)) for key, row in self._series.items()]
-        for (method, status), row in series:
-            cumulative, buckets = 0.0, []
-            for bound, count in zip((*self._bounds, float("inf")), row, strict=False):
-                cumulative += count
-                buckets.append((_bound_text(bound), cumulative))
-            family.add_metric((method, status), buckets, sum_value=row[-1])
-        yield family
-
-
-class _SdkTimings:
-    """The calls' latency histogram as the SDK's own instrument (OTLP, tests' readers)."""
-
-    def __init__(self, meter: metrics.Meter, bounds: Sequence[float]) -> None:
-        self._histogram = meter.create_histogram(
-            "kvshare.rpc.duration",
-            "s",
-            RPC_DURATION_HELP,
-            explicit_bucket_boundaries_advisory=bounds,
-        )
-
-    def record(self, seconds: float, method: str, status: str) -> None:
-        self._histogram.record(seconds, {"method": method, "status": status})
-
-
-def _bound_text(bound: float) -> str:
-    """A bucket's `le` as the SDK's exporter writes it ("0.0001", "1.0", "+Inf")."""
-    return "+Inf" if bound == float("inf") else f"{bound}"
 
 
 class ServerTelemetry:
@@ -252,7 +100,7 @@ class ServerTelemetry:
             self._tracer_provider = trace.NoOpTracerProvider()
         self._tracer = self._tracer_provider.get_tracer(SCOPE)
         self._records_spans = bool(processors)  # else the tracer is the API's no-op
-        # Prometheus alone (the usual deployment): latencies are summed here (_Timings).
+        # Prometheus alone (the usual deployment): latencies are summed here (SummedTimings).
         local_timings = self._registry is not None and len(readers) == 1
         self._make_instruments(
             self._meter_provider.get_meter(SCOPE),
@@ -263,16 +111,16 @@ class ServerTelemetry:
     def _make_instruments(
         self, meter: metrics.Meter, *, enabled: bool, local_timings: bool
     ) -> None:
-        def count(name: str, unit: str, description: str) -> _Tally:
-            return _Tally(meter, name, unit, description) if enabled else _NO_TALLY
+        def count(name: str, unit: str, description: str) -> Tally:
+            return Tally(meter, name, unit, description) if enabled else NO_TALLY
 
         self._rpc_requests = count("kvshare.rpc.requests", "{request}", "RPCs by method, status")
-        self._rpc_duration: _Timings | _SdkTimings
+        self._rpc_duration: SummedTimings | SdkTimings
         if local_timings:
-            self._rpc_duration = _Timings(LATENCY_BUCKETS_S)
+            self._rpc_duration = SummedTimings(LATENCY_BUCKETS_S)
             self._registry.register(self._rpc_duration)
         else:
-            self._rpc_duration = _SdkTimings(meter, LATENCY_BUCKETS_S)
+            self._rpc_duration = SdkTimings(meter, LATENCY_BUCKETS_S)
         self._lookups = count("kvshare.lookups", "{lookup}", "Lookup calls")
         self._lookup_blocks = count("kvshare.lookup.blocks", "{block}", "digests looked up")
         self._get_blocks = count("kvshare.get.blocks", "{block}", "blocks asked by gets")
@@ -518,7 +366,7 @@ class ObservedRpc:
             call.status = call.status or status_of(error)
         status = call.status or "OK"
         if self._span is not None:
-            _end_span(self._span, status)
+            end_span(self._span, status)
         self._telemetry._finish_rpc(self._method, status, time.perf_counter() - self._started)
         if self._token is not None and self._restore:
             otel_context.detach(self._token)

@@ -35,7 +35,8 @@ from typing import Any, TypeAlias, TypeVar
 import grpc
 from opentelemetry.context import Context
 
-from cacheserver.telemetry import RpcCall, ServerTelemetry
+from cacheserver.telemetry import ServerTelemetry
+from cacheserver.telemetry_calls import RpcCall
 from kvcommon.errors import InvalidArgument, KvshareError, Unauthenticated, wire_error
 from kvcommon.tracing import context_from_metadata
 from policy import AccessPolicy, Principal

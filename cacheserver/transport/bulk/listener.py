@@ -5,24 +5,21 @@ this listener moves payloads with one `sendmsg` straight from the memory tier (o
 copy out of LMDB) and receives them with `recv_into`, on a thread per connection, so
 the GIL is released for the whole transfer. Framing: `kvcommon.bulkwire`.
 
-Security: a connection is opened only with a ticket from `OpenBulk`, which gRPC issued
-after authenticating the caller (policy.TicketBook); the connection is then bound to
-that principal and tenant, and every request is admitted and carried out by the request
-core (cacheserver.core.requests), the same verbs the gRPC handlers call. With TLS on the gRPC
-port, this listener uses the same certificate (and client-certificate CA), and on the
-same port takes the sealed-payload channel (cacheserver.transport.bulk.sealed): a client whose
-first byte does not start TLS must say "KVB2" and prove the secret OpenBulk gave it
-over TLS for a tenant that requires sealed blocks; a ticket in clear is refused.
+Security: a connection is let in only with a ticket from `OpenBulk`
+(cacheserver.transport.bulk.handshake: TLS with the gRPC port's certificate, or the
+sealed-payload channel); it is then bound to that principal and tenant, and every
+request is admitted and carried out by the request core (cacheserver.core.requests),
+the same verbs the gRPC handlers call. Which process serves a plain-TCP connection's
+requests, this one or a bulk worker: cacheserver.transport.bulk.turns.
 
 Same host: a second listener, on an abstract Unix socket with a random name (so no
 one can claim it before the server, and only a caller told it by OpenBulk finds it),
-takes the same tickets. After the handshake it hands the connection a shared-memory
-arena of its own (a memfd, sealed so that the client can neither shrink nor grow it:
-no access of the server's can fault), and payloads move through the arena: one copy
-each way instead of two, and no TCP stack. The server copies a put's bytes out of the
-arena before it checks or hashes them, so a client rewriting the arena meanwhile can
-only change its own block, as if it had sent other bytes. Policy is the same code as
-on TCP (cacheserver.transport.bulk.handler).
+takes the same tickets, and its hello hands the connection a shared-memory arena of its
+own: payloads move through the arena, one copy each way instead of two, and no TCP
+stack. The server copies a put's bytes out of the arena before it checks or hashes
+them, so a client rewriting the arena meanwhile can only change its own block, as if it
+had sent other bytes. Policy is the same code as on TCP
+(cacheserver.transport.bulk.handler).
 
 Errors: a request the core refuses gets its error frame and the connection closes (the
 rest of the request may be in flight). Any other exception is a bug: the request gets
@@ -47,44 +44,25 @@ from collections.abc import Callable, Iterator
 
 from cacheserver.config import BulkConfig
 from cacheserver.core.requests import RequestCore
-from cacheserver.core.values import Verb
 from cacheserver.telemetry import ServerTelemetry
-from cacheserver.transport.arena import Arena, ArenaCount, listen_locally
+from cacheserver.transport.arena import Arena, listen_locally
 from cacheserver.transport.bulk.accepting import AcceptLoop, bind_listener
-from cacheserver.transport.bulk.delegation import (
-    CLOSED,
-    GIVE_BACK,
-    HAND_BACK,
-    RATE_DRAWN,
-    REDELEGATE_AFTER_READS,
-    SERVED_ON,
-)
-from cacheserver.transport.bulk.handler import OPS, BulkHandler, Pace, send_error_frame
+from cacheserver.transport.bulk.handler import OPS, BulkHandler, Pace
+from cacheserver.transport.bulk.handshake import BULK_SYSTEM, BulkHandshake, opens_tls
 from cacheserver.transport.bulk.readyloop import ReadyLoop
-from cacheserver.transport.bulk.sealed import SealedHandler, SealedHello
 from cacheserver.transport.bulk.slots import ConnectionSlots
+from cacheserver.transport.bulk.turns import DelegateTo, ServingTurns, reads_again
 from kvcommon import bulkio, samehost
 from kvcommon import bulkwire as w
-from kvcommon.errors import InvalidArgument, KvshareError, ResourceExhausted, wire_error
+from kvcommon.errors import KvshareError, wire_error
 from kvcommon.tracing import context_from_binary
-from policy.identity import certificate_fingerprint
-from policy.tickets import Grant, Route, TicketBook
-from policy.types import PUBLIC
+from policy.tickets import TicketBook
 
 log = logging.getLogger(__name__)
-# Hands a connection past its hello to a bulk worker (True: to a worker, skipping the
-# server's own turn): the server's end of the connection's hand-back pair, or None to
-# serve it here.
-DelegateTo = Callable[[socket.socket, Grant, bool], socket.socket | None]
 IDLE_TIMEOUT_S = 300.0  # an authenticated connection may idle between requests this long
-_READS = (Verb.GET, Verb.LOOKUP)
 # Before its ticket is accepted a peer is unauthenticated: it gets only this long, in
 # total, to finish TLS and present the ticket (cacheserver.transport.bulk.slots).
 HANDSHAKE_TIMEOUT_S = 5.0
-BULK_SYSTEM = "kvshare_bulk"  # the `rpc.system` of this listener's spans
-# The sealed-payload channel's hello, counted apart: an operator sees which channel
-# replicas use (kvshare_rpc_requests_total{method="kvshare.bulk/SealedHello"}).
-SEALED_HELLO = "kvshare.bulk/SealedHello"
 
 
 class BulkServer:
@@ -107,7 +85,6 @@ class BulkServer:
         (cacheserver.transport.bulk.readyloop) rather than a thread each; off where a
         request may wait on a remote tier."""
         self._telemetry = telemetry or ServerTelemetry()
-        self._delegate_to = delegate_to
         self._bulk = bulk or BulkConfig()
         self._core = core
         self._tickets = tickets
@@ -116,14 +93,19 @@ class BulkServer:
         _bound_host, port = self._listener.getsockname()[:2]
         self.address = f"{host}:{port}"
         self._connections: set[socket.socket] = set()
-        self._arenas = ArenaCount(self._bulk.max_arenas, self._bulk.max_arenas_per_principal)
         self._lock = threading.Lock()
         self._stopping = False
         self._slots = ConnectionSlots(HANDSHAKE_TIMEOUT_S)
         self._pace = Pace(self._bulk.min_transfer_bytes_per_s, IDLE_TIMEOUT_S)
+        self._handshake = BulkHandshake(
+            core, tickets, tls, self._slots, self._pace, self._telemetry, self._bulk
+        )
         self.ready: ReadyLoop[BulkHandler] | None = None
         if ready_loop:
             self.ready = ReadyLoop(self._loop_serve_one, IDLE_TIMEOUT_S, lambda: self._stopping)
+        self._turns = ServingTurns(
+            core, delegate_to, self._serve_one, self.ready, self._close, lambda: self._stopping
+        )
         self._reaper = threading.Thread(
             target=self._slots.reap, name="kvshare-bulk-reaper", daemon=True
         )
@@ -175,7 +157,7 @@ class BulkServer:
     @property
     def arenas(self) -> int:
         """Same-host connections holding an arena now."""
-        return self._arenas.total
+        return self._handshake.arenas.total
 
     def start(self) -> str:
         self._reaper.start()
@@ -221,7 +203,7 @@ class BulkServer:
             try:
                 raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 raw.settimeout(self.handshake_timeout_s)
-                if self._tls is not None and _opens_tls(raw):
+                if self._tls is not None and opens_tls(raw):
                     # Wrapping detaches `raw`: the slot and the stop list must hold the
                     # wrapped socket before the handshake, or neither the reaper nor
                     # stop() could shut a peer that drips its handshake or its hello.
@@ -231,12 +213,12 @@ class BulkServer:
                     self._rebind(raw, conn)
                     assert isinstance(conn, ssl.SSLSocket)
                     conn.do_handshake()
-                handler = self._hello_tcp(conn, raw)
+                handler = self._handshake.hello_tcp(conn, raw)
                 if handler is None:
                     return
                 if conn is raw:  # plain TCP: kernel timeouts, so receives can wait for all
                     bulkio.kernel_timeouts(raw, IDLE_TIMEOUT_S)
-                    scope.adopted = self._serve_plain(raw, handler)
+                    scope.adopted = self._turns.serve(raw, handler)
                     return
                 else:
                     conn.settimeout(IDLE_TIMEOUT_S)
@@ -247,169 +229,36 @@ class BulkServer:
                     _close_quietly(conn)
                     self._forget(conn)  # the wrapped socket, if TLS; `raw` is forgotten too
 
-    def _serve_plain(
-        self, raw: socket.socket, handler: BulkHandler, to_a_worker: bool = False
-    ) -> bool:
-        """A plain-TCP connection: here, or (with bulk workers, in turn) on a worker;
-        one the worker gives back (it only wrote) goes to a worker again once it reads
-        (`_loop_serve_one`). Served here, it goes on the ready loop: True (the loop
-        closes it, or hands it to a worker again)."""
-        handler.given_back = False
-        while (handback := self._delegate(raw, handler, to_a_worker)) is not None:
-            if not self._serve_handed_back(handback, handler):
-                return False
-            handler.reads_in_a_row = 0
-            if self.ready is not None:
-                handler.given_back = True
-                break
-            if not self._serve_until_reads(handler):
-                return False
-            to_a_worker = True
-        if self.ready is not None:
-            sealed = isinstance(handler, SealedHandler)
-            self.ready.adopt(
-                raw, handler, lambda: self._leave_loop(raw, handler), peekable=not sealed
-            )
-            return True
-        while self._serve_one(handler):
-            pass
-        return False
-
     def _loop_serve_one(self, handler: BulkHandler, peeked: memoryview | None) -> bool:
         """One request of a connection on the ready loop. A connection a bulk worker gave
         back leaves the loop for a worker again once its last REDELEGATE_AFTER_READS
-        requests were reads (`_leave_loop`)."""
+        requests were reads (`ServingTurns`)."""
         if not self._serve_one(handler, peeked):
             return False
-        return not (handler.given_back and _reads_again(handler))
-
-    def _leave_loop(self, raw: socket.socket, handler: BulkHandler) -> None:
-        """A connection leaves the ready loop: closed, or (given back, it reads again)
-        handed to a bulk worker on a thread of its own, as a new connection is."""
-        reads_again = handler.given_back and handler.reads_in_a_row >= REDELEGATE_AFTER_READS
-        if not reads_again or self._stopping:
-            self._close(raw)
-            return
-
-        def redelegate() -> None:
-            adopted = False
-            try:
-                adopted = self._serve_plain(raw, handler, to_a_worker=True)
-            except (OSError, w.ConnectionClosed, ssl.SSLError):
-                pass  # the peer went, or a transfer ran out of time: it closes, as ever
-            except Exception:
-                log.exception("bulk connection failed")
-            finally:
-                if not adopted:
-                    self._close(raw)
-
-        threading.Thread(target=redelegate, name="kvshare-bulk-conn", daemon=True).start()
+        return not (handler.given_back and reads_again(handler))
 
     def _close(self, raw: socket.socket) -> None:
         _close_quietly(raw)
         self._forget(raw)
 
-    def _serve_until_reads(self, handler: BulkHandler) -> bool:
-        """Serve a connection a worker gave back until its last REDELEGATE_AFTER_READS
-        requests were reads (True); False when it closes. (Without the ready loop.)"""
-        while self._serve_one(handler):
-            if _reads_again(handler):
-                return True
-        return False
-
-    def _delegate(
-        self, raw: socket.socket, handler: BulkHandler, to_a_worker: bool = False
-    ) -> socket.socket | None:
-        """Hand a plain-TCP connection to a bulk worker, in turn (cacheserver.transport.bulk
-        .workers; `to_a_worker`: skipping the server's own turn): the server's end of its
-        hand-back pair, or None to serve it here."""
-        grant = handler.grant
-        if self._delegate_to is None or grant.channel_secret or grant.tenant == PUBLIC:
-            return None  # the sealed channel and the public scope stay in the server
-        return self._delegate_to(raw, grant, to_a_worker)
-
-    def _serve_handed_back(self, handback: socket.socket, handler: BulkHandler) -> bool:
-        """A delegated connection: serve each request its worker hands back, on this
-        process's own descriptor of the connection, until the worker lets it go. True:
-        the worker gave the connection back (GIVE_BACK), and it serves on here."""
-        with handback:
-            while (message := handback.recv(8))[:1] in (HAND_BACK, GIVE_BACK):
-                serves_on = self._serve_one(handler, rate_drawn=message[1:2] == RATE_DRAWN)
-                if message[:1] == GIVE_BACK:
-                    return serves_on
-                if handler.last_verb in _READS:
-                    self._core.read_handed_back()
-                handback.sendall(SERVED_ON if serves_on else CLOSED)
-                if not serves_on:
-                    return False
-        return False
-
-    def _hello_tcp(self, conn: socket.socket, raw: socket.socket) -> BulkHandler | None:
-        """The TCP listener's hello: a ticket over TLS (plain TCP where the server has
-        no TLS), or the sealed-payload channel's "KVB2" over plain TCP, whose ticket
-        only opens with its proof (cacheserver.transport.bulk.sealed). None: refused."""
-        magic, ticket = w.HELLO.unpack(bulkio.recv_bytes(conn, w.HELLO.size))
-        if magic == w.MAGIC_SEALED and conn is raw:
-            hello = SealedHello(raw, ticket, self._tickets)
-            grant = self._handshake(conn, raw, hello.redeem, SEALED_HELLO)
-            return None if grant is None else hello.accept(self._core, grant, self._pace)
-        tls_required = self._tls is not None
-        grant = self._handshake(
-            conn, conn, lambda: self._redeem(magic, ticket, conn, Route.TLS, tls_required)
-        )
-        if grant is None:
-            return None
-        conn.sendall(bytes([w.OK]))
-        return BulkHandler(self._core, conn, grant, None, self._pace)
-
     def _serve_local(self, conn: socket.socket) -> None:
         """A same-host connection: the same handshake and requests as `_serve`, with
         payloads in the connection's arena."""
-        arena: Arena | None = None
+        opened: tuple[BulkHandler, Arena] | None = None
         with self._connection_scope(conn):
             try:
                 conn.settimeout(self.handshake_timeout_s)
-                magic, ticket = w.HELLO.unpack(bulkio.recv_bytes(conn, w.HELLO.size))
-                grant = self._handshake(
-                    conn, conn, lambda: self._redeem(magic, ticket, conn, Route.LOCAL)
-                )
-                if grant is None:
+                opened = self._handshake.hello_local(conn)
+                if opened is None:
                     return
-                principal = grant.principal.name
-                arena = self._open_arena(conn, principal)
-                if arena is None:
-                    return
-                try:
-                    socket.send_fds(conn, [w.ARENA_REPLY.pack(w.OK, arena.size)], [arena.fd])
-                finally:
-                    arena.close_fd()  # the client holds its own descriptor now
                 bulkio.kernel_timeouts(conn, IDLE_TIMEOUT_S)
-                handler = BulkHandler(self._core, conn, grant, arena, self._pace)
-                while self._serve_one(handler):
+                while self._serve_one(opened[0]):
                     pass
             finally:
                 _close_quietly(conn)
-                if arena is not None:
-                    try:
-                        arena.close()
-                    finally:
-                        self._arenas.give_back(principal)
-
-    def _open_arena(self, conn: socket.socket, principal: str) -> Arena | None:
-        """This connection's arena, or None (and an error frame) when no more may open."""
-        try:
-            self._arenas.take(principal)
-        except ResourceExhausted as error:
-            send_error_frame(conn, error)
-            return None
-        try:
-            return Arena(self._bulk.arena_bytes)
-        except OSError as error:
-            self._arenas.give_back(principal)
-            log.error("cannot create a same-host arena: %s", error.strerror)
-            refusal = ResourceExhausted("the server could not create a shared-memory arena")
-            send_error_frame(conn, refusal)
-            return None
+                if opened is not None:
+                    handler, arena = opened
+                    self._handshake.close_arena(arena, handler.grant.principal.name)
 
     def _rebind(self, raw: socket.socket, conn: socket.socket) -> None:
         with self._lock:
@@ -421,47 +270,6 @@ class BulkServer:
         self._slots.release(conn)
         with self._lock:
             self._connections.discard(conn)
-
-    def _handshake(
-        self,
-        conn: socket.socket,
-        raw: socket.socket,
-        redeem: Callable[[], Grant],
-        method: str = "kvshare.bulk/Hello",
-    ) -> Grant | None:
-        """Redeem the client's ticket (`redeem`) and take an authenticated slot for `raw`
-        (the accepted socket); None (and an error frame sent) if either fails."""
-        with self._telemetry.rpc(method, None, system=BULK_SYSTEM) as call:
-            try:
-                grant = redeem()
-                self._slots.authenticated(raw, grant.principal.name)
-                return grant
-            except OSError:
-                raise
-            except Exception as error:
-                answer = wire_error(error, method)
-                call.status = answer.status
-                send_error_frame(conn, answer)
-                return None
-
-    def _redeem(
-        self,
-        magic: bytes,
-        ticket: bytes,
-        conn: socket.socket,
-        route: Route,
-        tls_required: bool = False,
-    ) -> Grant:
-        if magic != w.MAGIC:
-            raise InvalidArgument("not a kvshare bulk client (bad magic)")
-        if tls_required and not isinstance(conn, ssl.SSLSocket):
-            raise InvalidArgument(
-                "this bulk listener speaks TLS, as the gRPC port does; connect with TLS"
-            )
-        peer = b""
-        if isinstance(conn, ssl.SSLSocket):
-            peer = certificate_fingerprint(conn.getpeercert(binary_form=True) or b"")
-        return self._tickets.redeem(ticket, route, peer)
 
     def _serve_one(
         self, handler: BulkHandler, peeked: memoryview | None = None, *, rate_drawn: bool = False
@@ -495,24 +303,11 @@ class BulkServer:
                 return serves_on
 
 
-def _reads_again(handler: BulkHandler) -> bool:
-    """After a request of a connection a bulk worker gave back: whether its last
-    REDELEGATE_AFTER_READS requests were reads (it goes to a worker again)."""
-    handler.reads_in_a_row = handler.reads_in_a_row + 1 if handler.last_verb in _READS else 0
-    return handler.reads_in_a_row >= REDELEGATE_AFTER_READS
-
-
 class _Scope:
     """What a connection's thread leaves when it returns: `adopted`, the connection
     lives on, on the ready loop."""
 
     adopted = False
-
-
-def _opens_tls(raw: socket.socket) -> bool:
-    """Whether the client's first byte starts a TLS handshake (else: the sealed
-    channel's hello, or a client that is refused)."""
-    return raw.recv(1, socket.MSG_PEEK) == bytes([w.TLS_RECORD_HANDSHAKE])
 
 
 def _close_quietly(conn: socket.socket) -> None:

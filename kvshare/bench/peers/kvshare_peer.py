@@ -62,7 +62,8 @@ MODEL = "kvshare-bench"
 SERVING_LINE = r"serving on (\S+):(\d+)"
 METRICS_LINE = r"metrics on (\S+) "
 DATA_KEY_BYTES = 32
-SEALED_HELLO_METHOD = "kvshare.bulk/SealedHello"  # cacheserver.transport.bulk.listener.SEALED_HELLO
+# cacheserver.transport.bulk.handshake.SEALED_HELLO
+SEALED_HELLO_METHOD = "kvshare.bulk/SealedHello"
 # One principal's bulk connections (cacheserver.transport.bulk.slots.MAX_PER_PRINCIPAL):
 # the most client processes a cell can have without falling back to gRPC; the bench's
 # server gives the principal as many same-host arenas.

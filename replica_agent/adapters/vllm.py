@@ -28,9 +28,10 @@ there are read from `@public` (opened with the public scope's key), the rest fro
 tenant; saves go to the tenant only, after the public blocks.
 
 This module imports vLLM; nothing else in kvshare imports it, so the agent installs and
-runs without vLLM. Block namespace: the served model (or the `model` key), its revision,
-dtype, layers, KV heads, head dim, store block size and tensor-parallel rank/size, so
-blocks of different layouts never mix.
+runs without vLLM. Its configuration is read in `vllm_options`; block namespace
+(`engine_spec`): the served model (or the `model` key), its revision, dtype, layers, KV
+heads, head dim, store block size and tensor-parallel rank/size, so blocks of different
+layouts never mix.
 """
 
 from __future__ import annotations
@@ -49,27 +50,23 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvcommon.errors import ConfigError
 from replica_agent.adapters.settings import parse_store_settings
-from replica_agent.adapters.vllm_layout import PagedLayout, detect_layout, learn_page_layout
+from replica_agent.adapters.vllm_layout import backend_page_layout
 from replica_agent.adapters.vllm_loader import AsyncLoader
+from replica_agent.adapters.vllm_metadata import LoadPlan, SavePlan
 from replica_agent.adapters.vllm_modes import SYNC
-from replica_agent.adapters.vllm_plan import (
+from replica_agent.adapters.vllm_options import (
     ENGINE_KEYS,
-    LoadPlan,
-    NewStep,
-    RequestKey,
-    RunningStep,
-    SavePlan,
-    SchedulerPlanner,
+    engine_spec,
     parse_vllm_options,
     request_tenant,
     store_block_tokens,
 )
+from replica_agent.adapters.vllm_plan import NewStep, RequestKey, RunningStep, SchedulerPlanner
 from replica_agent.adapters.vllm_store import PagedCache, WorkerStore
 from replica_agent.adapters.vllm_trace import LoadTimeline
 from replica_agent.breaker import CircuitBreaker
 from replica_agent.gate import StoreGate, StoreStats
 from replica_agent.public import PUBLIC_SCOPE, PublicCatalogue
-from replica_agent.spec import ModelSpec
 from replica_agent.telemetry import AgentTelemetry
 
 if TYPE_CHECKING:
@@ -81,8 +78,6 @@ SOURCE = "kv_connector_extra_config"
 # else to do, and the thread gets the interpreter's lock meanwhile). Bounded, since
 # the engine takes new requests only between steps: an arrival waits this long at most.
 IDLE_STEP_WAIT_S = 0.02
-_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-_NOT_ID_CHARS = re.compile(r"[^A-Za-z0-9._/:+-]")
 _LAYER_INDEX = re.compile(r"\d+")
 
 
@@ -94,35 +89,6 @@ class KVShareMetadata(KVConnectorMetadata):  # type: ignore[misc]
     saves: list[SavePlan] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)  # finished: skip their queued loads
     has_forward: bool = True  # the step runs a forward pass (else only connector work)
-
-
-def engine_spec(
-    vllm_config: VllmConfig, model_name: str, block_tokens: int, tp_rank: int = 0
-) -> ModelSpec:
-    """The block layout of this engine's KV cache (one tensor-parallel rank)."""
-    model, parallel = vllm_config.model_config, vllm_config.parallel_config
-    if parallel.pipeline_parallel_size > 1:
-        raise ConfigError("KVShareConnector does not support pipeline parallelism yet")
-    if vllm_config.cache_config.cache_dtype not in ("auto", None):
-        raise ConfigError(
-            f"KVShareConnector stores float KV only; kv_cache_dtype "
-            f"{vllm_config.cache_config.cache_dtype!r} is not supported: leave it 'auto'"
-        )
-    if model.dtype not in _DTYPES:
-        raise ConfigError(f"model dtype {model.dtype} is not supported; use {list(_DTYPES)}")
-    served = model.served_model_name
-    name = model_name or (served[0] if isinstance(served, list) else served) or model.model
-    return ModelSpec(
-        model_id=_NOT_ID_CHARS.sub("-", name)[:256],
-        revision=_NOT_ID_CHARS.sub("-", model.revision or "main")[:128],
-        num_layers=model.get_num_layers(parallel),
-        num_kv_heads=model.get_num_kv_heads(parallel),
-        head_dim=model.get_head_size(),
-        dtype=_DTYPES[model.dtype],
-        block_tokens=block_tokens,
-        tp_rank=tp_rank,
-        tp_size=parallel.tensor_parallel_size,
-    )
 
 
 class KVShareConnector(KVConnectorBase_V1):  # type: ignore[misc]
@@ -281,7 +247,10 @@ class KVShareConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 f"{self.spec.num_layers}: models that share or skip KV layers are not supported"
             )
         first = kv_caches[names[0]]
-        layout = self._layout(names[0], first)
+        layer = self._vllm_config.compilation_config.static_forward_context.get(names[0])
+        layout = backend_page_layout(
+            first, layer, num_kv_heads=self.spec.num_kv_heads, head_dim=self.spec.head_dim
+        )
         if any(kv_caches[n].shape != first.shape for n in names):
             raise ConfigError("KV cache layers differ in shape; not supported by KVShareConnector")
         if self.vllm_block_tokens % layout.block_tokens:
@@ -305,35 +274,6 @@ class KVShareConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._loader = AsyncLoader(
                 lambda plan: store.load(cache, plan), cache.device, self.timeline
             )
-
-    def _layout(self, layer_name: str, kv: torch.Tensor) -> PagedLayout:
-        """Learnt from the attention backend's own cache writer where it has one (the CPU
-        backend's key order is decided in its kernels), else read from the shape."""
-        by_shape = detect_layout(
-            kv, num_kv_heads=self.spec.num_kv_heads, head_dim=self.spec.head_dim
-        )
-        layer = self._vllm_config.compilation_config.static_forward_context.get(layer_name)
-        update = getattr(getattr(layer, "impl", None), "do_kv_cache_update", None)
-        if update is None:
-            return by_shape
-
-        def write(key: torch.Tensor, value: torch.Tensor, block: torch.Tensor) -> None:
-            slots = torch.arange(key.shape[0], device=block.device)
-            update(layer, key, value, block, slots)
-
-        try:
-            return learn_page_layout(
-                kv,
-                write,
-                num_kv_heads=self.spec.num_kv_heads,
-                head_dim=self.spec.head_dim,
-                block_tokens=by_shape.block_tokens,
-            )
-        except ConfigError:
-            raise
-        except Exception as error:  # a writer with another signature: trust the shape
-            log.warning("could not run the backend's cache writer (%s); using the shape", error)
-            return by_shape
 
     @staticmethod
     def _tp_rank() -> int:

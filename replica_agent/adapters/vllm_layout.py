@@ -12,22 +12,27 @@ has the backend's own cache writer fill a scratch block with coded keys and valu
 (`LearntPages`). Works for any layout that places each element of a block somewhere in
 that block's rows, in either physical order (NHD or HND: the strides carry it).
 
-Where a backend offers no writer to learn from, the layout follows the tensor's shape
-(vLLM >= 0.30 GPU backends: logical `[B, H, N, 2D]` with each token's key and value
-side by side, read as `transpose(1, 2).split(D, dim=-1)`; older FlashAttention
-`[2, B, N, H, D]`; older FlashInfer `[B, 2, N, H, D]` or `[B, 2, H, N, D]`).
+Where a backend offers no writer to learn from (`backend_page_layout` chooses), the
+layout follows the tensor's shape (vLLM >= 0.30 GPU backends: logical `[B, H, N, 2D]`
+with each token's key and value side by side, read as `transpose(1, 2).split(D,
+dim=-1)`; older FlashAttention `[2, B, N, H, D]`; older FlashInfer `[B, 2, N, H, D]` or
+`[B, 2, H, N, D]`).
 
 No vLLM import here: the layouts are plain torch and tested on synthetic caches.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from kvcommon.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 # A coordinate is written as base-16 digits, each + 1: exact in bf16 (integers <= 256),
 # and 0 stays "not written".
@@ -176,6 +181,36 @@ def detect_layout(kv: torch.Tensor, *, num_kv_heads: int, head_dim: int) -> Page
         "kvshare knows; supported: [B, H, N, 2D] (GPU backends), [2, B, N, H, D], "
         "[B, 2, N, H, D], [B, 2, H, N, D], or one learnt from the backend's cache writer"
     )
+
+
+def backend_page_layout(
+    kv: torch.Tensor, layer: Any, *, num_kv_heads: int, head_dim: int
+) -> PagedLayout:
+    """The layout of `layer`'s cache `kv`: learnt from the attention backend's own cache
+    writer where it has one (the CPU backend's key order is decided in its kernels), else
+    read from the shape. `layer` is vLLM's attention layer (None: the shape decides)."""
+    by_shape = detect_layout(kv, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    update = getattr(getattr(layer, "impl", None), "do_kv_cache_update", None)
+    if update is None:
+        return by_shape
+
+    def write(key: torch.Tensor, value: torch.Tensor, block: torch.Tensor) -> None:
+        slots = torch.arange(key.shape[0], device=block.device)
+        update(layer, key, value, block, slots)
+
+    try:
+        return learn_page_layout(
+            kv,
+            write,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            block_tokens=by_shape.block_tokens,
+        )
+    except ConfigError:
+        raise
+    except Exception as error:  # a writer with another signature: trust the shape
+        log.warning("could not run the backend's cache writer (%s); using the shape", error)
+        return by_shape
 
 
 def kernel_block_ids(

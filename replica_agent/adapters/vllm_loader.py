@@ -35,7 +35,7 @@ from collections.abc import Callable
 
 import torch
 
-from replica_agent.adapters.vllm_plan import LoadPlan
+from replica_agent.adapters.vllm_metadata import LoadPlan
 from replica_agent.adapters.vllm_trace import LoadTimeline
 
 log = logging.getLogger(__name__)

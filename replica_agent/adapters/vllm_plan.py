@@ -34,111 +34,29 @@ same split chain, P fixed at the first look, so the next turn's plan (same catal
 computes the digests those saves used. An empty or unreadable catalogue gives P = 0:
 the ordinary chain, exactly as without public prefixes.
 
-Tenancy: a request's tenant comes from `kv_transfer_params["kvshare_tenant"]`, set by
-the deployer's gateway after it authenticated the end user; without one the request
-uses the configured default tenant, or skips the cache (`require_request_tenant`). A
-malformed tenant skips the cache and never falls back to the default. The store still
-checks every tenant against the engine's principal (PERMISSION_DENIED is a miss).
+Tenancy (`vllm_options.request_tenant`): a request's tenant comes from
+`kv_transfer_params["kvshare_tenant"]`, set by the deployer's gateway after it
+authenticated the end user; without one the request uses the configured default tenant,
+or skips the cache (`require_request_tenant`). A malformed tenant skips the cache and
+never falls back to the default. The store still checks every tenant against the
+engine's principal (PERMISSION_DENIED is a miss).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from kvcommon.errors import ConfigError
-from policy.types import is_valid_tenant_id
-from replica_agent.adapters.vllm_modes import AUTO, LOAD_MODES, LoadModes
+from replica_agent.adapters.vllm_metadata import LoadPlan, SavePlan
+from replica_agent.adapters.vllm_modes import AUTO, LoadModes
 from replica_agent.public import PUBLIC_SCOPE, plan_chain
 
 log = logging.getLogger(__name__)
 
-TENANT_PARAM = "kvshare_tenant"  # the key in a request's kv_transfer_params
-DEFAULT_STORE_BLOCK_TOKENS = 256
-DEFAULT_SAVE_QUEUE_BYTES = 256 << 20
-DEFAULT_FLUSH_TIMEOUT_S = 10.0
 # vLLM normally reports every finished request; the bound only stops a leak if not.
 MAX_TRACKED_REQUESTS = 65536
-ENGINE_KEYS = frozenset(
-    {
-        "block_tokens",
-        "require_request_tenant",
-        "save_queue_bytes",
-        "flush_timeout_s",
-        "load_mode",
-        "save_generated",
-        "public_prefixes",
-    }
-)
-
-
-@dataclass(frozen=True)
-class VllmOptions:
-    """The vLLM-only keys of `kv_connector_extra_config` (the rest: adapters.settings)."""
-
-    block_tokens: int | None = None  # None: the smallest multiple of vLLM's block >= 256
-    require_request_tenant: bool = False
-    save_queue_bytes: int = DEFAULT_SAVE_QUEUE_BYTES
-    flush_timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S
-    load_mode: str = AUTO  # one of LOAD_MODES: who waits for a load (vllm_modes)
-    save_generated: bool = True  # save the blocks the model's output fills, not only the prompt's
-    public_prefixes: bool = True  # read leading blocks listed in the public catalogue from @public
-
-
-def parse_vllm_options(raw: Mapping[str, Any], *, source: str) -> VllmOptions:
-    block_tokens = raw.get("block_tokens")
-    if block_tokens is not None and (
-        isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1
-    ):
-        raise ConfigError(f"{source}: block_tokens must be a positive integer")
-    require = raw.get("require_request_tenant", False)
-    if not isinstance(require, bool):
-        raise ConfigError(f"{source}: require_request_tenant must be true or false")
-    queue_bytes = raw.get("save_queue_bytes", DEFAULT_SAVE_QUEUE_BYTES)
-    if isinstance(queue_bytes, bool) or not isinstance(queue_bytes, int) or queue_bytes < 0:
-        raise ConfigError(f"{source}: save_queue_bytes must be an integer >= 0 (0: no saves)")
-    flush = raw.get("flush_timeout_s", DEFAULT_FLUSH_TIMEOUT_S)
-    if isinstance(flush, bool) or not isinstance(flush, int | float) or flush < 0:
-        raise ConfigError(f"{source}: flush_timeout_s must be a number of seconds >= 0")
-    mode = raw.get("load_mode", AUTO)
-    if mode not in LOAD_MODES:
-        raise ConfigError(f"{source}: load_mode must be one of {list(LOAD_MODES)}")
-    generated = raw.get("save_generated", True)
-    if not isinstance(generated, bool):
-        raise ConfigError(f"{source}: save_generated must be true or false")
-    public = raw.get("public_prefixes", True)
-    if not isinstance(public, bool):
-        raise ConfigError(f"{source}: public_prefixes must be true or false")
-    return VllmOptions(block_tokens, require, queue_bytes, float(flush), mode, generated, public)
-
-
-def store_block_tokens(vllm_block_tokens: int, configured: int | None) -> int:
-    """Tokens per store block: a multiple of vLLM's block size (so loads and saves move
-    whole vLLM blocks), by default the smallest one of at least 256 tokens."""
-    if configured is None:
-        return -(-DEFAULT_STORE_BLOCK_TOKENS // vllm_block_tokens) * vllm_block_tokens
-    if configured % vllm_block_tokens:
-        nearest = vllm_block_tokens * max(1, configured // vllm_block_tokens)
-        raise ConfigError(
-            f"block_tokens {configured} is not a multiple of vLLM's block size "
-            f"{vllm_block_tokens}; use {nearest}"
-        )
-    return configured
-
-
-def request_tenant(
-    params: Mapping[str, Any] | None, default_tenant: str, *, require_request_tenant: bool
-) -> str | None:
-    """The tenant a request's blocks belong to, or None: the request skips the cache."""
-    value = params.get(TENANT_PARAM) if params else None
-    if value is None:
-        return None if require_request_tenant else default_tenant
-    if not isinstance(value, str) or not is_valid_tenant_id(value):
-        log.warning("a request's %s is not a valid tenant id; it skips the cache", TENANT_PARAM)
-        return None
-    return value
 
 
 @dataclass(frozen=True)
@@ -152,26 +70,6 @@ class RequestKey:
     # vLLM's live list of prompt plus output tokens (it grows as the model decodes):
     # what a save of generated blocks hashes. None: the prompt's blocks only.
     all_token_ids: Sequence[int] | None = None
-
-
-# Plans cross into vLLM's metadata, which vLLM may log: digests stay out of every repr.
-@dataclass(frozen=True)
-class LoadPlan:
-    request_id: str
-    tenant: str
-    digests: tuple[bytes, ...] = field(repr=False)  # the store blocks to fetch, in order
-    skip_tokens: int  # leading tokens of the first store block vLLM already holds
-    block_ids: tuple[int, ...]  # the vLLM blocks that receive the tokens after those
-    public_blocks: int = 0  # leading `digests` read from @public; the rest from `tenant`
-    is_async: bool = False  # by the worker's loader thread, reported in get_finished
-
-
-@dataclass(frozen=True)
-class SavePlan:
-    request_id: str
-    tenant: str
-    digests: tuple[bytes, ...] = field(repr=False)
-    block_ids: tuple[int, ...]  # the vLLM blocks that hold these store blocks' tokens
 
 
 @dataclass(frozen=True)

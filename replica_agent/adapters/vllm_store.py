@@ -36,7 +36,7 @@ from replica_agent.adapters.vllm_layout import (
     to_kernel_blocks,
     to_store_blocks,
 )
-from replica_agent.adapters.vllm_plan import LoadPlan, SavePlan
+from replica_agent.adapters.vllm_metadata import LoadPlan, SavePlan
 from replica_agent.client import BlockClient, Payload, View
 from replica_agent.codec import decode_block, encode_block
 from replica_agent.gate import StoreGate

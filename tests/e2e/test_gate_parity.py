@@ -25,7 +25,7 @@ import torch
 from policy.sealing import BlockSealer
 from replica_agent.adapters.sglang_pages import HostPages, PageStore
 from replica_agent.adapters.vllm_layout import ConcatLastDim
-from replica_agent.adapters.vllm_plan import LoadPlan, SavePlan
+from replica_agent.adapters.vllm_metadata import LoadPlan, SavePlan
 from replica_agent.adapters.vllm_store import PagedCache, WorkerStore
 from replica_agent.agent import PrefixMatch, ReplicaAgent
 from replica_agent.breaker import BreakerState, CircuitBreaker

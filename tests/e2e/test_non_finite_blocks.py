@@ -19,7 +19,7 @@ import torch
 
 from replica_agent import codec
 from replica_agent.adapters.sglang_pages import HostPages
-from replica_agent.adapters.vllm_plan import LoadPlan
+from replica_agent.adapters.vllm_metadata import LoadPlan
 from replica_agent.agent import ReplicaAgent
 from replica_agent.spec import ModelSpec
 from tests.conftest import Running

@@ -18,7 +18,7 @@ import torch
 
 from policy.sealing import BlockSealer
 from replica_agent.adapters.vllm_layout import ConcatLastDim
-from replica_agent.adapters.vllm_plan import LoadPlan, SavePlan
+from replica_agent.adapters.vllm_metadata import LoadPlan, SavePlan
 from replica_agent.adapters.vllm_store import PagedCache, WorkerStore
 from replica_agent.breaker import CircuitBreaker
 from replica_agent.client import BlockClient

@@ -14,18 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from kvcommon.errors import ConfigError
+from replica_agent.adapters.vllm_metadata import LoadPlan, SavePlan
 from replica_agent.adapters.vllm_plan import (
-    TENANT_PARAM,
-    LoadPlan,
     NewStep,
     RequestKey,
     RunningStep,
-    SavePlan,
     SchedulerPlanner,
-    parse_vllm_options,
-    request_tenant,
-    store_block_tokens,
 )
 from replica_agent.breaker import CircuitBreaker
 from replica_agent.client import BlockClient, Payload, View
@@ -62,40 +56,6 @@ def planner(present: int) -> tuple[SchedulerPlanner, CountingStore]:
 
 def key(tokens: int, tenant: str = "alpha", salt: bytes = b"") -> RequestKey:
     return RequestKey(tenant, list(range(100, 100 + tokens)), salt)
-
-
-def test_store_block_tokens_are_a_multiple_of_vllms_block() -> None:
-    assert store_block_tokens(128, None) == 256
-    assert store_block_tokens(16, None) == 256
-    assert store_block_tokens(96, None) == 288
-    assert store_block_tokens(16, 32) == 32
-    with pytest.raises(ConfigError, match="not a multiple of vLLM's block size 128; use 128"):
-        store_block_tokens(128, 200)
-
-
-@pytest.mark.parametrize(
-    ("raw", "message"),
-    [
-        ({"block_tokens": 0}, "block_tokens"),
-        ({"require_request_tenant": "yes"}, "require_request_tenant"),
-        ({"save_queue_bytes": -1}, "save_queue_bytes"),
-        ({"flush_timeout_s": "5"}, "flush_timeout_s"),
-        ({"public_prefixes": "no"}, "public_prefixes"),
-        ({"load_mode": "later"}, "load_mode"),
-    ],
-)
-def test_bad_vllm_options_name_the_key(raw: dict[str, object], message: str) -> None:
-    with pytest.raises(ConfigError, match=message):
-        parse_vllm_options(raw, source="kv_connector_extra_config")
-
-
-def test_the_gateway_sets_the_tenant_else_the_default_or_none() -> None:
-    assert request_tenant({TENANT_PARAM: "beta"}, "alpha", require_request_tenant=False) == "beta"
-    assert request_tenant(None, "alpha", require_request_tenant=False) == "alpha"
-    assert request_tenant({"other": 1}, "alpha", require_request_tenant=True) is None
-    # A malformed tenant never falls back to the default: that would merge namespaces.
-    for bad in ("Beta", "../x", "", 7, "a" * 64):
-        assert request_tenant({TENANT_PARAM: bad}, "alpha", require_request_tenant=False) is None
 
 
 def test_one_lookup_per_request_and_repeated_questions_are_free() -> None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from replica_agent.adapters.vllm_loader import AsyncLoader
-from replica_agent.adapters.vllm_plan import LoadPlan
+from replica_agent.adapters.vllm_metadata import LoadPlan
 
 
 def plan(request_id: str, *block_ids: int) -> LoadPlan:

@@ -115,7 +115,9 @@ def _bytes(text: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from kvshare.audit.public import check_evict_files
-    from kvshare.audit.timing import PASS, AuditError, Party, Setup, run_audit
+    from kvshare.audit.setup import AuditError, Party, Setup
+    from kvshare.audit.timing import run_audit
+    from kvshare.audit.verdicts import PASS
     from replica_agent.client import ClientTls
 
     try:
@@ -157,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _read_token(path: Path, flag: str) -> str:
-    from kvshare.audit.timing import AuditError
+    from kvshare.audit.setup import AuditError
 
     try:
         token = path.read_text(encoding="utf-8").strip()

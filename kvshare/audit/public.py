@@ -34,25 +34,25 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvcommon.errors import KvshareError
-from kvshare.audit.timing import (
+from kvshare.audit.parties import delete_planted, open_client, plant
+from kvshare.audit.probing import WARMUP_CALLS
+from kvshare.audit.setup import (
+    PUBLIC_BLOCK_BYTES,
+    PUBLIC_TENANT,
+    AuditError,
+    Party,
+    Planted,
+    Setup,
+    Transport,
+    random_digests,
+)
+from kvshare.audit.verdicts import (
     CHANNEL,
     CONTROL_AUC,
     INCONCLUSIVE,
     PASS,
-    PUBLIC_BLOCK_BYTES,
-    PUBLIC_TENANT,
-    WARMUP_CALLS,
-    AuditError,
     Comparison,
-    Party,
-    Planted,
     Report,
-    Setup,
-    Transport,
-    _cleanup,
-    _client,
-    _digests,
-    _plant,
     compare,
     leaks,
     worst,
@@ -167,14 +167,14 @@ def audit_public(setup: Setup, planted: Planted, rng: random.Random, cleanup: li
     publisher = Party(PUBLIC_TENANT, setup.publisher_token, "--publisher-token-file")
     addresses = [setup.target, *setup.also_targets]
     per_server = 2 * setup.probes + WARMUP_CALLS
-    probed = _digests(per_server * len(addresses))
-    controls = _digests(CONTROL_BLOCKS)
+    probed = random_digests(per_server * len(addresses))
+    controls = random_digests(CONTROL_BLOCKS)
     planted.public = probed + controls
-    with _client(setup, publisher, GRPC) as pub:
+    with open_client(setup, publisher, GRPC) as pub:
         try:
             try:
-                _plant(setup, pub, publisher, planted.model, probed, PUBLIC_BLOCK_BYTES)
-                _plant(setup, pub, publisher, planted.model, controls, CONTROL_BLOCK_BYTES)
+                plant(setup, pub, publisher, planted.model, probed, PUBLIC_BLOCK_BYTES)
+                plant(setup, pub, publisher, planted.model, controls, CONTROL_BLOCK_BYTES)
                 _wait_until_reached(setup, publisher, addresses, planted)
                 settled = _settle(setup, planted, cleanup)
                 # Requests pause: the server's writer moves the published blocks out of
@@ -194,7 +194,7 @@ def audit_public(setup: Setup, planted: Planted, rng: random.Random, cleanup: li
             except KvshareError as error:
                 return {"skipped": _why_skipped(error)}
         finally:
-            cleanup.append(_cleanup(pub, PUBLIC_TENANT, planted.model, planted.public))
+            cleanup.append(delete_planted(pub, PUBLIC_TENANT, planted.model, planted.public))
     held = {
         "settle_bytes": settled,
         "page_cache": "evicted before each trial" if setup.evict_files else "left as it was",
@@ -226,7 +226,7 @@ def _wait_until_reached(
     tenant's use."""
     for address in addresses[1:]:
         other = dataclasses.replace(setup, target=address)
-        with _client(other, publisher, GRPC) as client:
+        with open_client(other, publisher, GRPC) as client:
             deadline = time.monotonic() + REACH_TIMEOUT_S
             while not _lists_all(client, planted):
                 if time.monotonic() > deadline:
@@ -254,15 +254,15 @@ def _settle(setup: Setup, planted: Planted, cleanup: list[str]) -> int:
     count = -(-setup.public_settle_bytes // SETTLE_BLOCK_BYTES)
     if not count:
         return 0
-    digests = _digests(count)
-    with _client(setup, setup.attacker, GRPC) as attacker:
+    digests = random_digests(count)
+    with open_client(setup, setup.attacker, GRPC) as attacker:
         try:
             for digest in digests:
                 attacker.put(
                     setup.attacker.tenant, planted.model, [digest], [os.urandom(SETTLE_BLOCK_BYTES)]
                 )
         finally:
-            cleanup.append(_cleanup(attacker, setup.attacker.tenant, planted.model, digests))
+            cleanup.append(delete_planted(attacker, setup.attacker.tenant, planted.model, digests))
     return count * SETTLE_BLOCK_BYTES
 
 
@@ -276,8 +276,8 @@ def _probe_server(
 ) -> Report:
     here = dataclasses.replace(setup, target=address)
     with (
-        _client(here, setup.victim, GRPC) as victim,
-        _client(here, setup.attacker, BULK) as attacker,
+        open_client(here, setup.victim, GRPC) as victim,
+        open_client(here, setup.attacker, BULK) as attacker,
     ):
         samples, misses = _time_trials(
             setup, victim, attacker, planted.model, (published, controls), rng

@@ -22,16 +22,9 @@ import pytest
 
 from cacheserver.config import StorageConfig
 from kvshare.audit.cli import format_report
-from kvshare.audit.public import public_report, summarize_public
-from kvshare.audit.timing import (
-    CHANNEL,
-    INCONCLUSIVE,
-    PASS,
-    Party,
-    Planted,
-    Setup,
-    probe_public,
-)
+from kvshare.audit.public import audit_public, public_report, summarize_public
+from kvshare.audit.setup import Party, Planted, Setup
+from kvshare.audit.verdicts import CHANNEL, INCONCLUSIVE, PASS
 from kvshare.bench.redis_cluster import LocalRedisCluster
 from tests.cluster.conftest import make_cluster
 from tests.conftest import Running, ServerProcess, launch, run_cli, write_public_config
@@ -138,7 +131,7 @@ def test_the_check_reads_through_every_server_after_settling_with_the_page_cache
             evict_files=(data_file,),
         )
         cleanup: list[str] = []
-        report = probe_public(setup, Planted.fresh(), random.Random(1), cleanup)
+        report = audit_public(setup, Planted.fresh(), random.Random(1), cleanup)
         assert set(report["servers"]) == {servers[0].address, servers[1].address}
         for address, entry in report["servers"].items():
             assert entry["public"]["probes"] == entry["control"]["probes"] == PROBES
@@ -199,7 +192,7 @@ def test_the_check_fails_where_published_blocks_are_read_from_disk(tmp_path: Pat
         # The effect is ~1 ms on a ~0.7 ms read (disk against page cache); a machine busy
         # enough to drown it in one run does not in three (it failed 1 run in 13 alone).
         for seed in range(3):
-            report = probe_public(setup, Planted.fresh(), random.Random(2 + seed), [])
+            report = audit_public(setup, Planted.fresh(), random.Random(2 + seed), [])
             entry = report["servers"][server.address]
             assert not any("missing" in r for r in entry["reasons"]), entry
             if report["verdict"] == CHANNEL:

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from kvshare.audit.cli import format_report
-from kvshare.audit.timing import Party, Planted, Setup, probe_public
+from kvshare.audit.public import audit_public
+from kvshare.audit.setup import Party, Planted, Setup
 from tests.conftest import run_cli, write_public_config
 from tests.isolation.conftest import Served, serve
 
@@ -155,5 +156,5 @@ def test_an_unreachable_target_and_a_missing_token_file_are_usage_errors(
 
 def test_without_a_publisher_token_the_public_part_says_why_it_is_skipped() -> None:
     setup = Setup("127.0.0.1:1", Party("beta", "t", "-"), Party("alpha", "t", "-"))
-    report = probe_public(setup, Planted.fresh(), random.Random(0), [])
+    report = audit_public(setup, Planted.fresh(), random.Random(0), [])
     assert report == {"skipped": "no --publisher-token-file"}

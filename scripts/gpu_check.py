@@ -48,8 +48,8 @@ def large_spec(dtype: str, block_tokens: int = 16) -> Any:
 
 
 def check_exactness(rig: Any) -> Result:
+    from kvshare.gpucheck.scenarios import stalled_restore
     from replica_agent.device import BlockRestorer
-    from tests.gpu_scenarios import stalled_restore
 
     runs = {}
     for dtype in ("bfloat16", "float32"):
@@ -65,8 +65,8 @@ def check_exactness(rig: Any) -> Result:
 
 
 def check_negative_control(rig: Any) -> Result:
+    from kvshare.gpucheck.scenarios import WaitsDropped, stalled_restore
     from replica_agent.device import BlockRestorer
-    from tests.gpu_scenarios import WaitsDropped, stalled_restore
 
     spec = large_spec("bfloat16")
     no_slot_wait = BlockRestorer(spec, "cuda", ops=WaitsDropped(rig, "synchronize"))
@@ -82,8 +82,8 @@ def check_negative_control(rig: Any) -> Result:
 
 
 def check_concurrency(rig: Any) -> Result:
+    from kvshare.gpucheck.scenarios import concurrent_restores
     from replica_agent.device import BlockRestorer
-    from tests.gpu_scenarios import concurrent_restores
 
     restorer = BlockRestorer(large_spec("bfloat16"), "cuda", ops=rig)
     runs = {
@@ -98,7 +98,7 @@ def check_concurrency(rig: Any) -> Result:
 
 
 def check_side_stream_save(rig: Any) -> Result:
-    from tests.gpu_scenarios import WaitsDropped, side_stream_snapshot
+    from kvshare.gpucheck.scenarios import WaitsDropped, side_stream_snapshot
 
     ordered = side_stream_snapshot(rig, rig, rig.device, count=8, stall_s=0.05).as_dict()
     unordered = side_stream_snapshot(
@@ -146,9 +146,9 @@ def check_copy_ceilings(rig: Any) -> Result:
 def check_restore_throughput(rig: Any) -> Result:
     import torch
 
+    from kvshare.gpucheck.scenarios import blocks_of
     from replica_agent.codec import encode_block
     from replica_agent.device import BlockRestorer
-    from tests.gpu_scenarios import blocks_of
 
     spec = large_spec("bfloat16", BLOCKS_32MIB["block_tokens"])
     count = 32
@@ -178,7 +178,7 @@ def check_restore_throughput(rig: Any) -> Result:
 
 
 def check_hf_adapter(rig: Any) -> Result:
-    from tests.gpu_hf_check import restored_matches_recompute
+    from kvshare.gpucheck.hf_roundtrip import restored_matches_recompute
 
     runs = [restored_matches_recompute(dtype, str(rig.device)) for dtype in ("float32", "bfloat16")]
     ok = all(r["blocks"] == r["asked"] and r["tokens_equal"] for r in runs)
@@ -186,7 +186,7 @@ def check_hf_adapter(rig: Any) -> Result:
 
 
 def check_save_stall(rig: Any) -> Result:
-    from tests.gpu_save_stall import engine_loop_with_saves
+    from kvshare.gpucheck.save_stall import engine_loop_with_saves
 
     return engine_loop_with_saves(rig.device)
 
@@ -251,7 +251,7 @@ def server_importable() -> str | None:
 def run(skip: set[str]) -> tuple[Result, int]:
     import torch
 
-    from tests.gpu_scenarios import CudaRig
+    from kvshare.gpucheck.scenarios import CudaRig
 
     rig = CudaRig("cuda")
     results: Result = {

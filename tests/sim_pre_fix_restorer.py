@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
+from kvshare.gpucheck.scenarios import SMALL, concurrent_restores, stalled_restore
 from replica_agent.spec import ModelSpec
-from tests.gpu_scenarios import SMALL, concurrent_restores, stalled_restore
 from tests.simcuda import DEVICE, SimCuda
 
 PRE_FIX_COMMIT = "1f82cda"

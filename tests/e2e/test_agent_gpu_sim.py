@@ -22,12 +22,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvshare.gpucheck.scenarios import SMALL, blocks_of, judge
 from replica_agent.agent import ReplicaAgent
 from replica_agent.client import BlockClient
 from replica_agent.codec import HEADER_BYTES, decode_block, encode_block, torch_dtype
 from replica_agent.spec import ModelSpec
 from tests.conftest import Running, ServerProcess
-from tests.gpu_scenarios import SMALL, blocks_of, judge
 from tests.simcuda import DEVICE, SimCuda
 
 SAVER = "kvshare-saver"

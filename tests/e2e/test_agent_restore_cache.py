@@ -9,6 +9,7 @@ import torch
 from transformers import LlamaForCausalLM
 from transformers.cache_utils import Cache, DynamicLayer
 
+from kvshare.gpucheck.hf_roundtrip import restored_matches_recompute
 from replica_agent.adapters.hf import (
     blocks_from_cache,
     cache_from_blocks,
@@ -20,7 +21,6 @@ from replica_agent.adapters.hf import (
 )
 from replica_agent.agent import ReplicaAgent
 from tests.conftest import Running
-from tests.gpu_hf_check import restored_matches_recompute
 
 BLOCK = 8
 

@@ -22,9 +22,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from replica_agent.device import BlockRestorer
-from replica_agent.spec import ModelSpec
-from tests.gpu_scenarios import (
+from kvshare.gpucheck.scenarios import (
     CudaRig,
     WaitsDropped,
     blocks_of,
@@ -32,6 +30,8 @@ from tests.gpu_scenarios import (
     side_stream_snapshot,
     stalled_restore,
 )
+from replica_agent.device import BlockRestorer
+from replica_agent.spec import ModelSpec
 
 pytestmark = [
     pytest.mark.gpu,
@@ -114,7 +114,7 @@ def test_a_partial_restore_frees_the_rest(rig: CudaRig) -> None:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_transformers_adapter_restores_on_the_gpu(dtype: str) -> None:
     pytest.importorskip("transformers")
-    from tests.gpu_hf_check import restored_matches_recompute
+    from kvshare.gpucheck.hf_roundtrip import restored_matches_recompute
 
     result = restored_matches_recompute(dtype, "cuda")
     assert result["blocks"] == result["asked"] and result["tokens_equal"], result

@@ -14,11 +14,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from replica_agent.codec import encode_block, torch_dtype
-from replica_agent.device import BlockRestorer, Placement
-from replica_agent.device_snapshot import HostPool, Snapshotter
-from replica_agent.spec import ModelSpec
-from tests.gpu_scenarios import (
+from kvshare.gpucheck.scenarios import (
     SMALL,
     WaitsDropped,
     blocks_of,
@@ -27,6 +23,10 @@ from tests.gpu_scenarios import (
     side_stream_snapshot,
     stalled_restore,
 )
+from replica_agent.codec import encode_block, torch_dtype
+from replica_agent.device import BlockRestorer, Placement
+from replica_agent.device_snapshot import HostPool, Snapshotter
+from replica_agent.spec import ModelSpec
 from tests.simcuda import DEVICE, SimCuda
 
 BF16 = ModelSpec(

@@ -14,8 +14,8 @@ from types import ModuleType
 
 import pytest
 
-from tests.gpu_save_stall import engine_loop_with_saves
-from tests.gpu_scenarios import SMALL
+from kvshare.gpucheck.save_stall import engine_loop_with_saves
+from kvshare.gpucheck.scenarios import SMALL
 from tests.simcuda import SimCuda
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,5 +1,6 @@
-"""Scenarios of the agent's GPU path, run against the simulated copy engine (tests/simcuda.py,
-default suite) and against a real GPU (tests/e2e/test_gpu_restore.py, scripts/gpu_check.py).
+"""Scenarios of the agent's GPU path, run against the simulated copy engine (the default
+suite's tests/simcuda.py) and against a real GPU (scripts/gpu_check.py,
+tests/e2e/test_gpu_restore.py).
 
 A `Rig` is what a scenario needs to play an inference engine: device operations (the
 restorer's `DeviceOps`), kernels on streams (`launch`), a busy stream (`stall`), a read

@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from cacheserver.events import EvictReason, StoreEvents
 from cacheserver.store.jobs import Evicted, PutJob, PutPlan, commit_error
@@ -36,10 +36,26 @@ from cacheserver.tiers.index import BlockIndex, NoRoom
 from kvcommon.errors import KvshareError, ResourceExhausted
 from policy.types import ModelTag, StorageKey, TenantId
 
-if TYPE_CHECKING:
-    from cacheserver.store.journaled import JournaledPuts
-
 log = logging.getLogger(__name__)
+
+
+class HeldPuts(Protocol):
+    """What the index-guarded tiers ask of the puts held in the journal, not yet in LMDB
+    (`cacheserver.store.journaled.JournaledPuts`, which builds on this module: it is
+    declared here so that the dependency runs one way). Called under `lock`."""
+
+    def held(self, keys: Sequence[StorageKey]) -> dict[StorageKey, Payload]:
+        """The record views of those `keys` that are journaled and not yet in LMDB."""
+        ...
+
+    def holds(self, key: StorageKey) -> bool: ...
+
+    def delete(self, keys: Sequence[StorageKey]) -> int: ...
+
+    @property
+    def undrained_blocks(self) -> int: ...
+
+    def close(self) -> None: ...
 
 
 class IndexedTiers:
@@ -51,7 +67,7 @@ class IndexedTiers:
         self.disk = lineup.disk
         self.events = events
         # Set once at start-up when puts are journaled (cacheserver.store.journaled).
-        self.journaled: JournaledPuts | None = None
+        self.journaled: HeldPuts | None = None
         # time.monotonic() of the last request the store served (lookup, get, put): the
         # writer drains the journal when requests pause (Writer._wait_for_quiet).
         self.last_activity = 0.0

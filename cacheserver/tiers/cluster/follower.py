@@ -23,17 +23,15 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from cacheserver.tiers import LocalCopies
 from cacheserver.tiers.cluster import deletes, layout
 from cacheserver.tiers.cluster.deletes import DeleteEntry
 from cacheserver.tiers.cluster.nodes import Failed
+from cacheserver.tiers.cluster.parts import ClusterParts
 from cacheserver.tiers.cluster.replies import StreamEntry
+from cacheserver.tiers.cluster.sharing import Sharing
 from policy.types import ModelTag
-
-if TYPE_CHECKING:
-    from cacheserver.tiers.cluster.tier import ClusterTier
 
 log = logging.getLogger(__name__)
 POSITION_FILE = "cluster.position"
@@ -50,7 +48,7 @@ RECONNECT_EVERY_S = 1.0
 START = b"0-0"
 
 
-def announce(tier: ClusterTier, entries: Sequence[DeleteEntry]) -> bool:
+def announce(tier: ClusterParts, entries: Sequence[DeleteEntry]) -> bool:
     """Append deletes to the stream for the other servers; False if it failed."""
     stream = tier.keys.deletes
     split: list[DeleteEntry] = []
@@ -71,9 +69,10 @@ def _stream_id(raw: bytes) -> tuple[int, int]:
 
 
 class Follower:
-    def __init__(self, tier: ClusterTier, local: LocalCopies) -> None:
+    def __init__(self, tier: ClusterParts, local: LocalCopies, sharing: Sharing) -> None:
         self._tier = tier
         self._local = local
+        self._sharing = sharing
         self._path = tier.data_dir / POSITION_FILE
         self.position: bytes | None = None  # None: unknown, reconcile before following
         self._saved: bytes | None = None
@@ -186,7 +185,7 @@ class Follower:
         tier, local = self._tier, self._local
         for tenant in tier.tenants.values():
             for key, model_tag in local.local_keys(tenant.id):
-                tier.sharing.enqueue(tenant, key, model_tag, None)
+                self._sharing.enqueue(tenant, key, model_tag, None)
 
     def _ends(self) -> list[bytes] | Failed:
         """[first id, last id, last generated id] of the stream ([]: no stream), by ids
@@ -214,7 +213,7 @@ class Follower:
     def _reconcile(self) -> None:
         """Drop every local copy of a block the cluster does not hold (module docstring)."""
         tier, local = self._tier, self._local
-        pending = tier.sharing.pending()
+        pending = self._sharing.pending()
         dropped = 0
         for tenant in tier.tenants.values():
             held = [k for k, _ in local.local_keys(tenant.id) if k not in pending]
@@ -301,5 +300,5 @@ class Follower:
             log.warning("cannot save the delete stream position (%s)", error.strerror)
 
 
-def tier_prefix(tier: ClusterTier) -> bytes:
+def tier_prefix(tier: ClusterParts) -> bytes:
     return tier.config.key_prefix.encode()

@@ -26,18 +26,15 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from cacheserver.blocks import BytesSource
 from cacheserver.tiers import LocalCopies, Payload
 from cacheserver.tiers.cluster.accounting import QuotaListing, Tenant
 from cacheserver.tiers.cluster.layout import pack_header
 from cacheserver.tiers.cluster.nodes import Failed
+from cacheserver.tiers.cluster.parts import ClusterParts
 from kvcommon.errors import KvshareError
 from policy.types import ModelTag, StorageKey
-
-if TYPE_CHECKING:
-    from cacheserver.tiers.cluster.tier import ClusterTier
 
 log = logging.getLogger(__name__)
 BATCH_BLOCKS = 64
@@ -67,7 +64,7 @@ class Keep:
 
 
 class Sharing:
-    def __init__(self, tier: ClusterTier) -> None:
+    def __init__(self, tier: ClusterParts) -> None:
         self._tier = tier
         self._local: LocalCopies | None = None
         self._cond = threading.Condition()

@@ -27,31 +27,25 @@ Invariants:
 
 Threads: calls come from executor threads and the store's writer; `sharing` writes to
 the cluster and keeps copies on its own threads; `follower` applies others' deletes and
-does the upkeep. None of it runs under the store's lock.
+does the upkeep. None of it runs under the store's lock. Those threads get the tier's
+parts (`parts.ClusterParts`: connection, naming, accounting, delete log, counts), never
+the tier, so the imports run one way: tier -> follower -> sharing -> parts.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import threading
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, fields
 from pathlib import Path
 
 from cacheserver.tiers import Capability, LocalCopies, Payload, PendingWrite
-from cacheserver.tiers.cluster.accounting import Accounting, Tenant
+from cacheserver.tiers.cluster.accounting import Tenant
 from cacheserver.tiers.cluster.config import RedisClusterConfig
-from cacheserver.tiers.cluster.deletes import DeleteEntry, DeleteLog, Erasure
+from cacheserver.tiers.cluster.deletes import DeleteEntry
 from cacheserver.tiers.cluster.follower import Follower, announce
-from cacheserver.tiers.cluster.layout import (
-    HEADER_BYTES,
-    Keys,
-    is_old_format,
-    open_value,
-    unpack_header,
-)
-from cacheserver.tiers.cluster.nodes import ClusterNodes, Failed
+from cacheserver.tiers.cluster.layout import is_old_format, open_value, unpack_header
+from cacheserver.tiers.cluster.nodes import Failed
+from cacheserver.tiers.cluster.parts import ClusterParts
 from cacheserver.tiers.cluster.replies import OVER_BUDGET as OVER_BUDGET_REASON
 from cacheserver.tiers.cluster.sharing import Keep, Sharing
 from kvcommon.errors import Unavailable
@@ -65,29 +59,7 @@ FIRST_LOOKUP_WINDOW = 32
 OVER_BUDGET = Failed(OVER_BUDGET_REASON)  # `_read`'s answer for a value read past
 
 
-@dataclass
-class ClusterCounts:
-    """What the tier did since start (metrics: `kvshare.cluster.*`). No keys, no tenants."""
-
-    hits: int = 0
-    hit_bytes: int = 0
-    misses: int = 0
-    failures: int = 0  # answers lost to a node that was down or erred (as misses)
-    integrity_failures: int = 0
-    written: int = 0
-    written_bytes: int = 0
-    dropped: int = 0  # writes not made (cluster unreachable, queue full, refused)
-    evicted: int = 0  # blocks evicted for a tenant's quota by this server's writes
-    promoted: int = 0  # blocks read from the cluster and kept locally
-    deletes_applied: int = 0  # delete stream entries from other servers applied here
-    stream_skipped: int = 0  # delete stream entries too large or not ours: read past
-    reconciled: int = 0  # local copies dropped because the cluster no longer has them
-
-    def as_dict(self) -> dict[str, int]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-
-class ClusterTier:
+class ClusterTier(ClusterParts):
     name = "redis_cluster"
     # Puts are acknowledged locally and written here behind them (QUEUED_WRITES); the
     # server keeps serving its local tiers while the cluster is down (OWN_HEALTH).
@@ -102,23 +74,9 @@ class ClusterTier:
         mac: ValueMac,
         fixed_order: frozenset[TenantId] = frozenset(),
     ) -> None:
-        self.config = config
+        super().__init__(config, tenants, data_dir, max_block_bytes, mac)
         self.fixed_order = fixed_order
-        self.mac = mac  # tags values written, checks values read (layout.open_value)
-        # The largest value a block key may hold: a bigger one is a miss, never read in.
-        self.max_value_bytes = HEADER_BYTES + max_block_bytes
-        self.tenants = {t.id: t for t in tenants}
-        self.by_tag = {t.tag: t for t in self.tenants.values()}
-        self.keys = Keys(config.key_prefix)
-        self.nodes = ClusterNodes(config)
-        self.accounting = Accounting(self.nodes, self.keys)
-        self.deletes = DeleteLog()
-        self.erasure = Erasure(self.nodes, self.keys, self.accounting)
-        self.tally = ClusterCounts()
-        self.counts_lock = threading.Lock()
-        self.data_dir = data_dir
         self.sharing = Sharing(self)
-        self.origin = os.urandom(8)  # this server, in the delete stream's entries
         self._local: LocalCopies | None = None
         self._follower: Follower | None = None
 
@@ -128,20 +86,11 @@ class ClusterTier:
         """Connect (or keep trying in the background), catch up with deletes made while
         this server was away, and start the threads. Called once the store exists."""
         self._local = local
-        follower = Follower(self, local)
+        follower = Follower(self, local, self.sharing)
         self._follower = follower
         follower.catch_up()
         self.sharing.start(local)
         follower.start()
-
-    def count(self, **deltas: int) -> None:
-        with self.counts_lock:
-            for name, delta in deltas.items():
-                setattr(self.tally, name, getattr(self.tally, name) + delta)
-
-    def counts(self) -> dict[str, int]:
-        with self.counts_lock:
-            return self.tally.as_dict()
 
     def probe(self) -> str | None:
         """Why the cluster (or part of it) cannot be used now, or None. Blocking.

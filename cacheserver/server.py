@@ -13,7 +13,6 @@ import gc
 import logging
 import signal
 import ssl
-from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -33,6 +32,7 @@ from cacheserver.health import HealthMonitor
 from cacheserver.startup import check_can_bind, check_tls, prepare_data_dir
 from cacheserver.store import BlockStore
 from cacheserver.telemetry import ServerTelemetry
+from cacheserver.tiers.assembly import HealthWatch, open_tiers
 from cacheserver.transport.bulk import BulkServer, server_tls_context
 from cacheserver.transport.grpc.service import BlockStoreService
 from cacheserver.transport.grpc.wire import AuthInterceptor
@@ -46,9 +46,6 @@ from policy.ratelimit import RequestRateLimiter, SharedBuckets
 from policy.tickets import TicketBook
 from policy.types import PUBLIC, TenantId
 
-if TYPE_CHECKING:
-    from cacheserver.tiers.cluster.tier import ClusterTier
-
 log = logging.getLogger(__name__)
 SERVICE_NAME = kvshare_pb2.DESCRIPTOR.services_by_name["BlockStore"].full_name
 SHUTDOWN_GRACE_S = 10.0
@@ -56,7 +53,6 @@ SHUTDOWN_GRACE_S = 10.0
 # enough that workers soon serve a block put a moment ago (until then it is a hand-back),
 # long enough that one LMDB commit takes many puts.
 WORKERS_DRAIN_WITHIN_S = 0.02
-CLUSTER_HEALTH_SERVICE = "kvshare.cluster"  # SERVING while every Redis node answers
 BULK_HEALTH_SERVICE = "kvshare.bulk"  # SERVING while the bulk listeners can accept
 
 __all__ = ["Server", "TlsFiles", "serve"]
@@ -95,7 +91,9 @@ class Server:
         )
         epochs = access.epochs()
         self.counters = TenantCounters()  # the Stats RPC's figures, from the same events
-        self.cluster = _open_cluster(config, self.policy)
+        # The tiers behind LMDB its config names; what each declares decides its health
+        # service, its metrics and whether reads may wait on it (cacheserver.tiers.assembly).
+        self.tier_stack = open_tiers(config, self.policy)
         self.store = BlockStore(
             config.data_dir,
             config.storage,
@@ -103,7 +101,7 @@ class Server:
             epochs,
             on_integrity_failure=self.policy.record_integrity_failure,
             events=FanOut(self.telemetry, self.counters),
-            lower_tiers=[self.cluster] if self.cluster is not None else (),
+            lower_tiers=self.tier_stack.behind,
             fixed_order=frozenset({PUBLIC}) if access.public is not None else frozenset(),
             drain_within_s=_drain_within_s(config, processes),
         )
@@ -120,19 +118,12 @@ class Server:
             config.telemetry.health_interval_ms / 1000,
             on_change=lambda serving: setattr(self.telemetry, "serving", serving),
         )
-        self.cluster_health: HealthMonitor | None = None
         self.bulk_health: HealthMonitor | None = None
-        if self.cluster is not None:  # the store started it (Tier.start)
-            self.telemetry.watch_cluster(self.cluster.counts)
-            # The cluster's state has a health service of its own (Capability.OWN_HEALTH):
-            # the server keeps serving its local tiers while the cluster is unreachable.
-            self.cluster_health = HealthMonitor(
-                self.health,
-                (CLUSTER_HEALTH_SERVICE,),
-                self.cluster.probe,
-                config.telemetry.health_interval_ms / 1000,
-                on_change=lambda up: setattr(self.telemetry, "cluster_reachable", up),
-            )
+        for tier in self.tier_stack.shared:  # the store started it (Tier.start)
+            self.telemetry.watch_cluster(tier.counts)
+        # A tier the server serves without has a health service of its own
+        # (Capability.OWN_HEALTH): the local tiers keep serving while it is unreachable.
+        self.tier_health = [self._watch_tier(watch) for watch in self.tier_stack.health]
         self.tickets = TicketBook()
         self.workers: WorkerAssembly | None = None
         if processes > 1:
@@ -145,6 +136,19 @@ class Server:
         self._server: grpc.aio.Server | None = None
         self.address = ""
         self.metrics_address = ""
+
+    def _watch_tier(self, watch: HealthWatch) -> HealthMonitor:
+        def on_change(up: bool) -> None:
+            if watch.is_shared:
+                self.telemetry.cluster_reachable = up
+
+        return HealthMonitor(
+            self.health,
+            (watch.service,),
+            watch.tier.probe,
+            self.config.telemetry.health_interval_ms / 1000,
+            on_change=on_change,
+        )
 
     def _tenant_usage(self) -> dict[TenantId, tuple[int, int]]:
         quotas = self.policy.quotas_bytes
@@ -179,8 +183,8 @@ class Server:
             bulk=self.config.bulk,
             port=bulk_listen.port,
             delegate_to=self.workers.delegate if self.workers is not None else None,
-            # A read through to the cluster waits on the network: not on the ready loop.
-            ready_loop=self.cluster is None,
+            # A read through to a shared tier waits on the network: not on the ready loop.
+            ready_loop=not self.tier_stack.reads_wait_on_network,
         )
         self.bulk_announced = bulk_announced_address(self.config, bulk.address)
         self.telemetry.watch_bulk(lambda: bulk.arenas)
@@ -217,8 +221,8 @@ class Server:
         self.metrics_address = self.telemetry.start()
         await server.start()
         await self.health_monitor.start()
-        if self.cluster_health is not None:
-            await self.cluster_health.start()
+        for monitor in self.tier_health:
+            await monitor.start()
         await self.bulk_health.start()
         self._server = server
         self.address = f"{host}:{port}"
@@ -246,8 +250,8 @@ class Server:
 
     async def stop(self, grace_s: float = SHUTDOWN_GRACE_S) -> None:
         await self.health_monitor.stop()
-        if self.cluster_health is not None:
-            await self.cluster_health.stop()
+        for monitor in self.tier_health:
+            await monitor.stop()
         if self.bulk_health is not None:
             await self.bulk_health.stop()
         await self.health.enter_graceful_shutdown()  # probes see NOT_SERVING while draining
@@ -262,7 +266,7 @@ class Server:
         if self._service is not None:
             self._service.close()
             self._service = None
-        self.store.close()  # stops the tiers' threads (the cluster's) first
+        self.store.close()  # stops the tiers' threads (a shared tier's) first
         self.telemetry.shutdown()
         self.audit.close()
         self._lock_file.close()
@@ -278,22 +282,6 @@ def _drain_within_s(config: ServerConfig, processes: int) -> float | None:
     if processes > 1 and config.storage.drain_idle_ms == default:
         return WORKERS_DRAIN_WITHIN_S
     return None
-
-
-def _open_cluster(config: ServerConfig, policy: AccessPolicy) -> ClusterTier | None:
-    """The Redis Cluster tier, when `[redis_cluster]` names one (cacheserver.tiers.cluster)."""
-    if config.redis_cluster is None:
-        return None
-    try:
-        from cacheserver.tiers.cluster.tier import open_cluster_tier
-    except ImportError as error:
-        raise ConfigError(
-            f"[redis_cluster] needs the Python package {error.name!r}; "
-            "pip install 'kvshare[cluster]'"
-        ) from None
-    return open_cluster_tier(
-        config.redis_cluster, policy, config.data_dir, config.limits.max_block_bytes
-    )
 
 
 def _bulk_tls(tls: TlsFiles | None) -> ssl.SSLContext | None:

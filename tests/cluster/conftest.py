@@ -66,8 +66,9 @@ class Servers:
 
 def tier_of(running: Running) -> ClusterTier:
     server = running.server.server
-    assert server is not None and server.cluster is not None
-    return server.cluster
+    assert server is not None
+    (tier,) = (t for t in server.tier_stack.behind if isinstance(t, ClusterTier))
+    return tier
 
 
 def cluster_config(tmp_path: Path, seeds: list[str], extra: str = "") -> str:

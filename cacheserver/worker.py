@@ -11,9 +11,10 @@ answers only what it can answer exactly as the server would:
 - a LOOKUP, or a GET of at most MAX_GET_BYTES, whose every block is committed in LMDB
   (a consistent snapshot in one read transaction), for a principal that may read,
   within its rate (drawn from the buckets the server shares:
-  policy.ratelimit.SharedBuckets) and limits, named
-  with the tenant's naming key (policy.naming.TenantNamer), each block's checksum
-  verified before it is sent;
+  policy.ratelimit.SharedBuckets) and limits, its model and digests checked by the
+  request core's own checks (cacheserver.core.checks) and named with the tenant's
+  naming key (policy.naming.TenantNamer), each block's checksum verified before it is
+  sent;
 - anything else it hands back, unread: it only peeks at a request (MSG_PEEK), so the
   request is still whole at the head of the socket, and the server, which kept its own
   descriptor of the connection, reads and serves it as if it had never left (puts,
@@ -58,22 +59,24 @@ import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import cast
 
+from cacheserver.config import LimitsConfig
+from cacheserver.core.checks import parse_names
 from cacheserver.core.values import parse_model_bytes
 from cacheserver.tiers.lmdb import LmdbReader
 from cacheserver.transport.bulk import delegation as d
-from cacheserver.transport.bulk.handler import Pace
+from cacheserver.transport.bulk.handler import VERBS, Pace
 from cacheserver.transport.bulk.listener import IDLE_TIMEOUT_S
 from cacheserver.transport.bulk.readyloop import ReadyLoop
 from kvcommon import bulkio, handoff
 from kvcommon import bulkwire as w
 from kvcommon.errors import InvalidArgument, Unavailable
 from kvcommon.logs import configure_logging
+from policy import Action
 from policy.identity import Principal
 from policy.naming import TenantNamer
 from policy.ratelimit import RequestRateLimiter, SharedBuckets
-from policy.types import MAX_MODEL_CHARS, BlockDigest, StorageKey, TenantId, parse_model
+from policy.types import StorageKey, TenantId
 
 log = logging.getLogger("cacheserver.worker")
 # A request's header and body are peeked at whole: at most this many bytes, well
@@ -141,6 +144,7 @@ class Connection:
             delegation.principal, frozenset(), frozenset(), delegation.requests_per_s
         )
         self._limiter = RequestRateLimiter(burst_s=delegation.burst_s, shared=buckets)
+        self._limits = LimitsConfig(max_digests_per_call=delegation.max_digests)
         self._tally = tally
         self._pace = Pace(delegation.min_transfer_bytes_per_s, delegation.idle_s)
         self._scratch = bytearray(MAX_PEEK_BYTES)
@@ -165,20 +169,29 @@ class Connection:
         if self._puts_in_a_row >= d.GIVE_BACK_AFTER_PUTS:
             self._handback.sendall(d.GIVE_BACK)
             return False  # the server serves this request and the rest
-        eligible = (
-            op in (w.OP_GET, w.OP_LOOKUP)
-            and self._d.may_read
-            and 0 < count <= self._d.max_digests
-            and 0 < model_len <= MAX_MODEL_CHARS
-            and size <= MAX_PEEK_BYTES
-        )
-        if not eligible or not self._draw_rate():
+        if not self._may_answer(op, count, size) or not self._draw_rate():
             return self._hand_back(rate_drawn=False)
         request = head[:size] if len(head) >= size else self._peek(size)
         if request is None:
             return False
         if not self._answer(op, request, model_len, count):
             return self._hand_back(rate_drawn=True)
+        return True
+
+    def _may_answer(self, op: int, count: int, size: int) -> bool:
+        """Whether the request is one a worker may answer, by its header: a read (the
+        verb's action, which the delegation says the principal has on its tenant) of at
+        least one digest and no more than the server admits (the core's limit check),
+        small enough to peek at whole. Anything else goes to the server unread."""
+        verb = VERBS.get(op)
+        if verb is None or verb.action is not Action.READ or not self._d.may_read:
+            return False
+        if count < 1 or size > MAX_PEEK_BYTES:
+            return False
+        try:
+            self._limits.check_digest_count(count)
+        except InvalidArgument:
+            return False  # the server refuses it, with its message
         return True
 
     def _draw_rate(self) -> bool:
@@ -191,10 +204,11 @@ class Connection:
         server's index; False: not (the server answers it)."""
         body = memoryview(request)[w.REQUEST.size :]
         try:
-            model = parse_model(parse_model_bytes(body[:model_len]))
+            model, digests = parse_names(
+                parse_model_bytes(body[:model_len]), w.request_digests(body[model_len:])
+            )
         except InvalidArgument:
             return False  # the server refuses it, with its message
-        digests = cast("list[BlockDigest]", w.request_digests(body[model_len:]))
         keys = self._namer.storage_keys(model, digests)
         # Asked before the snapshot is taken: a delete committed after this is in it.
         if self._reader.any_retiring(keys):

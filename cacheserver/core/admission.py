@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from cacheserver.config import LimitsConfig
+from cacheserver.core.checks import parse_names
 from cacheserver.core.values import Admitted, Announced, Begun, PutNamespace, Verb
 from cacheserver.events import NoEvents
 from cacheserver.store.backlog import WriteBacklog
@@ -77,8 +78,7 @@ class Admission:
     def name(self, begun: Begun, model: str, digests: Sequence[bytes]) -> Admitted:
         """Steps 4-5: the storage keys of a request that `begin` admitted."""
         assert len(digests) == begun.count, "the body holds the digests its header counted"
-        model_name = parse_model(model)
-        parsed = [parse_digest(digest, index) for index, digest in enumerate(digests)]
+        model_name, parsed = parse_names(model, digests)
         keys = self._policy.storage_keys(begun.tenant, model_name, parsed)
         return Admitted(begun.principal, begun.tenant, model_name, keys)
 

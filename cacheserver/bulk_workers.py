@@ -1,6 +1,6 @@
 """The server's side of bulk workers, assembled: who may be delegated, with what, and
-what a worker's report changes here (cacheserver.transport.bulk.workers has the
-processes; cacheserver.worker is a worker)."""
+what a worker's report changes here (cacheserver.transport.bulk.processes has
+the processes; cacheserver.worker is a worker)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from cacheserver.tiers.lmdb import MAX_READERS
 from cacheserver.transport.bulk.delegation import Delegation, TenantReport
 from cacheserver.transport.bulk.handler import OPS
 from cacheserver.transport.bulk.listener import IDLE_TIMEOUT_S
+from cacheserver.transport.bulk.processes import WorkerProcesses, WorkerSpec
 from cacheserver.transport.bulk.slots import MAX_AUTHENTICATED
-from cacheserver.transport.bulk.workers import BulkWorkers, WorkerSpec
-from cacheserver.transport.grpc.workers import THREADS
+from cacheserver.transport.grpc.threads import THREADS
 from kvcommon import bulkwire
 from kvcommon.errors import ConfigError
 from policy import AccessPolicy, Action
@@ -84,13 +84,13 @@ class WorkerAssembly:
             limiter.shared,
             config.telemetry.log_format,
         )
-        self.workers = BulkWorkers(processes, spec, self.apply_report)
+        self.processes = WorkerProcesses(processes, spec, self.apply_report)
 
     def start(self) -> None:
-        self.workers.start()
+        self.processes.start()
 
     def stop(self) -> None:
-        self.workers.stop()
+        self.processes.stop()
 
     def delegate(
         self, conn: socket.socket, grant: Grant, to_a_worker: bool = False
@@ -109,7 +109,7 @@ class WorkerAssembly:
             idle_s=IDLE_TIMEOUT_S,
             min_transfer_bytes_per_s=self._config.bulk.min_transfer_bytes_per_s,
         )
-        return self.workers.delegate(conn, delegation, to_a_worker)
+        return self.processes.delegate(conn, delegation, to_a_worker)
 
     def apply_report(self, tenant: TenantId, report: TenantReport) -> None:
         """What a worker served: recently used in the index, counted in the metrics and

@@ -3,7 +3,7 @@
     python -m cacheserver.worker --control-fd FD --buckets-fd FD --slots JSON \
         --lmdb DIR --map-bytes N
 
-The server (cacheserver.transport.bulk.workers) starts it and hands it connections that
+The server (cacheserver.transport.bulk.processes) starts it and hands it connections that
 are past their hello (authenticated and bound to a principal and tenant by the
 server: a worker never sees a ticket or a credential). Per request, the worker
 answers only what it can answer exactly as the server would:

@@ -41,7 +41,7 @@ def served_by_workers(running: Running, before: int, timeout_s: float = 3.0) -> 
     """Whether a worker reported serving something since `before` reports."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if assembly(running).workers.reports > before:
+        if assembly(running).processes.reports > before:
             return True
         time.sleep(0.05)
     return False
@@ -95,7 +95,7 @@ def test_reads_are_served_by_the_worker_and_writes_handed_back(two: Running) -> 
         # not read, so this is handed back too, and still hits.
         assert worker.get("alpha", MODEL, digests) == payloads
         wait_in_lmdb(two)
-        before = assembly(two).workers.reports
+        before = assembly(two).processes.reports
         for _ in range(5):
             assert worker.lookup("alpha", MODEL, digests) == 4
             assert worker.get("alpha", MODEL, digests) == payloads
@@ -121,7 +121,7 @@ def test_another_tenant_misses_on_the_worker_while_the_owner_hits(two: Running) 
     with a_main, a_worker, b_main, b_worker:
         a_main.put("alpha", MODEL, digests, payloads)
         wait_in_lmdb(two)
-        before = assembly(two).workers.reports
+        before = assembly(two).processes.reports
         # Positive control: the owner's reads hit on the worker's connection.
         assert a_worker.get("alpha", MODEL, digests) == payloads
         assert a_worker.lookup("alpha", MODEL, digests) == 3
@@ -173,7 +173,7 @@ def test_one_rate_holds_across_the_server_and_its_worker(
 def test_a_killed_worker_is_replaced_and_its_clients_reconnect(two: Running) -> None:
     digests = [os.urandom(32) for _ in range(2)]
     payloads = [os.urandom(BLOCK) for _ in digests]
-    workers = assembly(two).workers
+    workers = assembly(two).processes
     [old] = workers.pids()
     main, worker = pair(two, "a")
     with main, worker:
@@ -218,14 +218,14 @@ def test_a_connection_that_only_puts_is_given_back_to_the_server(two: Running) -
     with main, worker:
         main.put("alpha", MODEL, digests[:1], payloads[:1])
         wait_in_lmdb(two)
-        before = assembly(two).workers.reports
+        before = assembly(two).processes.reports
         assert worker.get("alpha", MODEL, digests[:1]) == payloads[:1]  # control: the worker's
         assert served_by_workers(two, before)
         for digest, payload in zip(digests[1:], payloads[1:], strict=True):
             assert worker.put("alpha", MODEL, [digest], [payload]) == [True]
         wait_in_lmdb(two)
         time.sleep(2 * REPORT_INTERVAL_S)  # any report of the control's read has arrived
-        before = assembly(two).workers.reports
+        before = assembly(two).processes.reports
         loop = (
             two.server.server.bulk.ready if two.server.server and two.server.server.bulk else None
         )
@@ -255,7 +255,7 @@ def test_a_connection_given_back_goes_to_a_worker_again_once_it_reads(two: Runni
         for _ in range(REDELEGATE_AFTER_READS):  # served by the server; then handed over
             assert worker.get("alpha", MODEL, digests) == payloads
         time.sleep(2 * REPORT_INTERVAL_S)
-        before = assembly(two).workers.reports
+        before = assembly(two).processes.reports
         for _ in range(3):
             assert worker.get("alpha", MODEL, digests) == payloads
         assert served_by_workers(two, before)
@@ -314,7 +314,7 @@ def test_a_large_get_is_handed_back_and_a_small_one_is_the_workers(two: Running)
         main.put("alpha", MODEL, [*large, small], [*large_payloads, small_payload])
         wait_in_lmdb(two)
         time.sleep(2 * REPORT_INTERVAL_S)
-        before = assembly(two).workers.reports
+        before = assembly(two).processes.reports
         for _ in range(3):  # more than MAX_GET_BYTES together: the server's
             assert worker.get("alpha", MODEL, large) == large_payloads
         assert not served_by_workers(two, before, timeout_s=1.0)
@@ -347,7 +347,7 @@ def test_calls_a_worker_served_are_counted_in_the_servers_metrics(
         wait_in_lmdb(running)
         time.sleep(2 * REPORT_INTERVAL_S)
         before_get, before_lookup = calls("kvshare.bulk/Get"), calls("kvshare.bulk/Lookup")
-        reports = assembly(running).workers.reports
+        reports = assembly(running).processes.reports
         for _ in range(5):
             assert worker.get("alpha", MODEL, digests) == payloads
             assert worker.lookup("alpha", MODEL, digests) == 2
@@ -369,7 +369,7 @@ def test_a_rate_refusal_met_first_by_the_worker_is_still_audited(
     main, worker = pair(running, "a")
     with main, worker:
         time.sleep(1.2)  # a full bucket
-        reports = assembly(running).workers.reports
+        reports = assembly(running).processes.reports
         with pytest.raises(ResourceExhausted):
             for _ in range(100):  # only the worker's connection: the worker draws first
                 assert worker.lookup("alpha", MODEL, [digest]) == 1

@@ -172,7 +172,7 @@ def test_readers_stalled_on_a_worker_leave_other_tenants_reads_alone(
     alpha, alpha_payloads = put_blocks(running, "alpha", GET_BLOCKS)
     beta, beta_payloads = put_blocks(running, "beta", 40, 16 * KiB)
     wait_in_lmdb(running)
-    before = assembly(running).workers.reports
+    before = assembly(running).processes.reports
     stalled_count = 3 * SMALL_TABLE  # every other connection is the worker's
     with ExitStack() as stack:
         stalled = [stack.enter_context(stalled_get(running, alpha)) for _ in range(stalled_count)]
@@ -223,7 +223,7 @@ def test_a_worker_killed_mid_read_leaves_no_reader_slot_and_lmdb_stops_growing(
 ) -> None:
     storage = StorageConfig(disk_budget_bytes=4 * MiB, lmdb_map_bytes=64 * MiB)
     running = workers_server(start_server, storage)
-    workers = assembly(running).workers
+    workers = assembly(running).processes
     [old] = workers.pids()
     digests, payloads = put_blocks(running, "alpha", GET_BLOCKS)
     wait_in_lmdb(running)
@@ -291,7 +291,7 @@ def test_a_block_the_index_evicted_is_not_served_by_a_worker(
     drain(running)
     main, worker = pair(running, "a")
     with main, worker:
-        before = assembly(running).workers.reports
+        before = assembly(running).processes.reports
         assert worker.get("alpha", MODEL, old) == old_payloads  # control: the worker's
         assert served_by_workers(running, before)
         new, new_payloads = put_blocks(running, "alpha", 4)  # evicts `old` (the quota)
@@ -305,6 +305,6 @@ def test_a_block_the_index_evicted_is_not_served_by_a_worker(
         # Once the evicting puts are in LMDB the worker serves again (the marks went).
         drain(running)
         time.sleep(0.5)  # any report of the reads above has arrived
-        before = assembly(running).workers.reports
+        before = assembly(running).processes.reports
         assert worker.get("alpha", MODEL, new) == new_payloads
         assert served_by_workers(running, before)

@@ -55,7 +55,7 @@ max_block_bytes = {32 * MiB}
 # What the server may hold on top of its start: the memory tier, the journal (shared
 # memory, counted in RSS once touched), the write backlog and the gRPC receive budget
 # (each max_pending_write_bytes: 4 x 32 MiB), one tenant's Get streams (4 of them,
-# each about two copied and two buffered 4 MiB frames: cacheserver.transport.grpc.workers), and
+# each about two copied and two buffered 4 MiB frames: cacheserver.transport.grpc.threads), and
 # 160 MiB of slack for Python's heap, threads and gRPC.
 Stalled = tuple[grpc.Channel, Any]  # a channel and its unread Get call
 BUDGET_BYTES = (4 * 32 + 64 + 160) * MiB

@@ -16,7 +16,7 @@ from cacheserver.tiers import PendingWrite
 from cacheserver.tiers.lmdb import MAX_READERS, LmdbTier
 from cacheserver.tiers.retiring import RETIRING_SLOTS, RetiringKeys, RetiringView
 from cacheserver.transport.bulk.slots import MAX_AUTHENTICATED
-from cacheserver.transport.grpc.workers import THREADS
+from cacheserver.transport.grpc.threads import THREADS
 from policy.types import StorageKey, TenantId
 
 MiB = 1 << 20

@@ -80,7 +80,7 @@ class BulkServer:
         ready_loop: bool = True,
     ) -> None:
         """`delegate_to`: hands an authenticated plain-TCP connection to a bulk worker
-        (BulkWorkers.delegate with the grant's Delegation), or keeps it (None).
+        (WorkerProcesses.delegate with the grant's Delegation), or keeps it (None).
         `ready_loop`: plain-TCP connections served here go on the ready loop
         (cacheserver.transport.bulk.readyloop) rather than a thread each; off where a
         request may wait on a remote tier."""

@@ -125,7 +125,7 @@ class ServingTurns:
         self, raw: socket.socket, handler: BulkHandler, to_a_worker: bool = False
     ) -> socket.socket | None:
         """Hand a plain-TCP connection to a bulk worker, in turn (cacheserver.transport.bulk
-        .workers; `to_a_worker`: skipping the server's own turn): the server's end of its
+        .processes; `to_a_worker`: skipping the server's own turn): the server's end of its
         hand-back pair, or None to serve it here."""
         grant = handler.grant
         if self._delegate_to is None or grant.channel_secret or grant.tenant == PUBLIC:

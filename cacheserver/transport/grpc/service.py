@@ -6,7 +6,7 @@ frames the result. No policy, naming or tier decision lives here: those are the 
 shared with the bulk channel. Errors are `KvshareError`s, turned into statuses by the
 interceptor (anything else: INTERNAL with a request id).
 
-Blocking work (LMDB reads, waiting for the disk writer) runs on `Workers` threads,
+Blocking work (LMDB reads, waiting for the disk writer) runs on `HandlerThreads`,
 never on the event loop.
 """
 
@@ -23,8 +23,8 @@ from cacheserver.config import LimitsConfig
 from cacheserver.core.requests import RequestCore
 from cacheserver.core.transfers import PutStream
 from cacheserver.core.values import Announced, Begun, Verb
+from cacheserver.transport.grpc.threads import HandlerThreads
 from cacheserver.transport.grpc.wire import current_principal
-from cacheserver.transport.grpc.workers import Workers
 from kvcommon.errors import InvalidArgument, ResourceExhausted
 from kvcommon.v1 import kvshare_pb2 as pb
 from kvcommon.v1 import kvshare_pb2_grpc as pb_grpc
@@ -39,10 +39,10 @@ class BlockStoreService(pb_grpc.BlockStoreServicer):
         """`limits`: how big Get frames may be (get_frame_bytes, max_message_bytes)."""
         self._core = core
         self._limits = limits
-        self._workers = Workers()
+        self._threads = HandlerThreads()
 
     def close(self) -> None:
-        self._workers.close()
+        self._threads.close()
 
     async def OpenBulk(self, request: pb.OpenBulkRequest, context: Context) -> pb.OpenBulkResponse:
         # The sealed-payload channel's secret may only ever cross TLS.
@@ -67,7 +67,7 @@ class BlockStoreService(pb_grpc.BlockStoreServicer):
     async def Lookup(self, request: pb.LookupRequest, context: Context) -> pb.LookupResponse:
         begun = self._begin(Verb.LOOKUP, request.tenant, len(request.digests))
         if self._core.lookup_blocks:  # it may ask the shared tier: off the event loop
-            present = await self._workers.read(
+            present = await self._threads.read(
                 self._core.lookup, begun, request.model, request.digests
             )
         else:
@@ -85,9 +85,9 @@ class BlockStoreService(pb_grpc.BlockStoreServicer):
         # so a client that stops reading holds that much server memory, not its whole
         # prefix.
         reply = self._core.get(begun, request.model, request.digests, batch_bytes=2 * frame_bytes)
-        async with self._workers.get_stream(reply.tenant):
+        async with self._threads.get_stream(reply.tenant):
             with reply:
-                while (served := await self._workers.read(reply.next_served)) is not None:
+                while (served := await self._threads.read(reply.next_served)) is not None:
                     # Frames go out while the stream waits on its client: copy views of
                     # journal records now and let go of them, rather than pin them.
                     payloads = [
@@ -119,7 +119,7 @@ class BlockStoreService(pb_grpc.BlockStoreServicer):
                     raise InvalidArgument("only the first Put frame may carry `header`")
                 for block, payload in assembler.add(frame.chunks, stream):
                     # Off the event loop: a journaled put copies the block before it returns.
-                    submitted = await self._workers.write(
+                    submitted = await self._threads.write(
                         stream.tenant, stream.store, block, BytesSource(payload)
                     )
                     futures.append((block.index, asyncio.wrap_future(submitted)))
@@ -136,12 +136,12 @@ class BlockStoreService(pb_grpc.BlockStoreServicer):
             if request.digests:
                 raise InvalidArgument("whole_tenant deletes take no digests; send one or the other")
             begun = self._begin(Verb.DELETE_NAMESPACE, request.tenant, 0)
-            deleted = await self._workers.write(
+            deleted = await self._threads.write(
                 begun.tenant, self._core.delete_namespace, begun, request.model
             )
             return pb.DeleteResponse(deleted=deleted)
         begun = self._begin(Verb.DELETE, request.tenant, len(request.digests))
-        deleted = await self._workers.write(
+        deleted = await self._threads.write(
             begun.tenant, self._core.delete, begun, request.model, request.digests
         )
         return pb.DeleteResponse(deleted=deleted)

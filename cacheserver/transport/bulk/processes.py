@@ -114,7 +114,7 @@ class _Process:
             self.proc.wait()
 
 
-class BulkWorkers:
+class WorkerProcesses:
     """N - 1 worker processes, and the turn that decides who serves a connection."""
 
     def __init__(self, count: int, spec: WorkerSpec, on_report: OnReport) -> None:

@@ -30,7 +30,9 @@ GET_STREAMS = 16
 GET_STREAMS_PER_TENANT = 4  # a replica reads on one stream per thread
 
 
-class Workers:
+class HandlerThreads:
+    """The gRPC handlers' threads (reads, and writes per tenant) and Get-stream slots."""
+
     def __init__(self, threads: int = THREADS) -> None:
         self._reads = ThreadPoolExecutor(threads, thread_name_prefix="kvshare-read")
         self._writes = ThreadPoolExecutor(threads, thread_name_prefix="kvshare-write")

@@ -9,7 +9,7 @@ import socket
 from cacheserver.config import ServerConfig
 from cacheserver.store import BlockStore
 from cacheserver.telemetry import ServerTelemetry
-from cacheserver.tiers.lmdb import MAX_READERS
+from cacheserver.tiers.lmdb.environment import MAX_READERS
 from cacheserver.transport.bulk.delegation import Delegation, TenantReport
 from cacheserver.transport.bulk.handler import OPS
 from cacheserver.transport.bulk.listener import IDLE_TIMEOUT_S

@@ -63,7 +63,7 @@ from pathlib import Path
 from cacheserver.config import LimitsConfig
 from cacheserver.core.checks import parse_names
 from cacheserver.core.values import parse_model_bytes
-from cacheserver.tiers.lmdb import LmdbReader
+from cacheserver.tiers.lmdb.reader import LmdbReader
 from cacheserver.transport.bulk import delegation as d
 from cacheserver.transport.bulk.handler import VERBS, Pace
 from cacheserver.transport.bulk.listener import IDLE_TIMEOUT_S

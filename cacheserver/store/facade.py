@@ -42,7 +42,7 @@ from cacheserver.store.upkeep import start_prefaulter, start_syncer
 from cacheserver.store.writer import Writer
 from cacheserver.tiers import JournalCheckpoint, Payload, Tier
 from cacheserver.tiers.index import BlockIndex
-from cacheserver.tiers.lmdb import LmdbTier
+from cacheserver.tiers.lmdb.tier import LmdbTier
 from cacheserver.tiers.memory import MemoryTier, memory_quotas
 from policy.types import ModelTag, StorageKey, TenantId
 

@@ -19,7 +19,7 @@ import logging
 from collections.abc import Sequence
 
 from cacheserver.tiers import Capability, LocalCopies, Payload, PendingWrite, SharedTier, Tier
-from cacheserver.tiers.lmdb import LmdbTier
+from cacheserver.tiers.lmdb.tier import LmdbTier
 from cacheserver.tiers.memory import MemoryTier
 from policy.types import ModelTag, StorageKey, TenantId
 

@@ -13,7 +13,7 @@ import os
 import threading
 
 from cacheserver.store.journal import Journal
-from cacheserver.tiers.lmdb import LmdbTier
+from cacheserver.tiers.lmdb.tier import LmdbTier
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from cacheserver.tiers import PendingWrite
-from cacheserver.tiers.lmdb import LmdbTier
+from cacheserver.tiers.lmdb.tier import LmdbTier
 from kvshare.demo.replica import Replica, ReplicaSettings, StoreSettings, demo_model
 from kvshare.demo.runner import DemoOptions, StoreHandle, run_demo, write_keyring
 from kvshare.demo.workload import DemoRequest, WorkloadShape, build_workload

@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from cacheserver.config import StorageConfig
-from cacheserver.tiers.lmdb import LmdbTier
+from cacheserver.tiers.lmdb.tier import LmdbTier
 from kvcommon.errors import InvalidArgument, PermissionDenied, ResourceExhausted
 from replica_agent.client import BlockStoreError
 from tests.conftest import Running, ServerProcess, flip_stored_byte, launch, write_config

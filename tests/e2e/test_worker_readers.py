@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-import cacheserver.tiers.lmdb
+import cacheserver.tiers.lmdb.environment
 from cacheserver.config import BulkConfig, StorageConfig
 from kvcommon import bulkio
 from kvcommon import bulkwire as w
@@ -103,7 +103,7 @@ def used_bytes(running: Running) -> int:
 
 def small_reader_table(monkeypatch: pytest.MonkeyPatch) -> None:
     """Servers started from now on open LMDB with SMALL_TABLE reader slots."""
-    monkeypatch.setattr(cacheserver.tiers.lmdb, "MAX_READERS", SMALL_TABLE)
+    monkeypatch.setattr(cacheserver.tiers.lmdb.environment, "MAX_READERS", SMALL_TABLE)
 
 
 def stalled_get(running: Running, digests: list[bytes]) -> socket.socket:

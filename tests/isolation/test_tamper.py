@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from cacheserver.tiers import PendingWrite
-from cacheserver.tiers.lmdb import _pack_meta, _unpack_meta, checksum
+from cacheserver.tiers.lmdb.records import checksum, pack_meta, unpack_meta
 from policy.sealing import BlockSealer, Keyring, SealError, TenantKeys
 from policy.types import BlockDigest, ModelName, TenantId
 from replica_agent import codec, device
@@ -285,10 +285,10 @@ def _rewrite_with_valid_checksum(lmdb_dir: Path, key: bytes) -> None:
         assert raw is not None and raw_meta is not None
         payload = bytearray(raw)
         payload[100] ^= 0xFF
-        _, meta = _unpack_meta(key, raw_meta)
+        _, meta = unpack_meta(key, raw_meta)
         write = PendingWrite(
             meta.key, meta.tenant, meta.epoch, meta.clock, bytes(payload), meta.model_tag
         )
         txn.put(key, bytes(payload), db=blocks_db)
-        txn.put(key, _pack_meta(write, checksum(bytes(payload))), db=meta_db)
+        txn.put(key, pack_meta(write, checksum(bytes(payload))), db=meta_db)
     env.close()

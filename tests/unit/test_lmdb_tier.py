@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from cacheserver.tiers import PendingWrite, Position
-from cacheserver.tiers.lmdb import LmdbTier
+from cacheserver.tiers.lmdb.tier import LmdbTier
 from kvcommon.errors import ResourceExhausted
 from policy.types import ModelTag, StorageKey, TenantId
 from tests.conftest import flip_stored_byte

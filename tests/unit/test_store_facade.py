@@ -18,7 +18,7 @@ from cacheserver.blocks import BytesSource
 from cacheserver.config import StorageConfig
 from cacheserver.store import BlockStore
 from cacheserver.tiers import Capability, LocalCopies, Tier
-from cacheserver.tiers.lmdb import LmdbTier
+from cacheserver.tiers.lmdb.tier import LmdbTier
 from kvcommon.errors import ResourceExhausted, Unavailable
 from policy.types import ModelTag, StorageKey, TenantId
 from tests.conftest import flip_stored_byte

@@ -16,7 +16,7 @@ from cacheserver.store.lineup import Lineup
 from cacheserver.store.tiering import IndexedTiers
 from cacheserver.tiers import Capability
 from cacheserver.tiers.index import BlockIndex
-from cacheserver.tiers.lmdb import LmdbTier
+from cacheserver.tiers.lmdb.tier import LmdbTier
 from cacheserver.tiers.memory import MemoryTier, memory_quotas
 from kvcommon.errors import ResourceExhausted
 from policy.types import ModelTag, StorageKey, TenantId

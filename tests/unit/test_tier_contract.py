@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from cacheserver.tiers import Capability
-from cacheserver.tiers.lmdb import LmdbTier
+from cacheserver.tiers.lmdb.tier import LmdbTier
 from cacheserver.tiers.memory import MemoryTier
 from policy.types import StorageKey
 from tests.unit.tier_contract import check_tier_contract, pending_write

@@ -1,31 +1,6 @@
-"""The persistent tier: blocks in LMDB, verified on every read (a `Tier`).
-
-Invariant: a block is visible only once all of its bytes and its checksum are
-committed, and no read returns bytes whose checksum does not match: `blocks` (storage
-key -> payload) and `meta` (storage key -> checksum, size, epoch, clock, model tag,
-tenant) are written in one transaction, so a torn write is never visible, and reads
-(`buffers=True`, zero-copy from the memory map) verify the xxh3-128 checksum before
-anything leaves the read transaction; a mismatch deletes the block and is reported to
-the caller as a miss. Two more databases: `health` holds one key that the health probe
-rewrites to prove the tier still commits, and `journal` the put journal's checkpoint
-(how far it is in LMDB), written in the same transaction as the blocks it covers.
-
-The only module that imports `lmdb`. Blocking; thread-safe (LMDB's own transactions):
-the store calls it outside its lock, reads on executor threads, writes on its writer.
-
-Readers. LMDB's reader table (in its lock file, shared by every process that opens the
-environment: the server and its bulk workers) has a slot for each read transaction
-open at once; when none is free a read fails. So no read transaction here is held
-across a wait on a peer (the server copies payloads out; a worker sends what the
-socket takes at once and copies the rest: cacheserver.worker), the table is sized
-above what every process can open at once (MAX_READERS, against
-cacheserver.bulk_workers.lmdb_readers_needed), a process that died holding slots is
-cleared by LMDB's reader check (every READER_CHECK_INTERVAL_S here, and by each bulk
-worker as it starts: a dead worker's snapshot would otherwise keep every page freed
-after it from reuse, and the file would grow to the map's end), and a table that is
-full anyway fails a read as UNAVAILABLE, with what to do, never as an internal error.
-Blocks the index has evicted but LMDB still holds are marked for the workers until
-their delete commits (`retire`; cacheserver.tiers.retiring).
+"""`LmdbTier`: the persistent tier, the server's side of the LMDB environment (the
+package docstring says what it guarantees): commits, deletes, verified reads, disk space
+reserved ahead of commits, the health probe, and LMDB's reader check.
 """
 
 from __future__ import annotations
@@ -35,35 +10,23 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import lmdb
-import xxhash
 
 from cacheserver.tiers import (
-    NO_MODEL_TAG,
     Capability,
     JournalCheckpoint,
     LocalCopies,
-    Payload,
     PendingWrite,
     Position,
 )
-from cacheserver.tiers.retiring import RetiringKeys, RetiringView
-from kvcommon.errors import ConfigError, ResourceExhausted, Unavailable
-from policy.types import ModelTag, StorageKey, TenantId
+from cacheserver.tiers.lmdb import environment
+from cacheserver.tiers.lmdb.records import StoredMeta, checksum, pack_meta, unpack_meta
+from cacheserver.tiers.retiring import RetiringKeys
+from kvcommon.errors import ConfigError, ResourceExhausted
+from policy.types import StorageKey, TenantId
 
-# checksum (16) | size (8) | epoch (4) | clock (8) | then the tenant id in UTF-8
-_META = struct.Struct(">16sQIQ16s")  # checksum, size, epoch, clock, model tag
-# The environment's shape, the same for the server and the bulk workers that read it.
-_BLOCKS_DB, _META_DB = b"blocks", b"meta"
-_MAX_DBS = 8
-# Read transactions open at once, across every process (the lock file's table, 64 bytes
-# a slot): above lmdb_readers_needed for any valid configuration (400 at the specs'
-# maxima, 344 with 8 workers; tests/unit/test_lmdb_readers.py). The server, opening the
-# environment first, sizes the table; the workers take its size from the lock file.
-MAX_READERS = 1024
 # How often the server clears slots of processes that died (LMDB's reader check).
 READER_CHECK_INTERVAL_S = 1.0
 _PROBE_KEY = b"probe"
@@ -87,48 +50,6 @@ SMALL_TXN_PAGES = 64
 TXN_PAGES_PER_KEY = 8
 
 
-@dataclass(frozen=True, slots=True)
-class StoredMeta:
-    key: StorageKey
-    tenant: TenantId
-    size: int
-    epoch: int
-    clock: int
-    model_tag: ModelTag = NO_MODEL_TAG
-
-
-def checksum(payload: Payload) -> bytes:
-    return xxhash.xxh3_128_digest(payload)
-
-
-def _begin_read(env: lmdb.Environment) -> lmdb.Transaction:
-    """A read transaction; UNAVAILABLE, saying so, when LMDB's reader table is full
-    (after one reader check: a process that died may have held the slots)."""
-    try:
-        return env.begin(buffers=True)
-    except lmdb.ReadersFullError:
-        env.reader_check()
-    try:
-        return env.begin(buffers=True)
-    except lmdb.ReadersFullError:
-        raise Unavailable(
-            f"every one of LMDB's {env.max_readers()} reader slots is in use; retry "
-            "shortly (the blocks are still stored)"
-        ) from None
-
-
-def _pack_meta(w: PendingWrite, digest: bytes) -> bytes:
-    return _META.pack(digest, len(w.payload), w.epoch, w.clock, w.model_tag) + w.tenant.encode(
-        "utf-8"
-    )
-
-
-def _unpack_meta(key: bytes | memoryview, raw: bytes | memoryview) -> tuple[bytes, StoredMeta]:
-    digest, size, epoch, clock, tag = _META.unpack_from(raw)
-    tenant = TenantId(bytes(raw[_META.size :]).decode("utf-8"))
-    return digest, StoredMeta(StorageKey(bytes(key)), tenant, size, epoch, clock, ModelTag(tag))
-
-
 class LmdbTier:
     name = "lmdb"
     capabilities = Capability.NONE
@@ -148,7 +69,7 @@ class LmdbTier:
                 str(path),
                 mode=0o600,  # data.mdb and lock.mdb: every tenant's blocks, owner-only
                 map_size=map_bytes,
-                max_dbs=_MAX_DBS,
+                max_dbs=environment.MAX_DBS,
                 subdir=True,
                 sync=sync_writes,
                 metasync=sync_writes,
@@ -161,7 +82,7 @@ class LmdbTier:
                 # through the read-only mapping either way; a full disk fails a commit
                 # (pwrite) instead of faulting the process.
                 writemap=False,
-                max_readers=MAX_READERS,
+                max_readers=environment.MAX_READERS,
                 lock=True,
             )
         except lmdb.Error as error:
@@ -171,8 +92,8 @@ class LmdbTier:
             ) from None
         except OSError as error:
             raise ConfigError(f"cannot create data dir {path}: {error.strerror}") from None
-        self._blocks = self._env.open_db(_BLOCKS_DB)
-        self._meta = self._env.open_db(_META_DB)
+        self._blocks = self._env.open_db(environment.BLOCKS_DB)
+        self._meta = self._env.open_db(environment.META_DB)
         self._health = self._env.open_db(b"health")
         self._journal = self._env.open_db(b"journal")
         self.path = path
@@ -280,20 +201,20 @@ class LmdbTier:
     def scan(self) -> Iterator[StoredMeta]:
         with self._env.begin(db=self._meta, buffers=True) as txn:
             for key, raw in txn.cursor():
-                yield _unpack_meta(key, raw)[1]
+                yield unpack_meta(key, raw)[1]
 
     def read_many(self, keys: Sequence[StorageKey]) -> list[bytes | None]:
         """Payloads for `keys` (None where absent or corrupt), one read transaction."""
         out: list[bytes | None] = []
         corrupt: list[tuple[StorageKey, TenantId]] = []
-        with _begin_read(self._env) as txn:
+        with environment.begin_read(self._env) as txn:
             for key in keys:
                 raw_meta = txn.get(key, db=self._meta)
                 raw = txn.get(key, db=self._blocks)
                 if raw_meta is None or raw is None:
                     out.append(None)
                     continue
-                digest, meta = _unpack_meta(key, raw_meta)
+                digest, meta = unpack_meta(key, raw_meta)
                 if len(raw) != meta.size or checksum(raw) != digest:
                     corrupt.append((key, meta.tenant))
                     out.append(None)
@@ -371,7 +292,7 @@ class LmdbTier:
             for w in writes:
                 fresh = txn.put(w.key, w.payload, db=self._blocks, overwrite=False)
                 if fresh:
-                    txn.put(w.key, _pack_meta(w, checksum(w.payload)), db=self._meta)
+                    txn.put(w.key, pack_meta(w, checksum(w.payload)), db=self._meta)
                 stored.append(bool(fresh))
             return stored
 
@@ -383,103 +304,3 @@ class LmdbTier:
                 deleted += bool(txn.delete(key, db=self._blocks))
                 txn.delete(key, db=self._meta)
             return deleted
-
-
-class LmdbReader:
-    """A read-only view of a server's LMDB tier from another process (a bulk worker,
-    cacheserver.worker): LMDB serves readers in several processes at once, each read
-    transaction a consistent snapshot of committed blocks. It writes nothing: a block
-    that fails its checksum is reported as absent, and the server, reading it next,
-    drops it (LmdbTier.read_many). Opening it runs LMDB's reader check: a worker that
-    replaces one that died frees the dead one's slots before it reads."""
-
-    def __init__(self, path: Path, map_bytes: int) -> None:
-        self._env = lmdb.open(
-            str(path),
-            readonly=True,
-            map_size=map_bytes,
-            max_dbs=_MAX_DBS,
-            subdir=True,
-            readahead=False,
-            lock=True,
-            max_readers=MAX_READERS,  # the server's table, as sized, wins (it opened first)
-        )
-        self._env.reader_check()
-        self._blocks = self._env.open_db(_BLOCKS_DB, create=False)
-        self._meta = self._env.open_db(_META_DB, create=False)
-        self._retiring = RetiringView(path)
-
-    def close(self) -> None:
-        self._env.close()
-        self._retiring.close()
-
-    def any_retiring(self, keys: Sequence[StorageKey]) -> bool:
-        """Whether any of `keys` may be a block the server's index no longer lists (its
-        delete from LMDB still to commit): ask before `reads`, then hand such a read
-        back (cacheserver.tiers.retiring)."""
-        return self._retiring.any_retiring(keys)
-
-    def reads(self) -> BlockReads:
-        """A read transaction, `with` it: the views it returns are valid until the
-        block ends, and its reader slot is free then. Unavailable when LMDB's reader
-        table is full."""
-        return BlockReads(_begin_read(self._env), self._blocks, self._meta)
-
-
-class BlockReads:
-    """The blocks of one read transaction (LmdbReader.reads)."""
-
-    def __init__(self, txn: lmdb.Transaction, blocks: lmdb._Database, meta: lmdb._Database) -> None:
-        self._txn: lmdb.Transaction | None = txn
-        self._blocks = blocks
-        self._meta = meta
-
-    def __enter__(self) -> BlockReads:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        txn, self._txn = self._txn, None
-        if txn is not None:
-            txn.abort()  # a read transaction: nothing to commit; dropped, its slot is free
-
-    @property
-    def _open(self) -> lmdb.Transaction:
-        assert self._txn is not None, "read after the transaction ended"
-        return self._txn
-
-    def leading_present(self, keys: Sequence[StorageKey]) -> int:
-        """How many of `keys`, leading, are committed (checksums not read)."""
-        txn = self._open
-        for index, key in enumerate(keys):
-            if txn.get(key, db=self._meta) is None:
-                return index
-        return len(keys)
-
-    def leading(
-        self, tenant: TenantId, keys: Sequence[StorageKey], max_bytes: int
-    ) -> list[memoryview] | None:
-        """Zero-copy views of the leading blocks of `keys` that are committed for
-        `tenant` and whose checksum matches; the first that is not ends the list. None
-        when they come to more than `max_bytes` (known from their sizes before any of
-        their pages is touched). Valid until the transaction ends."""
-        txn = self._open
-        found: list[tuple[bytes, memoryview]] = []
-        total = 0
-        for key in keys:
-            raw_meta = txn.get(key, db=self._meta)
-            raw = txn.get(key, db=self._blocks)
-            if raw_meta is None or raw is None:
-                break
-            digest, meta = _unpack_meta(key, raw_meta)
-            if meta.tenant != tenant or len(raw) != meta.size:
-                break
-            total += meta.size
-            if total > max_bytes:
-                return None
-            found.append((digest, memoryview(raw)))
-        out: list[memoryview] = []
-        for digest, view in found:
-            if checksum(view) != digest:
-                break
-            out.append(view)
-        return out

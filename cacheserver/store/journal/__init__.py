@@ -32,6 +32,7 @@ The package, by responsibility:
 - `format`: the bytes on file (superblock, headers, MAC) and the walk recovery replays;
 - `ring`: the live ring (`Journal`): reserve, commit, drain, reclaim, readers, prefault;
 - `ledger`: which records hold ring space, which are done, how far LMDB covers the chain;
+- `readers`: which released space a reader may still be sending (by generation);
 - `files`: where journal files live, how they are opened safely, orphans, page making.
 The store's use of it (what is journaled, the views the memory tier holds, draining)
 is in `cacheserver.store.journaled` and `cacheserver.store.writer`.

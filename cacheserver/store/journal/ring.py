@@ -7,13 +7,14 @@ Invariants (all under `Journal._lock`):
   or blocks reserved): touching a page of the mapping that tmpfs cannot back would
   kill the server with SIGBUS.
 - Released space is not written while a reader that entered before the release may
-  still be sending views of it (`enter_read`/`exit_read`, by generation).
+  still be sending views of it (`enter_read`/`exit_read`, by generation: `readers`).
 
 Records finished behind a slow one are the ledger's to pass (see there). A reader that
 stays entered (a stalled GET's `pin()`) keeps `_wait_for_room` from wrapping
-(`_stale_readers`); the transports bound how long that can be: the bulk channel closes
-a connection whose reply is not taken at `[bulk] min_transfer_bytes_per_s`, and gRPC
-copies a batch's views before it waits on its client (docs/isolation.md).
+(`ReaderGenerations.any_stale`); the transports bound how long that can be: the bulk
+channel closes a connection whose reply is not taken at `[bulk]
+min_transfer_bytes_per_s`, and gRPC copies a batch's views before it waits on its
+client (docs/isolation.md).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from cacheserver.store.journal.format import (
     record_bytes,
 )
 from cacheserver.store.journal.ledger import Ledger
+from cacheserver.store.journal.readers import ReaderGenerations
 from cacheserver.tiers import NO_MODEL_TAG, Position
 from kvcommon import handoff
 from kvcommon.errors import ConfigError, ResourceExhausted
@@ -128,8 +130,7 @@ class Journal:
         self._head = DATA_START
         self._ledger = Ledger(self.journal_id, after_seq)  # what holds space, what is done
         self._wrapped = False  # space is being written a second time
-        self._generation = 0  # bumped each time space is released
-        self._readers: dict[int, int] = {}  # generation entered -> readers still sending
+        self._readers = ReaderGenerations()  # who may still send released space
         # The file's space is taken up to here (pages made by the prefaulter, or blocks
         # reserved by fallocate): touching a page of the mapping past what tmpfs can
         # back would kill the server with SIGBUS, so no record is handed out beyond it
@@ -210,7 +211,7 @@ class Journal:
                 waste, offset = self.capacity - offset, DATA_START
             wrapping = self._wrapped or waste > 0
             used = self._ledger.used_bytes
-            if used + waste + need <= ring and not (wrapping and self._stale_readers()):
+            if used + waste + need <= ring and not (wrapping and self._readers.any_stale()):
                 return offset, waste, wrapping
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -295,7 +296,7 @@ class Journal:
         sure no new reader can find views of them (the store dropped them first)."""
         with self._lock:
             if self._ledger.reclaim(through_seq):
-                self._generation += 1
+                self._readers.released()
                 self._changed.notify_all()
 
     def waiting_for_room(self) -> bool:
@@ -314,24 +315,13 @@ class Journal:
     def enter_read(self) -> int:
         """A reader is about to send views of records; returns its token."""
         with self._lock:
-            generation = self._generation
-            self._readers[generation] = self._readers.get(generation, 0) + 1
-            return generation
+            return self._readers.enter()
 
     def exit_read(self, token: int) -> None:
         with self._lock:
-            left = self._readers[token] - 1
-            if left:
-                self._readers[token] = left
-            else:
-                del self._readers[token]
-                if self._waiting:  # a put waits for room (every GET from memory ends here)
-                    self._changed.notify_all()
-
-    def _stale_readers(self) -> bool:
-        """Whether a reader that entered before the latest release may still hold a
-        view of released space (under `_lock`)."""
-        return any(generation < self._generation for generation in self._readers)
+            # A put may wait for room (every GET from memory ends here).
+            if self._readers.exit(token) and self._waiting:
+                self._changed.notify_all()
 
     # -- upkeep -------------------------------------------------------------------
 

@@ -9,7 +9,7 @@ import pytest
 
 from cacheserver.config import ServerConfig, load_config
 from cacheserver.tiers.cluster.config import DEFAULT_KEY_PREFIX
-from cacheserver.tiers.cluster.nodes import read_password
+from cacheserver.tiers.cluster.credentials import read_password
 from kvcommon.errors import ConfigError
 from tests.unit.test_config import MINIMAL
 

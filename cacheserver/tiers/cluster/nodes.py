@@ -15,15 +15,14 @@ its caller's bound, whatever a node announces; everything else (scripts, errors 
 other commands, MOVED handling on them) stays with redis-py. The socket is that of one of redis-py's
 pooled connections, which did the connecting, TLS and AUTH.
 
-Credentials: the password file must be owner-only (like the server secret); TLS
-verifies the nodes' certificates against `tls_ca` (or the system store).
+Credentials: the password file is read once, at start-up (`credentials`); TLS verifies
+the nodes' certificates against `tls_ca` (or the system store).
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -44,9 +43,9 @@ from redis.exceptions import (
 from redis.retry import Retry
 
 from cacheserver.tiers.cluster.config import RedisClusterConfig
+from cacheserver.tiers.cluster.credentials import read_password
 from cacheserver.tiers.cluster.replies import Failed as Failed
 from cacheserver.tiers.cluster.replies import ReadBudget, Replies, StreamEntry
-from kvcommon.errors import ConfigError
 
 log = logging.getLogger(__name__)
 REFRESH_EVERY_S = 0.5
@@ -61,26 +60,6 @@ _MOVED_WORDS = frozenset({b"MOVED", b"ASK", b"CLUSTERDOWN", b"TRYAGAIN"})
 
 Command: TypeAlias = tuple[Any, ...]  # the command's arguments, e.g. ("GET", name)
 _Read = TypeVar("_Read")
-
-
-def read_password(config: RedisClusterConfig) -> str | None:
-    path = config.password_file
-    if path is None:
-        return None
-    try:
-        mode = stat.S_IMODE(path.stat().st_mode)
-        text = path.read_text(encoding="utf-8").strip()
-    except OSError as error:
-        raise ConfigError(
-            f"redis_cluster.password_file {path}: cannot read it ({error.strerror})"
-        ) from None
-    if mode & 0o077:
-        raise ConfigError(
-            f"redis_cluster.password_file {path} is readable by group or others; chmod 600 it"
-        )
-    if not text:
-        raise ConfigError(f"redis_cluster.password_file {path} is empty")
-    return text
 
 
 class ClusterNodes:

@@ -15,9 +15,10 @@ Invariants (each module states its own in detail):
 
 Modules, in the order to read them:
 - `facade`: `BlockStore`, what the request core and the transports call;
-- `tiering`: `IndexedTiers`, the index and the in-process state under one lock, and the verbs
-  the rest of the store uses: admission (`plan`), the commit of new blocks, reads,
-  puts' checks, deletes, figures;
+- `tiering`: `IndexedTiers`, the index and the in-process state under one lock, and
+  the verbs the rest of the store uses: admission (`plan`), the commit of new blocks,
+  reads, puts' checks, deletes, figures; it knows the journaled puts only as `HeldPuts`
+  (`held`);
 - `lineup`: `Lineup`, the tiers as one ordered list, sorted once by what each declares
   (`cacheserver.tiers.Capability`), and the verbs across them;
 - `journaled`: `JournaledPuts`, the journal as the store's own tier: records reserved,

@@ -26,9 +26,9 @@ import logging
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from typing import Protocol
 
 from cacheserver.events import EvictReason, StoreEvents
+from cacheserver.store.held import HeldPuts
 from cacheserver.store.jobs import Evicted, PutJob, PutPlan, commit_error
 from cacheserver.store.lineup import Lineup
 from cacheserver.tiers import JournalCheckpoint, Payload
@@ -37,25 +37,6 @@ from kvcommon.errors import KvshareError, ResourceExhausted
 from policy.types import ModelTag, StorageKey, TenantId
 
 log = logging.getLogger(__name__)
-
-
-class HeldPuts(Protocol):
-    """What the index-guarded tiers ask of the puts held in the journal, not yet in LMDB
-    (`cacheserver.store.journaled.JournaledPuts`, which builds on this module: it is
-    declared here so that the dependency runs one way). Called under `lock`."""
-
-    def held(self, keys: Sequence[StorageKey]) -> dict[StorageKey, Payload]:
-        """The record views of those `keys` that are journaled and not yet in LMDB."""
-        ...
-
-    def holds(self, key: StorageKey) -> bool: ...
-
-    def delete(self, keys: Sequence[StorageKey]) -> int: ...
-
-    @property
-    def undrained_blocks(self) -> int: ...
-
-    def close(self) -> None: ...
 
 
 class IndexedTiers:

@@ -23,11 +23,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PRODUCT_PACKAGES = ("kvshare", "kvcommon", "cacheserver", "replica_agent", "policy")
-KNOWN: tuple[frozenset[str], ...] = (
-    # The bulk addresses' helpers take the whole ServerConfig (a type-only import back
-    # into the package that imports their specs).
-    frozenset({"cacheserver.config", "cacheserver.config.bulk", "cacheserver.config.specs"}),
-)
+KNOWN: tuple[frozenset[str], ...] = ()
 
 
 def _modules() -> dict[str, Path]:

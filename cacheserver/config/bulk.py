@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvcommon.errors import ConfigError
 from kvcommon.hostport import HostPort, parse_host_port
@@ -12,8 +12,24 @@ from policy.config_text import (
     Address,
 )
 
-if TYPE_CHECKING:
-    from cacheserver.config import ServerConfig
+
+# What these helpers read of ServerConfig and its BulkConfig, as protocols (a
+# ServerConfig is a ListenSettings): the package that defines ServerConfig imports this
+# module's specs, so naming it here would make the two import each other.
+class BulkAddresses(Protocol):
+    @property
+    def listen(self) -> str: ...
+    @property
+    def advertise(self) -> str: ...
+
+
+class ListenSettings(Protocol):
+    @property
+    def listen(self) -> str: ...
+    @property
+    def allow_insecure_listen(self) -> bool: ...
+    @property
+    def bulk(self) -> BulkAddresses: ...
 
 
 # A listener may bind port 0 (any free port); an announced address is dialed, so not.
@@ -23,7 +39,7 @@ BULK_ADDRESSES = {
 }
 
 
-def bulk_listen_address(config: ServerConfig) -> HostPort:
+def bulk_listen_address(config: ListenSettings) -> HostPort:
     """Where the bulk channel's TCP/TLS listener binds: `[bulk] listen`, else the gRPC
     listen host at the gRPC port + 1 (0 stays 0)."""
     if config.bulk.listen:
@@ -40,7 +56,7 @@ def bulk_listen_address(config: ServerConfig) -> HostPort:
     return HostPort(grpc.host, grpc.port + 1 if grpc.port else 0)
 
 
-def check_bulk_plaintext(config: ServerConfig, has_tls: bool) -> None:
+def check_bulk_plaintext(config: ListenSettings, has_tls: bool) -> None:
     """The bulk listener's own address follows the gRPC rule: plaintext only on
     loopback unless allowed (its default address is the gRPC host's, checked there)."""
     if has_tls or config.allow_insecure_listen or not config.bulk.listen:
@@ -54,7 +70,7 @@ def check_bulk_plaintext(config: ServerConfig, has_tls: bool) -> None:
         )
 
 
-def bulk_announced_address(config: ServerConfig, bound: str) -> str:
+def bulk_announced_address(config: ListenSettings, bound: str) -> str:
     """What OpenBulk tells clients: `[bulk] advertise`, else the bound address (a
     wildcard host there means: the host you dialed for gRPC)."""
     return config.bulk.advertise or bound

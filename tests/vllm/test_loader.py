@@ -67,49 +67,47 @@ def test_a_load_that_raises_is_reported_done_with_every_block_failed(
     loader.close(5)
 
 
-def test_close_drops_queued_loads_and_waits_only_for_the_one_in_flight() -> None:
-    started, release = threading.Event(), threading.Event()
-    seen: list[str] = []
+class GatedLoad:
+    """A load that records which requests it ran and holds each until released."""
 
-    def load(p: LoadPlan) -> list[int]:
-        seen.append(p.request_id)
-        started.set()
-        release.wait(5)
+    def __init__(self) -> None:
+        self.started, self.release = threading.Event(), threading.Event()
+        self.seen: list[str] = []
+
+    def __call__(self, p: LoadPlan) -> list[int]:
+        self.seen.append(p.request_id)
+        self.started.set()
+        self.release.wait(5)
         return []
 
+
+def test_close_drops_queued_loads_and_waits_only_for_the_one_in_flight() -> None:
+    load = GatedLoad()
     loader = AsyncLoader(load, torch.device("cpu"))
     for index in range(5):
         loader.submit(plan(f"r{index}", index))
-    assert started.wait(5)
-    threading.Timer(0.2, release.set).start()
+    assert load.started.wait(5)
+    threading.Timer(0.2, load.release.set).start()
     loader.close(5)
-    assert seen == ["r0"]
+    assert load.seen == ["r0"]
 
 
 def test_a_cancelled_load_is_skipped_and_still_reported() -> None:
     """An aborted request's queued load never writes into its blocks (vLLM frees them
     at the report), and the report still comes, exactly once."""
-    started, release = threading.Event(), threading.Event()
-    seen: list[str] = []
-
-    def load(p: LoadPlan) -> list[int]:
-        seen.append(p.request_id)
-        started.set()
-        release.wait(5)
-        return []
-
+    load = GatedLoad()
     loader = AsyncLoader(load, torch.device("cpu"))
     loader.submit(plan("running", 1))
-    assert started.wait(5)
+    assert load.started.wait(5)
     loader.submit(plan("aborted", 2))
     loader.cancel(["aborted", "running", "unknown"])  # the running one completes anyway
-    release.set()
+    load.release.set()
     done, failed = wait_finished(loader, 2)
     assert done == {"running", "aborted"} and failed == set()
-    assert seen == ["running"] and not loader.is_busy
+    assert load.seen == ["running"] and not loader.is_busy
     loader.cancel(["aborted"])  # already reported: nothing is left behind
     loader.submit(plan("aborted", 3))  # the same id again is loaded, not skipped
-    assert wait_finished(loader, 1)[0] == {"aborted"} and seen == ["running", "aborted"]
+    assert wait_finished(loader, 1)[0] == {"aborted"} and load.seen == ["running", "aborted"]
     loader.close(5)
 
 

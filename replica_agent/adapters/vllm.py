@@ -228,6 +228,10 @@ class KVShareConnector(KVConnectorBase_V1):  # type: ignore[misc]
             scheduler_output.total_num_scheduled_tokens > 0,
         )
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self._planner is not None:
+            self._planner.loads_reported(connector_output.finished_recving or ())
+
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
         if self._planner is not None:
             self._planner.finished(request.request_id)

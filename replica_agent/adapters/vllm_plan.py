@@ -179,6 +179,7 @@ class SchedulerPlanner:
         self._catalogue = catalogue
         self._states: dict[str, RequestState | None] = {}
         self._async_loads: list[LoadPlan] = []  # planned at allocation, sent next step
+        self._loading: set[str] = set()  # asynchronous loads issued, not yet reported done
         self._cancelled: list[str] = []  # finished while their asynchronous load was queued
         self.modes = LoadModes(load_mode)
         self.stats = PlannerStats()
@@ -284,19 +285,25 @@ class SchedulerPlanner:
         if is_async and num_external_tokens > 0:
             state.block_ids = list(block_ids)
             state.load_issued = True
+            self._loading.add(request_id)
             end = min(state.store_blocks, (state.prompt_tokens - 1) // self.block_tokens)
             self._plan(request_id, state, end * self.block_tokens, self._async_loads, True)
 
     def finished(self, request_id: str) -> None:
-        """vLLM finished or aborted the request. Its asynchronous load, if one was
-        issued, is cancelled (`take_cancelled`): a queued load is skipped, and the worker
-        still reports it done, since vLLM frees the request's blocks only then. (A load
-        is sent in the step that allocates it, and vLLM aborts between steps, so no
-        load of a finished request is still to be sent.)"""
-        state = self._states.pop(request_id, None)
+        """vLLM finished or aborted the request. Its asynchronous load, if one is still
+        unreported, is cancelled (`take_cancelled`): a queued load is skipped, and the
+        worker still reports it done, since vLLM frees the request's blocks only then.
+        (A load is sent in the step that allocates it, and vLLM aborts between steps, so
+        no load of a finished request is still to be sent.)"""
+        self._states.pop(request_id, None)
         self.modes.finished(request_id)
-        if state is not None and state.load_issued:
+        if request_id in self._loading:
+            self._loading.discard(request_id)
             self._cancelled.append(request_id)
+
+    def loads_reported(self, request_ids: Iterable[str]) -> None:
+        """The workers reported these requests' asynchronous loads done."""
+        self._loading.difference_update(request_ids)
 
     def build(
         self, new: Iterable[NewStep], running: Iterable[RunningStep]

@@ -179,6 +179,13 @@ def test_a_request_finished_during_its_asynchronous_load_cancels_it() -> None:
     assert plan.tracked_requests == 0
     plan.finished("never-loaded")
     assert plan.take_cancelled() == []
+    # A load the worker already reported leaves nothing to cancel.
+    plan.new_matched_tokens("done", 0, lambda: key(100))
+    plan.after_alloc("done", 96, [8, 9, 10, 11, 12, 13, 14], is_async=True)
+    plan.build([], [RunningStep("other", None, False, 12, 1)])
+    plan.loads_reported(["done"])
+    plan.finished("done")
+    assert plan.take_cancelled() == []
 
 
 def test_two_live_requests_under_one_id_both_skip_the_cache() -> None:

@@ -206,13 +206,20 @@ def _send(**reply: Any) -> None:
     sys.stdout.flush()
 
 
-def _connector_stats(llm: Any) -> dict[str, Any]:
+def _connectors(llm: Any) -> tuple[Any, Any] | None:
+    """The engine's scheduler-side and worker-side connectors (None: no connector)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
     if not has_kv_transfer_group():
+        return None
+    return llm.llm_engine.engine_core.engine_core.scheduler.connector, get_kv_transfer_group()
+
+
+def _connector_stats(llm: Any) -> dict[str, Any]:
+    connectors = _connectors(llm)
+    if connectors is None:
         return {}
-    worker = get_kv_transfer_group()
-    scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    scheduler, worker = connectors
     planner = scheduler._planner
     return {
         "worker": asdict(worker.stats),
@@ -253,13 +260,11 @@ def _build(model_dir: str, config: dict[str, Any]) -> Any:
 def _load_timeline(llm: Any, submitted: float) -> dict[str, float]:
     """The stages of the load of the one request just served, in ms after `submitted`
     (both connector sides' marks; {} without a connector or a load)."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
-
-    if not has_kv_transfer_group():
+    connectors = _connectors(llm)
+    if connectors is None:
         return {}
-    scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector
     merged: dict[str, float] = {}
-    for side in (scheduler.timeline.take(), get_kv_transfer_group().timeline.take()):
+    for side in (connector.timeline.take() for connector in connectors):
         for marks in side.values():  # one request at a time: at most one id
             merged.update({stage: round((at - submitted) * 1e3, 2) for stage, at in marks.items()})
     return merged

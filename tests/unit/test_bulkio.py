@@ -29,14 +29,6 @@ from replica_agent.bulk_connect import recv_reply
 from replica_agent.errors import BlockStoreError
 
 
-@pytest.fixture
-def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
-    left, right = socket.socketpair()
-    yield left, right
-    left.close()
-    right.close()
-
-
 def in_thread(work: Callable[[], object]) -> threading.Thread:
     thread = threading.Thread(target=work, daemon=True)
     thread.start()

@@ -4,7 +4,6 @@ by their one parser in kvcommon/bulkio.py, over real socket pairs."""
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator
 
 import pytest
 
@@ -19,14 +18,6 @@ from kvcommon.bulkwire import (
     sealed_frame,
 )
 from kvcommon.errors import WIRE_ERRORS, InvalidArgument, ResourceExhausted, error_class
-
-
-@pytest.fixture
-def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
-    left, right = socket.socketpair()
-    yield left, right
-    left.close()
-    right.close()
 
 
 def test_arena_offsets_are_back_to_back_and_page_aligned() -> None:

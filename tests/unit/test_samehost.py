@@ -5,19 +5,10 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Iterator
 
 import pytest
 
 from kvcommon.samehost import GIL_FREE_COPY_BYTES, copy_into, peer_uid
-
-
-@pytest.fixture
-def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
-    left, right = socket.socketpair()
-    yield left, right
-    left.close()
-    right.close()
 
 
 @pytest.mark.parametrize(

@@ -36,6 +36,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "admin": ("kvshare.admin_cli", "make tenants, tokens, mTLS principals and data keys"),
     "stats": ("kvshare.stats_cli", "per-tenant usage, hit rate and bytes of a running server"),
     "audit": ("kvshare.audit.cli", "operator's checks of a running deployment (timing)"),
+    "health": (
+        "kvshare.health_cli",
+        "ask a running server's gRPC health service (exit 0: SERVING)",
+    ),
 }
 
 

@@ -145,6 +145,11 @@ def _config_from(args: argparse.Namespace) -> ServerConfig:
     for flag in FLAG_SPECS:
         check_flag(flag, getattr(args, flag[2:].replace("-", "_")))
     config = load_config(args.config) if args.config else ServerConfig()
+    return _with_flags(config, args)
+
+
+def _with_flags(config: ServerConfig, args: argparse.Namespace) -> ServerConfig:
+    """`config` with the command line laid over it (at start-up, and at each reload)."""
     storage = config.storage
     if args.memory_budget_bytes is not None:
         storage = replace(storage, memory_budget_bytes=args.memory_budget_bytes)
@@ -184,6 +189,7 @@ def run(args: argparse.Namespace) -> int:
     # Each file is also created with an explicit owner-only mode; the umask covers any
     # file a library makes on the server's behalf.
     os.umask(0o077)
+    from cacheserver.reload import ConfigSource
     from cacheserver.server import TlsFiles, serve
     from kvcommon.logs import configure_logging
     from kvcommon.tracing import current_trace_ids
@@ -204,7 +210,10 @@ def run(args: argparse.Namespace) -> int:
             if args.tls_cert
             else None
         )
-        asyncio.run(serve(config, tls))
+        source = None
+        if args.config:
+            source = ConfigSource(args.config, lambda loaded: _with_flags(loaded, args), tls)
+        asyncio.run(serve(config, tls, source))
     except ConfigError as error:
         print(f"kvshare serve: error: {error}", file=sys.stderr)
         return 2

@@ -3,7 +3,8 @@
 Start-up fails fast with one line naming what to change (unwritable data dir, data dir
 in use, port in use, non-loopback listen without TLS). Shutdown (SIGTERM/SIGINT)
 stops accepting RPCs, lets in-flight ones finish within a grace period, then drains the
-writer and closes LMDB cleanly.
+writer and closes LMDB cleanly. SIGHUP (or the admin RPC Reload) reads the config file
+again and applies it live, or refuses all of it (cacheserver.reload).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import asyncio
 import gc
 import logging
 import signal
+import socket
 import ssl
 
 import grpc
@@ -29,21 +31,30 @@ from cacheserver.core.requests import RequestCore
 from cacheserver.core.values import BulkEndpoint
 from cacheserver.events import FanOut, TenantCounters
 from cacheserver.health import HealthMonitor
+from cacheserver.reload import (
+    ConfigSource,
+    ReloadOutcome,
+    ReloadState,
+    check_live,
+    describe,
+    require_admin,
+)
 from cacheserver.startup import check_can_bind, check_tls, prepare_data_dir
 from cacheserver.store import BlockStore
 from cacheserver.telemetry import ServerTelemetry
 from cacheserver.tiers.assembly import HealthWatch, open_tiers
 from cacheserver.transport.bulk import BulkServer, server_tls_context
+from cacheserver.transport.grpc.credentials import RotatingCertificate, TlsMaterial, read_tls
 from cacheserver.transport.grpc.service import BlockStoreService
 from cacheserver.transport.grpc.wire import AuthInterceptor
 from kvcommon.errors import ConfigError
 from kvcommon.v1 import kvshare_pb2, kvshare_pb2_grpc
-from policy import AccessPolicy
+from policy import AccessPolicy, Principal
 from policy.audit import AuditLog
 from policy.devmode import dev_access
 from policy.naming import load_or_create_server_secret
 from policy.ratelimit import RequestRateLimiter, SharedBuckets
-from policy.tickets import TicketBook
+from policy.tickets import Grant, TicketBook
 from policy.types import PUBLIC, TenantId
 
 log = logging.getLogger(__name__)
@@ -64,12 +75,22 @@ class Server:
         config: ServerConfig,
         tls: TlsFiles | None = None,
         telemetry: ServerTelemetry | None = None,
+        source: ConfigSource | None = None,
     ) -> None:
-        """`telemetry`: instruments and exporters; by default built from config.telemetry."""
+        """`telemetry`: instruments and exporters; by default built from config.telemetry.
+        `source`: the config file (and flags) a live reload reads again; None: a reload
+        is refused (dev mode, or a config built in code)."""
         tls = tls or config.tls
         check_tls(config, tls)
         self.config = config
         self._tls = tls
+        self.source = source
+        self._tls_material = read_tls(tls) if tls is not None else None
+        self._certificate = (
+            RotatingCertificate(self._tls_material) if self._tls_material is not None else None
+        )
+        self.reloads = ReloadState()
+        self._reload_lock = asyncio.Lock()
         self.telemetry = telemetry or ServerTelemetry(config.telemetry)
         self._lock_file = prepare_data_dir(config.data_dir)
         access = config.access or dev_access(config.data_dir)
@@ -106,6 +127,8 @@ class Server:
             drain_within_s=_drain_within_s(config, processes),
         )
         self.telemetry.watch(self.store.tier_usage, self._tenant_usage)
+        state = self.reloads
+        self.telemetry.watch_reloads(lambda: (state.generation, state.last_at_s, state.last_ok))
         if self.store.reclaimed_at_start:
             self.policy.record_admin(
                 None, "reclaim_retired_epochs", blocks=self.store.reclaimed_at_start
@@ -156,8 +179,9 @@ class Server:
 
     async def start(self) -> str:
         max_message = self.config.limits.max_message_bytes + GRPC_SLACK_BYTES
+        self._interceptor = AuthInterceptor(self.policy, self.telemetry)
         server = grpc.aio.server(
-            interceptors=[AuthInterceptor(self.policy, self.telemetry)],
+            interceptors=[self._interceptor],
             options=[
                 ("grpc.max_receive_message_length", max_message),
                 ("grpc.max_send_message_length", max_message),
@@ -178,11 +202,11 @@ class Server:
             bulk_listen.bracketed_host,
             core,
             self.tickets,
-            _bulk_tls(self._tls),
+            _bulk_tls(self._tls_material),
             telemetry=self.telemetry,
             bulk=self.config.bulk,
             port=bulk_listen.port,
-            delegate_to=self.workers.delegate if self.workers is not None else None,
+            delegate_to=self._delegate if self.workers is not None else None,
             # A read through to a shared tier waits on the network: not on the ready loop.
             ready_loop=not self.tier_stack.reads_wait_on_network,
         )
@@ -206,7 +230,7 @@ class Server:
             bulk.local_namespace,
             bulk.local_uid,
         )
-        self._service = BlockStoreService(core, self.config.limits)
+        self._service = BlockStoreService(core, self.config.limits, reload=self.reload_for)
         kvshare_pb2_grpc.add_BlockStoreServicer_to_server(self._service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
@@ -231,10 +255,10 @@ class Server:
     def _bind(self, server: grpc.aio.Server) -> int:
         check_can_bind(self.config.listen)
         try:
-            if self._tls is None:
+            if self._certificate is None:
                 port = server.add_insecure_port(self.config.listen)
             else:
-                port = server.add_secure_port(self.config.listen, _server_credentials(self._tls))
+                port = server.add_secure_port(self.config.listen, self._certificate.credentials())
         except RuntimeError:
             port = 0
         if port == 0:
@@ -243,6 +267,89 @@ class Server:
                 "address is not on this host; pick another --listen"
             )
         return port
+
+    def _delegate(
+        self, raw: socket.socket, grant: Grant, to_a_worker: bool
+    ) -> socket.socket | None:
+        """Hand a connection to a bulk worker, which serves reads on its own, only while
+        its principal is as it was authenticated (not cut off by a reload meanwhile);
+        else the server serves it, and the policy refuses its next request."""
+        if self.workers is None or not self.policy.is_current(grant.principal):
+            return None
+        return self.workers.delegate(raw, grant, to_a_worker)
+
+    # -- live reload ------------------------------------------------------------------
+
+    async def reload_for(self, principal: Principal) -> ReloadOutcome:
+        """The admin RPC Reload: an `admin` principal's reload (PermissionDenied else)."""
+        self.policy.check_rate(principal)
+        is_admin = self.policy.is_admin(principal)
+        if not is_admin:
+            self.policy.audit.record("denied", principal=principal.name, action="reload")
+        require_admin(is_admin, principal)
+        return await self.reload(principal.name)
+
+    async def reload(self, by: str | None = None) -> ReloadOutcome:
+        """Read the config file again and apply it live, or refuse all of it (one line
+        naming what to change). `by`: the admin principal that asked (None: SIGHUP)."""
+        async with self._reload_lock:
+            try:
+                message = await self._reload()
+                ok = True
+            except ConfigError as error:
+                message, ok = str(error), False
+            self.reloads.note(ok, message)
+            generation = self.reloads.generation
+            self.policy.audit.record(
+                "reload",
+                principal=by,
+                applied=ok,
+                generation=generation,
+                detail=message,
+            )
+            if ok:
+                log.info("config reloaded (generation %d): %s", generation, message)
+            else:
+                log.error("config reload refused, the running config stays: %s", message)
+            return ReloadOutcome(ok, message, generation)
+
+    async def _reload(self) -> str:
+        if self.source is None:
+            raise ConfigError(
+                "this server was started without a config file (dev mode): nothing to "
+                "reload; start it with --config FILE"
+            )
+        config, tls, text = self.source.load()
+        check_live(self.config, config, text)
+        check_tls(config, tls)
+        material = read_tls(tls) if tls is not None else None
+        bulk_tls = _bulk_tls(material)  # a bad certificate or key is refused here
+        assert config.access is not None
+        change = self.policy.reload_access(
+            config.access,
+            requests_per_s=config.limits.requests_per_s,
+            burst_s=config.limits.request_burst_s,
+        )
+        # From here on the new config serves: cut off what the old one opened.
+        cut = change.closed
+        tickets = self.tickets.revoke(cut)
+        ended = self._interceptor.calls.end(cut) if self._server is not None else 0
+        closed = self.bulk.close_principals(cut) if self.bulk is not None else 0
+        for name, reason in cut.items():
+            self.policy.audit.record("revoked", principal=name, reason=reason)
+        if material is not None and self._certificate is not None:
+            self._certificate.rotate(material)
+            if self.bulk is not None and bulk_tls is not None:
+                self.bulk.use_tls(bulk_tls)
+        self._tls, self._tls_material = tls, material
+        self.config = config
+        evicted = await asyncio.to_thread(self.store.set_quotas, self.policy.quotas_bytes)
+        if evicted:
+            self.policy.record_admin(None, "evict_to_lowered_quotas", blocks=evicted)
+        for tenant in change.tenants_removed:
+            blocks = await asyncio.to_thread(self.store.delete_tenant, tenant)
+            self.policy.record_admin(None, "reclaim_removed_tenant", tenant=tenant, blocks=blocks)
+        return describe(change, ended, closed, tickets)
 
     async def wait_for_termination(self) -> None:
         assert self._server is not None
@@ -284,31 +391,18 @@ def _drain_within_s(config: ServerConfig, processes: int) -> float | None:
     return None
 
 
-def _bulk_tls(tls: TlsFiles | None) -> ssl.SSLContext | None:
-    if tls is None:
+def _bulk_tls(material: TlsMaterial | None) -> ssl.SSLContext | None:
+    if material is None:
         return None
-    try:
-        ca = tls.client_ca.read_bytes() if tls.client_ca else None
-        return server_tls_context(tls.cert_chain.read_bytes(), tls.private_key.read_bytes(), ca)
-    except OSError as error:
-        raise ConfigError(f"cannot read TLS file {error.filename}: {error.strerror}") from None
+    return server_tls_context(material.chain, material.key, material.client_ca)
 
 
-def _server_credentials(tls: TlsFiles) -> grpc.ServerCredentials:
-    try:
-        chain = tls.cert_chain.read_bytes()
-        key = tls.private_key.read_bytes()
-        ca = tls.client_ca.read_bytes() if tls.client_ca else None
-    except OSError as error:
-        raise ConfigError(f"cannot read TLS file {error.filename}: {error.strerror}") from None
-    return grpc.ssl_server_credentials(
-        [(key, chain)], root_certificates=ca, require_client_auth=ca is not None
-    )
-
-
-async def serve(config: ServerConfig, tls: TlsFiles | None = None) -> None:
-    """Run until SIGTERM or SIGINT; print `serving on HOST:PORT` when ready."""
-    server = Server(config, tls)
+async def serve(
+    config: ServerConfig, tls: TlsFiles | None = None, source: ConfigSource | None = None
+) -> None:
+    """Run until SIGTERM or SIGINT; print `serving on HOST:PORT` when ready. SIGHUP
+    reloads the config from `source` (cacheserver.reload)."""
+    server = Server(config, tls, source=source)
     # What start-up built lives as long as the process (the index of every stored
     # block, rebuilt from LMDB): kept out of the collector's full passes, which walk
     # every tracked object with the GIL held and every request waiting (800,000
@@ -327,6 +421,14 @@ async def serve(config: ServerConfig, tls: TlsFiles | None = None) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):  # before "serving on": a signal right
         loop.add_signal_handler(sig, stopping.set)  # after it must drain, not kill
+    reloading: set[asyncio.Task[ReloadOutcome]] = set()
+
+    def reload_on_hangup() -> None:  # SIGHUP's default action would kill the server
+        task = loop.create_task(server.reload())
+        reloading.add(task)
+        task.add_done_callback(reloading.discard)
+
+    loop.add_signal_handler(signal.SIGHUP, reload_on_hangup)
     if server.metrics_address:
         print(f"kvshare metrics on {server.metrics_address} (/metrics)", flush=True)
     print(f"kvshare serving on {address}{mode}", flush=True)

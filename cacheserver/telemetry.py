@@ -202,6 +202,30 @@ class ServerTelemetry:
             "same-host bulk connections holding a shared-memory arena",
         )
 
+    def watch_reloads(self, figures: Callable[[], tuple[int, float, bool]]) -> None:
+        """The config's live reloads (cacheserver.reload): `figures()` gives the
+        generation serving, the last reload's time (Unix seconds; 0: none yet) and
+        whether it was applied."""
+        gauge = self._meter.create_observable_gauge
+        gauge(
+            "kvshare.config.generation",
+            [lambda _: [Observation(figures()[0])]],
+            "{generation}",
+            "the config generation serving (1: the one started with; each applied reload adds 1)",
+        )
+        gauge(
+            "kvshare.config.last_reload_timestamp",
+            [lambda _: [Observation(figures()[1])]],
+            "s",
+            "when the last reload was tried (Unix time; 0: none yet)",
+        )
+        gauge(
+            "kvshare.config.last_reload_success",
+            [lambda _: [Observation(1 if figures()[2] else 0)]],
+            "1",
+            "1 when the last reload was applied (or none was tried), 0 when it was refused",
+        )
+
     # -- exporters ------------------------------------------------------------------
 
     def start(self) -> str:

@@ -10,6 +10,7 @@
     kvshare admin keyring --public --version 1                    >> keyring.toml
     kvshare admin publish --target HOST:PORT --token-file F --keyring K \
         --text-file framework-prompt.txt [--model ...]   # blocks into @public
+    kvshare admin reload --address HOST:PORT --token-file F  # apply kvshare.toml live
 
 Stanzas go to stdout, so they can be appended to a file. A new bearer token is shown
 once, on stderr (or written to `--token-file`, mode 0600); the stanza holds only its
@@ -26,6 +27,7 @@ from pathlib import Path
 
 from kvcommon.errors import ConfigError
 from kvshare.publish import add_publish_arguments, run_publish
+from kvshare.reload_cli import add_reload_arguments, run_reload
 from policy.types import PUBLIC
 
 
@@ -66,6 +68,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "publish", help="compute a public prefix's KV blocks and publish them into @public"
     )
     add_publish_arguments(publish)
+    reload = sub.add_parser(
+        "reload",
+        help="make a running server read its config file again and apply it live "
+        "(an admin principal's call; prints the outcome)",
+    )
+    add_reload_arguments(reload)
 
 
 def _principal_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,6 +92,8 @@ def _principal_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from policy.audit import AuditLog
 
+    if args.admin_command == "reload":  # the server audits it, in its own log
+        return run_reload(args)
     try:
         fields = _perform(args)
         if args.audit_log is not None:

@@ -27,6 +27,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from kvcommon.errors import InvalidArgument, PermissionDenied, Unauthenticated
+from policy import permissions
+from policy.access_change import AccessChange, diff_access
 from policy.audit import AuditLog, Field
 from policy.config import AccessConfig, PublicConfig, TenantConfig
 from policy.identity import (
@@ -37,6 +39,7 @@ from policy.identity import (
     describe,
 )
 from policy.naming import BlockNamer, TenantNamer
+from policy.permissions import PublicScope
 from policy.ratelimit import RateLimited, RequestRateLimiter
 from policy.sealing import looks_sealed
 from policy.shared_values import ValueMac
@@ -47,7 +50,6 @@ from policy.types import (
     ModelTag,
     StorageKey,
     TenantId,
-    parse_tenant_id,
 )
 
 AuthContext = Mapping[str, Sequence[bytes]]
@@ -57,6 +59,10 @@ AuthContext = Mapping[str, Sequence[bytes]]
 # the audit log's disk, and the log still shows that it happened and how big it was.
 AUTHN_FAILURE_RECORDS_PER_S = 10
 AUTHN_FAILURE_BURST = 50
+REVOKED_MESSAGE = (
+    "this credential was revoked by the server's config (reloaded); ask the operator "
+    "for a current token or certificate"
+)
 
 
 class AuditGate:
@@ -103,11 +109,11 @@ class AccessPolicy:
         self._authenticator = authenticator
         self._namer = namer
         self.quotas_bytes = dict(quotas_bytes)
-        self.has_public = public is not None
-        self._public_readers = frozenset(t.id for t in tenants if t.read_public)
-        self._sealed_only = {t.id for t in tenants if t.require_sealed}
-        if public is not None and public.require_sealed:
-            self._sealed_only.add(PUBLIC)
+        self._set_tenant_rules(tenants, public)
+        # name -> the principal as the config serving now has it; None until the first
+        # live reload (until then every principal is as it was authenticated: `current`)
+        self._live: dict[str, Principal] | None = None
+        self._reload_lock = threading.Lock()
         self._limiter = limiter or RequestRateLimiter(0)
         self.audit = audit or AuditLog.disabled()
         self._accept_certificates = accept_certificates
@@ -133,6 +139,67 @@ class AccessPolicy:
             audit=audit,
             accept_certificates=accept_certificates,
         )
+
+    def _set_tenant_rules(
+        self, tenants: Sequence[TenantConfig], public: PublicConfig | None
+    ) -> None:
+        self.has_public = public is not None
+        self.public_scope = PublicScope(
+            self.has_public, frozenset(t.id for t in tenants if t.read_public)
+        )
+        sealed_only = {t.id for t in tenants if t.require_sealed}
+        if public is not None and public.require_sealed:
+            sealed_only.add(PUBLIC)
+        self._sealed_only = frozenset(sealed_only)
+
+    # -- live reload ------------------------------------------------------------------
+
+    def reload_access(
+        self, access: AccessConfig, *, requests_per_s: int, burst_s: int
+    ) -> AccessChange:
+        """Serve `access` from now on (a live config reload; its epochs and whether it
+        has a public scope are the running ones: cacheserver.reload refuses changes to
+        either). Each principal is judged by its new entry on its next request
+        (`current`); the returned change says whose open streams and connections the
+        server must close."""
+        with self._reload_lock:
+            old = self._authenticator.principals()
+            new = access.principals()
+            change = diff_access(
+                old,
+                new,
+                (t for t in self.quotas_bytes if t != PUBLIC),
+                (t.id for t in access.tenants),
+            )
+            # Whatever a request reads next is consistent: the credentials last, so a
+            # principal authenticated by them is judged by these rules.
+            self._limiter.set_defaults(requests_per_s, burst_s)
+            self.quotas_bytes = access.quotas_bytes()
+            self._set_tenant_rules(access.tenants, access.public)
+            self._live = {p.name: p for p in new}
+            self._authenticator = Authenticator(access.credentials, access.cert_credentials)
+        return change
+
+    def current(self, principal: Principal) -> Principal:
+        """`principal` as the config serving now has it: itself until a live reload;
+        after one, its name's entry while that keeps the same credential (with the
+        tenants, actions and rate it has now), else Unauthenticated: whatever a removed
+        principal or a replaced credential opened is refused from then on."""
+        live = self._live
+        if live is None:
+            return principal
+        now = live.get(principal.name)
+        if now is principal:
+            return principal
+        if now is None or now.credential != principal.credential:
+            raise Unauthenticated(REVOKED_MESSAGE)
+        return now
+
+    def is_current(self, principal: Principal) -> bool:
+        """Whether `principal` is served as it was authenticated (not revoked, nothing
+        taken away since): what a bulk worker may serve on its own."""
+        live = self._live
+        return live is None or live.get(principal.name) is principal
 
     # -- authentication ---------------------------------------------------------------
 
@@ -175,6 +242,7 @@ class AccessPolicy:
 
         The request core calls it first for every request on every transport (a bulk
         connection authenticates once, with a ticket, and makes many requests)."""
+        principal = self.current(principal)
         try:
             self._limiter.admit(principal)
         except RateLimited as limited:
@@ -191,36 +259,23 @@ class AccessPolicy:
     def admit(self, principal: Principal, tenant: str, action: Action) -> TenantId:
         """The checked tenant id, or PermissionDenied. Validates the id's shape first
         (a tenant of the principal's own was validated when the config was read)."""
-        tenant_id = TenantId(tenant) if tenant in principal.tenants else parse_tenant_id(tenant)
-        if not self._allows(principal, tenant_id, action):
+        principal = self.current(principal)
+        checked = permissions.tenant_id(principal, tenant)
+        if not permissions.allows(principal, checked, action, self.public_scope):
             self.audit.record(
-                "denied", principal=principal.name, tenant=tenant_id, action=action.value
+                "denied", principal=principal.name, tenant=checked, action=action.value
             )
             raise PermissionDenied(
                 f"principal {principal.name!r} may not {action.value} this tenant; "
                 "grant it in the server config ([[principals]] tenants/actions)"
             )
-        return tenant_id
-
-    def _allows(self, principal: Principal, tenant: TenantId, action: Action) -> bool:
-        if tenant == PUBLIC:
-            return self.has_public and self._allows_public(principal, action)
-        return tenant in principal.tenants and action in principal.actions
-
-    def _allows_public(self, principal: Principal, action: Action) -> bool:
-        publisher = Action.PUBLISH in principal.actions
-        if action is Action.READ:
-            return publisher or (
-                Action.READ in principal.actions
-                and not principal.tenants.isdisjoint(self._public_readers)
-            )
-        return publisher and action is Action.WRITE
+        return checked
 
     def visible_tenants(self, principal: Principal) -> frozenset[TenantId]:
-        return principal.tenants
+        return self.current(principal).tenants
 
     def is_admin(self, principal: Principal) -> bool:
-        return Action.ADMIN in principal.actions
+        return Action.ADMIN in self.current(principal).actions
 
     def requires_sealed(self, tenant: TenantId) -> bool:
         """Whether `tenant` accepts only sealed blocks (`require_sealed`)."""

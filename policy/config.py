@@ -268,7 +268,8 @@ def _parse_principal(
         if "requests_per_s" in raw
         else None
     )
-    principal = Principal(name, tenants, actions, requests_per_s=rate)
+    credential = token_sha256 if token_sha256 is not None else f"{identity}".encode()
+    principal = Principal(name, tenants, actions, requests_per_s=rate, credential=credential)
     if token_sha256 is not None:
         return TokenCredential(token_sha256, principal)
     assert identity is not None

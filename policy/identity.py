@@ -24,7 +24,7 @@ import re
 import secrets
 import ssl
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from kvcommon.errors import Unauthenticated
@@ -55,6 +55,10 @@ class Principal:
     tenants: frozenset[TenantId]
     actions: frozenset[Action]
     requests_per_s: int | None = None  # None: the server's [limits] default; 0: unlimited
+    # What the principal authenticates with (its token's SHA-256, or its certificate
+    # identity): a live reload that keeps the name but changes this revokes whatever the
+    # old credential opened (policy.access.AccessPolicy.current). Never logged.
+    credential: bytes = field(default=b"", repr=False)
 
 
 @dataclass(frozen=True)
@@ -122,6 +126,10 @@ class Authenticator:
     ) -> None:
         self._tokens = tuple(tokens)
         self._certificates = {c.identity: c.principal for c in certificates}
+
+    def principals(self) -> list[Principal]:
+        """Every principal it knows, token principals first."""
+        return [c.principal for c in self._tokens] + list(self._certificates.values())
 
     def authenticate(
         self, authorization: str | None, cert_identities: Collection[str] = ()

@@ -127,6 +127,12 @@ class RequestRateLimiter:
         self._lock = threading.Lock()
         self.shared = shared
 
+    def set_defaults(self, requests_per_s: int, burst_s: int) -> None:
+        """New `[limits]` (a live reload): each bucket takes its rate on its next draw."""
+        with self._lock:
+            self.default_requests_per_s = requests_per_s
+            self.burst_s = max(1, burst_s)
+
     def rate_of(self, principal: Principal) -> int:
         if principal.requests_per_s is not None:
             return principal.requests_per_s
@@ -166,6 +172,11 @@ class RequestRateLimiter:
                 capacity = self._capacity(rate)
                 bucket = TokenBucket(float(rate), capacity, capacity, now)
                 self._buckets[principal.name] = bucket
+            elif bucket.rate_per_s != rate or bucket.capacity != self._capacity(rate):
+                # The rate changed (a live reload): what the bucket holds stays, within
+                # the new capacity.
+                bucket.rate_per_s, bucket.capacity = float(rate), self._capacity(rate)
+                bucket.tokens = min(bucket.tokens, bucket.capacity)
             if bucket.take(now):
                 bucket.limited = False
                 return True

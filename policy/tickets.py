@@ -31,7 +31,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -130,6 +130,18 @@ class TicketBook:
                 "call OpenBulk again and present the ticket on the path it was issued for"
             )
         return entry[0]
+
+    def revoke(self, principals: Collection[str]) -> int:
+        """Drop every outstanding ticket of the named principals (a live reload revoked
+        or reduced them: a ticket issued under the old grants opens nothing); returns
+        how many were dropped."""
+        with self._lock:
+            doomed = [
+                k for k, (grant, _) in self._grants.items() if grant.principal.name in principals
+            ]
+            for key in doomed:
+                del self._grants[key]
+        return len(doomed)
 
     def __len__(self) -> int:
         with self._lock:

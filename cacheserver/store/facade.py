@@ -115,6 +115,7 @@ class BlockStore:
         self._tiers = IndexedTiers(index, self._lineup, self.events)
         self._journaled: JournaledPuts | None = None
         self._epochs = dict(epochs)
+        self._storage, self._fixed_order = storage, fixed_order  # for `set_quotas`
         self._closing = threading.Event()
         self._writer = Writer(
             self._tiers,
@@ -294,6 +295,24 @@ class BlockStore:
         held = self._lineup.delete_shared(keys)
         deleted = self._lineup.delete_below(keys)
         return max(present, deleted, held)
+
+    def set_quotas(self, quotas_bytes: Mapping[TenantId, int]) -> int:
+        """New per-tenant quotas (a live config reload): a tenant over its new quota is
+        evicted down to it at once, least recently used first, by the same rules as
+        `delete`; other tenants keep every block. Returns the blocks evicted. Blocking."""
+        storage = self._storage
+        memory = memory_quotas(
+            quotas_bytes,
+            storage.memory_budget_bytes,
+            storage.disk_budget_bytes,
+            self._fixed_order,
+        )
+        victims = self._tiers.set_quotas(quotas_bytes, memory)
+        if victims:
+            self._writer.barrier()
+            self._lineup.delete_shared(victims)
+            self._lineup.delete_below(victims)
+        return len(victims)
 
     def delete_tenant(self, tenant: TenantId, model_tag: ModelTag | None = None) -> int:
         """Every block of the tenant, or (with `model_tag`) of one model of it, by the

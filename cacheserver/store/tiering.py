@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from cacheserver.events import EvictReason, StoreEvents
 from cacheserver.store.held import HeldPuts
@@ -303,6 +303,27 @@ class IndexedTiers:
                 self._room_for(tenant, size)
 
     # -- deletes -----------------------------------------------------------------------
+
+    def set_quotas(
+        self, quotas_bytes: Mapping[TenantId, int], memory_quotas_bytes: Mapping[TenantId, int]
+    ) -> list[StorageKey]:
+        """New quotas (a live config reload): each tenant over its new quota loses its
+        least recently used blocks until it is within it, here and in the in-process
+        tiers (other tenants keep theirs); returns those keys for the tiers below."""
+        with self.lock:
+            self.index.quotas_bytes = dict(quotas_bytes)
+            self.memory.set_quotas(memory_quotas_bytes)
+            victims: list[StorageKey] = []
+            for tenant, quota in quotas_bytes.items():
+                excess = self.index.tenant_bytes(tenant) - quota if quota else 0
+                for key in self.index.keys_of(tenant):
+                    if excess <= 0:
+                        break
+                    entry = self.index.get(key)
+                    excess -= entry.size if entry is not None else 0
+                    victims.append(key)
+            self.remove_everywhere(victims)
+        return victims
 
     def forget(self, keys: Sequence[StorageKey]) -> list[StorageKey]:
         """Take `keys` out of the index and the in-process tiers; those it listed."""

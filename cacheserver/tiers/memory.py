@@ -84,6 +84,11 @@ class MemoryTier:
         self._payloads[key] = payload
         return True
 
+    def set_quotas(self, quotas_bytes: Mapping[TenantId, int]) -> None:
+        """New per-tenant quotas (a live config reload; the store's lock held): a block
+        put from now on evicts by them."""
+        self._index.quotas_bytes = dict(quotas_bytes)
+
     def drop(self, key: StorageKey) -> None:
         if self._payloads.pop(key, None) is not None:
             self._index.remove(key)

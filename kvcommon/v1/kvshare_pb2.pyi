@@ -571,3 +571,46 @@ class OpenBulkResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___OpenBulkResponse: _TypeAlias = OpenBulkResponse  # noqa: Y015
+
+@_typing.final
+class ReloadRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReloadRequest: _TypeAlias = ReloadRequest  # noqa: Y015
+
+@_typing.final
+class ReloadResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    APPLIED_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
+    applied: _builtins.bool
+    """false: refused, the running config stays"""
+    message: _builtins.str
+    """one line: what changed, or what to change (file, line, key)"""
+    generation: _builtins.int
+    """the config generation serving now (1: the one started with)"""
+    def __init__(
+        self,
+        *,
+        applied: _builtins.bool = ...,
+        message: _builtins.str = ...,
+        generation: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied", b"applied", "generation", b"generation", "message", b"message"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReloadResponse: _TypeAlias = ReloadResponse  # noqa: Y015

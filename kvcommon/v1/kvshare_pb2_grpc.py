@@ -64,6 +64,11 @@ class BlockStoreStub:
                 request_serializer=kvcommon_dot_v1_dot_kvshare__pb2.OpenBulkRequest.SerializeToString,
                 response_deserializer=kvcommon_dot_v1_dot_kvshare__pb2.OpenBulkResponse.FromString,
                 _registered_method=True)
+        self.Reload = channel.unary_unary(
+                '/kvshare.v1.BlockStore/Reload',
+                request_serializer=kvcommon_dot_v1_dot_kvshare__pb2.ReloadRequest.SerializeToString,
+                response_deserializer=kvcommon_dot_v1_dot_kvshare__pb2.ReloadResponse.FromString,
+                _registered_method=True)
 
 
 class BlockStoreServicer:
@@ -113,6 +118,14 @@ class BlockStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Reload(self, request, context):
+        """(admin) Re-read the server's config file and apply it live, as SIGHUP does: all
+        of it or, when anything in it is wrong or needs a restart, none of it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BlockStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -145,6 +158,11 @@ def add_BlockStoreServicer_to_server(servicer, server):
                     servicer.OpenBulk,
                     request_deserializer=kvcommon_dot_v1_dot_kvshare__pb2.OpenBulkRequest.FromString,
                     response_serializer=kvcommon_dot_v1_dot_kvshare__pb2.OpenBulkResponse.SerializeToString,
+            ),
+            'Reload': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reload,
+                    request_deserializer=kvcommon_dot_v1_dot_kvshare__pb2.ReloadRequest.FromString,
+                    response_serializer=kvcommon_dot_v1_dot_kvshare__pb2.ReloadResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -309,6 +327,33 @@ class BlockStore:
             '/kvshare.v1.BlockStore/OpenBulk',
             kvcommon_dot_v1_dot_kvshare__pb2.OpenBulkRequest.SerializeToString,
             kvcommon_dot_v1_dot_kvshare__pb2.OpenBulkResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reload(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvshare.v1.BlockStore/Reload',
+            kvcommon_dot_v1_dot_kvshare__pb2.ReloadRequest.SerializeToString,
+            kvcommon_dot_v1_dot_kvshare__pb2.ReloadResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -59,6 +59,10 @@ class BlockStoreStub:
     tenant (see docs/bulk-channel.md). Every request on that connection is still
     authorized by the server's policy; the ticket only replaces the credential.
     """
+    Reload: _grpc.UnaryUnaryMultiCallable[_kvshare_pb2.ReloadRequest, _kvshare_pb2.ReloadResponse]
+    """(admin) Re-read the server's config file and apply it live, as SIGHUP does: all
+    of it or, when anything in it is wrong or needs a restart, none of it.
+    """
 
 @_typing.type_check_only
 class BlockStoreAsyncStub(BlockStoreStub):
@@ -77,6 +81,10 @@ class BlockStoreAsyncStub(BlockStoreStub):
     """A one-time ticket that opens one bulk-channel connection bound to this caller and
     tenant (see docs/bulk-channel.md). Every request on that connection is still
     authorized by the server's policy; the ticket only replaces the credential.
+    """
+    Reload: _aio.UnaryUnaryMultiCallable[_kvshare_pb2.ReloadRequest, _kvshare_pb2.ReloadResponse]  # type: ignore[assignment]
+    """(admin) Re-read the server's config file and apply it live, as SIGHUP does: all
+    of it or, when anything in it is wrong or needs a restart, none of it.
     """
 
 class BlockStoreServicer(metaclass=_abc_1.ABCMeta):
@@ -129,6 +137,16 @@ class BlockStoreServicer(metaclass=_abc_1.ABCMeta):
         """A one-time ticket that opens one bulk-channel connection bound to this caller and
         tenant (see docs/bulk-channel.md). Every request on that connection is still
         authorized by the server's policy; the ticket only replaces the credential.
+        """
+
+    @_abc_1.abstractmethod
+    def Reload(
+        self,
+        request: _kvshare_pb2.ReloadRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvshare_pb2.ReloadResponse, _abc.Awaitable[_kvshare_pb2.ReloadResponse]]:
+        """(admin) Re-read the server's config file and apply it live, as SIGHUP does: all
+        of it or, when anything in it is wrong or needs a restart, none of it.
         """
 
 def add_BlockStoreServicer_to_server(servicer: BlockStoreServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -40,7 +40,7 @@ import os
 import socket
 import ssl
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 
 from cacheserver.config import BulkConfig
 from cacheserver.core.requests import RequestCore
@@ -153,6 +153,17 @@ class BulkServer:
     @handshake_timeout_s.setter
     def handshake_timeout_s(self, seconds: float) -> None:
         self._slots.handshake_timeout_s = seconds
+
+    def use_tls(self, tls: ssl.SSLContext) -> None:
+        """New TLS handshakes use `tls` (a certificate rotated by a live reload);
+        connections already open keep the session they made."""
+        self._tls = tls
+
+    def close_principals(self, principals: Collection[str]) -> int:
+        """Close every open connection of the named principals, on every path (TCP,
+        TLS, the sealed channel, same-host arenas, connections a bulk worker serves);
+        returns how many (ConnectionSlots.shut_principals)."""
+        return self._slots.shut_principals(principals)
 
     @property
     def arenas(self) -> int:

@@ -20,7 +20,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from cacheserver.transport.caps import PrincipalCap
 
@@ -102,6 +102,18 @@ class ConnectionSlots:
             principal = self._principals.pop(conn, None)
             if principal is not None:
                 self._authenticated.give_back(principal)
+
+    def shut_principals(self, principals: Collection[str]) -> int:
+        """Shut down every authenticated connection of the named principals (revoked or
+        reduced by a live reload); returns how many. Shutting the server's descriptor
+        shuts the connection itself: a bulk worker serving it (on a descriptor of its
+        own) sees it end too, and each connection's thread or loop closes it as when
+        its peer goes."""
+        with self._lock:
+            doomed = [conn for conn, name in self._principals.items() if name in principals]
+        for conn in doomed:
+            self._shut(conn)
+        return len(doomed)
 
     def reap(self) -> None:
         """Shut down handshaking connections past their deadline, until `close`."""

@@ -13,7 +13,7 @@ never on the event loop.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -23,26 +23,42 @@ from cacheserver.config import LimitsConfig
 from cacheserver.core.requests import RequestCore
 from cacheserver.core.transfers import PutStream
 from cacheserver.core.values import Announced, Begun, Verb
+from cacheserver.reload import ReloadOutcome
 from cacheserver.transport.grpc.threads import HandlerThreads
 from cacheserver.transport.grpc.wire import current_principal
-from kvcommon.errors import InvalidArgument, ResourceExhausted
+from kvcommon.errors import InvalidArgument, ResourceExhausted, Unavailable
 from kvcommon.v1 import kvshare_pb2 as pb
 from kvcommon.v1 import kvshare_pb2_grpc as pb_grpc
-from policy.identity import pem_certificate_fingerprint
+from policy.identity import Principal, pem_certificate_fingerprint
 
 Context = grpc.aio.ServicerContext[Any, Any]
+# The server's live reload for a principal (who must have `admin`).
+Reload = Callable[[Principal], Awaitable[ReloadOutcome]]
 FRAME_SLACK_BYTES = 64 << 10  # protobuf framing around a frame's payload bytes
 
 
 class BlockStoreService(pb_grpc.BlockStoreServicer):
-    def __init__(self, core: RequestCore, limits: LimitsConfig) -> None:
-        """`limits`: how big Get frames may be (get_frame_bytes, max_message_bytes)."""
+    def __init__(
+        self, core: RequestCore, limits: LimitsConfig, *, reload: Reload | None = None
+    ) -> None:
+        """`limits`: how big Get frames may be (get_frame_bytes, max_message_bytes).
+        `reload`: the server's live reload for an admin (cacheserver.server.Server
+        .reload_for); None: Reload is refused."""
         self._core = core
         self._limits = limits
         self._threads = HandlerThreads()
+        self._reload = reload
 
     def close(self) -> None:
         self._threads.close()
+
+    async def Reload(self, request: pb.ReloadRequest, context: Context) -> pb.ReloadResponse:
+        if self._reload is None:
+            raise Unavailable("this server has no live reload; restart it to change its config")
+        outcome = await self._reload(current_principal.get())
+        return pb.ReloadResponse(
+            applied=outcome.applied, message=outcome.message, generation=outcome.generation
+        )
 
     async def OpenBulk(self, request: pb.OpenBulkRequest, context: Context) -> pb.OpenBulkResponse:
         # The sealed-payload channel's secret may only ever cross TLS.

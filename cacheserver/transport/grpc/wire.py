@@ -26,6 +26,7 @@ the call's count and latency by method and final status.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -37,6 +38,7 @@ from opentelemetry.context import Context
 
 from cacheserver.telemetry import ServerTelemetry
 from cacheserver.telemetry_calls import RpcCall
+from cacheserver.transport.grpc.open_calls import OpenCalls
 from kvcommon.errors import InvalidArgument, KvshareError, Unauthenticated, wire_error
 from kvcommon.tracing import context_from_metadata
 from policy import AccessPolicy, Principal
@@ -110,6 +112,7 @@ class _Call:
     parent: Context | None  # the caller's trace context (traceparent)
     method: str
     deserialize: Callable[[bytes], Any] | None  # the handler's request deserializer
+    calls: OpenCalls  # the calls in flight, which a live reload may end
 
     @property
     def name(self) -> str:
@@ -166,8 +169,14 @@ def _wrap_unary(
     async def wrapped(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> T:
         with call.telemetry.rpc(call.name, call.parent) as observed:
             try:
-                await _authenticate(call.policy, call.authorization, call.method, context)
-                return await behavior(_request_of(call, request, streaming, context), context)
+                principal = await _authenticate(
+                    call.policy, call.authorization, call.method, context
+                )
+                with call.calls.open(principal.name):
+                    return await behavior(_request_of(call, request, streaming, context), context)
+            except asyncio.CancelledError:
+                await _end_if_revoked(call, context, observed)
+                raise
             except Exception as exc:
                 await call.fail(context, exc, observed)
                 raise  # unreachable: abort raises
@@ -183,13 +192,30 @@ def _wrap_stream(
     ) -> AsyncIterator[T]:
         with call.telemetry.rpc(call.name, call.parent, restore_context=False) as observed:
             try:
-                await _authenticate(call.policy, call.authorization, call.method, context)
-                async for item in behavior(_request_of(call, request, streaming, context), context):
-                    yield item
+                principal = await _authenticate(
+                    call.policy, call.authorization, call.method, context
+                )
+                with call.calls.open(principal.name):
+                    request_of = _request_of(call, request, streaming, context)
+                    async for item in behavior(request_of, context):
+                        yield item
+            except asyncio.CancelledError:
+                await _end_if_revoked(call, context, observed)
+                raise
             except Exception as exc:
                 await call.fail(context, exc, observed)
 
     return wrapped
+
+
+async def _end_if_revoked(
+    call: _Call, context: grpc.aio.ServicerContext[Any, Any], observed: RpcCall
+) -> None:
+    """A cancelled call: when a live reload ended it (OpenCalls.end), abort it with the
+    revocation's status; else (the client cancelled) return, and the cancellation goes on."""
+    ended = call.calls.ended_with()
+    if ended is not None:
+        await call.fail(context, ended, observed)
 
 
 Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"  # generic only in the stubs
@@ -199,6 +225,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, policy: AccessPolicy, telemetry: ServerTelemetry | None = None) -> None:
         self._policy = policy
         self._telemetry = telemetry or ServerTelemetry()
+        self.calls = OpenCalls()
 
     async def intercept_service(
         self,
@@ -219,6 +246,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             parent,
             method,
             handler.request_deserializer,
+            self.calls,
         )
         return _rewrap(handler, call)
 

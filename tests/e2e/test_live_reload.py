@@ -150,12 +150,17 @@ def test_a_removed_principal_is_refused_within_a_second(
     try:
         client.put("beta", MODEL, [digest("b", 0)], [BLOCK])  # its connection is open
         assert client.get("beta", MODEL, [digest("b", 0)]) == [BLOCK]
+        bulk = running.server.server.bulk  # type: ignore[union-attr]
+        assert bulk is not None
+        assert bulk.connections_of("b") == (0 if transport == "grpc" else 1)
         del live.principals["b"]
         live.write()
         reply = reload(running, live)
         assert reply.applied, reply.message
         if transport != "grpc":
+            # Its connection is closed by the server, not only refused at its next request.
             assert "bulk connections closed 1" in reply.message, reply.message
+            assert seconds_until(lambda: bulk.connections_of("b") == 0) < REVOCATION_WITHIN_S
 
         def refused() -> bool:
             try:

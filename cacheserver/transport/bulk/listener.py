@@ -165,6 +165,10 @@ class BulkServer:
         returns how many (ConnectionSlots.shut_principals)."""
         return self._slots.shut_principals(principals)
 
+    def connections_of(self, principal: str) -> int:
+        """The open connections bound to `principal` (every path)."""
+        return self._slots.held_by(principal)
+
     @property
     def arenas(self) -> int:
         """Same-host connections holding an arena now."""

@@ -115,6 +115,11 @@ class ConnectionSlots:
             self._shut(conn)
         return len(doomed)
 
+    def held_by(self, principal: str) -> int:
+        """The authenticated connections `principal` holds open now."""
+        with self._lock:
+            return sum(1 for name in self._principals.values() if name == principal)
+
     def reap(self) -> None:
         """Shut down handshaking connections past their deadline, until `close`."""
         with self._lock:

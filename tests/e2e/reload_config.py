@@ -36,6 +36,7 @@ class LiveConfig:
     tenants: dict[str, int]  # id -> quota_bytes
     principals: dict[str, Grant]
     extra: str = ""  # TOML before the tenants (e.g. [bulk] workers = 2, [tls])
+    tail: str = ""  # TOML after the principals (e.g. certificate principals)
 
     @property
     def path(self) -> Path:
@@ -59,7 +60,7 @@ class LiveConfig:
             ]
             if grant.requests_per_s is not None:
                 lines.append(f"requests_per_s = {grant.requests_per_s}")
-        return "\n".join(lines) + "\n"
+        return "\n".join(lines) + "\n" + self.tail
 
     def write(self, text: str | None = None) -> None:
         self.path.write_text(self.text() if text is None else text)

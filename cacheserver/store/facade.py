@@ -27,6 +27,7 @@ from cacheserver.blocks import BlockSource
 from cacheserver.config import StorageConfig
 from cacheserver.events import NoEvents, StoreEvents
 from cacheserver.store.jobs import PutJob, done
+from cacheserver.store.journal import Journal
 from cacheserver.store.journaled import JournaledPuts
 from cacheserver.store.lineup import Lineup
 from cacheserver.store.local import StoreCopies
@@ -114,6 +115,7 @@ class BlockStore:
         self._lineup = Lineup(memory, disk, lower_tiers)
         self._tiers = IndexedTiers(index, self._lineup, self.events)
         self._journaled: JournaledPuts | None = None
+        self._journal: Journal | None = None  # what a read pins (`pin`)
         self._epochs = dict(epochs)
         self._storage, self._fixed_order = storage, fixed_order  # for `set_quotas`
         self._closing = threading.Event()
@@ -152,6 +154,7 @@ class BlockStore:
         if opened is None:
             return
         journal, path = opened
+        self._journal = journal
         journal.on_full = self._writer.journal_full
         writer = self._writer
         self._journaled = JournaledPuts(
@@ -202,11 +205,12 @@ class BlockStore:
     def pin(self) -> Callable[[], None]:
         """Keep views of journal records valid until the returned function is called:
         a record's space is not written again while a reader that entered before it
-        was released is still using it."""
-        journaled = self._journaled
-        if journaled is None:
+        was released is still using it (`Journal.enter_read`)."""
+        journal = self._journal
+        if journal is None:
             return _nothing
-        return journaled.pin()
+        token = journal.enter_read()
+        return lambda: journal.exit_read(token)
 
     def read_from_memory(
         self, keys: Sequence[StorageKey], max_bytes: int

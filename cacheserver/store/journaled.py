@@ -226,12 +226,6 @@ class JournaledPuts:
 
     # -- reads -----------------------------------------------------------------------
 
-    def pin(self) -> Callable[[], None]:
-        """Keep views of journal records valid until the returned function is called."""
-        journal = self.journal
-        token = journal.enter_read()
-        return lambda: journal.exit_read(token)
-
     def held(self, keys: Sequence[StorageKey]) -> dict[StorageKey, Payload]:
         """The record views of those `keys` that are journaled and not yet in LMDB."""
         return {key: self._pending[key].payload for key in keys if key in self._pending}

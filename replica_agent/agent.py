@@ -136,13 +136,16 @@ class ReplicaAgent:
     def connect(
         cls,
         address: str,
-        token: str,
+        token: str | Callable[[], str],
         spec: ModelSpec,
         *,
         tls: ClientTls | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         **kwargs: object,
     ) -> ReplicaAgent:
+        """`token`: the bearer token, or a `TokenFile` (replica_agent.credentials) read
+        again when it changes; with `sealer=KeyringFileSealer(path)` the keyring is too:
+        both rotate without a restart."""
         # The agent opens every block it reads when it has a sealer: it may then use
         # the sealed-payload channel (BlockClient).
         sealed = kwargs.get("sealer") is not None

@@ -33,7 +33,7 @@ answer the same.
 from __future__ import annotations
 
 import ssl
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -90,7 +90,7 @@ class BlockClient:
     def __init__(
         self,
         address: str | Sequence[str],
-        token: str,
+        token: str | Callable[[], str],
         *,
         tls: ClientTls | None = None,
         timeout_s: float | None = 30.0,
@@ -110,7 +110,9 @@ class BlockClient:
         sealed-payload channel (replica_agent.bulk_sealed): headers under AEAD, sealed
         payloads not encrypted a second time. `address`: one server, or several that
         share a store (a list, or an `ipv4:`/`dns:` target; replica_agent.targets):
-        calls round-robin across them and move off one that goes away."""
+        calls round-robin across them and move off one that goes away. `token`: the
+        bearer token, or a `replica_agent.credentials.TokenFile`, whose current token
+        each call sends (rotation without a restart)."""
         address = grpc_target(address)
         channel_options = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

@@ -43,6 +43,11 @@ Breaker protocol: every `allow()` that returns True is settled exactly once, by 
 `settled(...)` (or through `call`, which does both): a half-open breaker lets one trial
 through and waits for its settlement, so a trial never settled would keep it off.
 Logs name the operation and the status, never tokens, digests, payloads or tenants.
+A refusal of this replica's credentials (UNAUTHENTICATED: a revoked or rotated-out
+token; PERMISSION_DENIED: a principal that lost a tenant) is logged once, when it
+starts, not per call: until a call is answered again (the token file rewritten with a
+token the store accepts, replica_agent.credentials), the engine gets misses and a
+revoked replica's log stays readable.
 """
 
 from __future__ import annotations
@@ -126,6 +131,8 @@ OUTCOMES: Final[Mapping[Outcome, Treatment]] = MappingProxyType(
         ),
     }
 )
+# Refusals of the replica's credentials rather than of one request: logged once each.
+CREDENTIAL_REFUSALS: Final = frozenset({"UNAUTHENTICATED", "PERMISSION_DENIED"})
 # Status names (kvcommon.errors.KvshareError.status) by outcome; any other is INTERNAL.
 BY_STATUS: Final[Mapping[str, Outcome]] = MappingProxyType(
     {
@@ -196,6 +203,7 @@ class StoreGate:
         self.telemetry = telemetry
         self.stats = stats
         self._stats_lock = threading.Lock()
+        self._refusing: set[str] = set()  # credential refusals logged, not yet answered
         telemetry.watch_breaker(breaker)
 
     def count(self, **deltas: int) -> None:
@@ -247,7 +255,32 @@ class StoreGate:
             log.error("store %s failed unexpectedly; serving a miss", operation, exc_info=error)
             return
         status = error.status if isinstance(error, KvshareError) else outcome.value
-        log.log(treatment.log_level, "store %s: %s; %s", operation, status, treatment.engine_gets)
+        level = treatment.log_level
+        if outcome in (Outcome.SUCCESS, Outcome.MISS) and self._refusing:
+            self._credentials_accepted()
+        elif status in CREDENTIAL_REFUSALS and not self._first_refusal(status):
+            level = logging.DEBUG  # logged when the refusal started
+        elif status == "UNAUTHENTICATED":
+            log.warning(
+                "store %s: UNAUTHENTICATED: the store refuses this replica's token (revoked "
+                "or rotated out); serving misses and dropping saves until it accepts one. "
+                "Write a valid token to the token file: it is re-read without a restart",
+                operation,
+            )
+            return
+        log.log(level, "store %s: %s; %s", operation, status, treatment.engine_gets)
+
+    def _first_refusal(self, status: str) -> bool:
+        with self._stats_lock:
+            first = status not in self._refusing
+            self._refusing.add(status)
+        return first
+
+    def _credentials_accepted(self) -> None:
+        with self._stats_lock:
+            refused, self._refusing = self._refusing, set()
+        if "UNAUTHENTICATED" in refused:
+            log.warning("the store accepts this replica's token again; the cache is back")
 
     def call(self, operation: str, action: Callable[[], T]) -> T | None:
         """`action()`, or None when the breaker is open or the call failed."""

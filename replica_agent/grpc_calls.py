@@ -13,7 +13,7 @@ stream's last frame included, however slowly the frames come.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,19 +54,31 @@ class GrpcCalls:
         self,
         channel: grpc.Channel,
         target: str,
-        token: str,
+        token: str | Callable[[], str],
         timeout_s: float | None,
         frame_bytes: int,
         *,
         sealed_channel: bool = False,
     ) -> None:
-        """`sealed_channel`: ask OpenBulk for the sealed-payload channel (BlockClient)."""
+        """`sealed_channel`: ask OpenBulk for the sealed-payload channel (BlockClient).
+        `token`: the bearer token, or what gives the one to send now (a rotated token
+        file: replica_agent.credentials.TokenFile), asked on every call."""
         self._stub = pb_grpc.BlockStoreStub(channel)
         self._sealed_channel = sealed_channel
         self._target = target
-        self._metadata = (("authorization", f"Bearer {token}"),)
+        self._token = token if callable(token) else lambda: token
+        self._sent: tuple[str, tuple[tuple[str, str], ...]] = ("", ())
         self.timeout_s = timeout_s
         self.frame_bytes = frame_bytes
+
+    def _auth(self) -> tuple[tuple[str, str], ...]:
+        """The authorization metadata of the current token (built once per token)."""
+        token = self._token()
+        sent, metadata = self._sent
+        if token != sent:
+            metadata = (("authorization", f"Bearer {token}"),)
+            self._sent = (token, metadata)
+        return metadata
 
     def _timeout_s(self, deadline: CallDeadline | None) -> float | None:
         """A call's gRPC timeout: what is left of `deadline`, else `timeout_s`."""
@@ -75,7 +87,7 @@ class GrpcCalls:
     def _call(self, method: Any, request: Any, deadline: CallDeadline | None = None) -> Any:
         timeout = self._timeout_s(deadline)
         try:
-            return method(request, timeout=timeout, metadata=self._metadata + outgoing_metadata())
+            return method(request, timeout=timeout, metadata=self._auth() + outgoing_metadata())
         except grpc.RpcError as error:
             raise from_rpc_error(error) from None
 
@@ -85,7 +97,7 @@ class GrpcCalls:
             response = self._stub.OpenBulk(
                 pb.OpenBulkRequest(tenant=tenant, sealed_channel=self._sealed_channel),
                 timeout=timeout,
-                metadata=self._metadata + outgoing_metadata(),
+                metadata=self._auth() + outgoing_metadata(),
             )
         except grpc.RpcError as error:
             if error.code() == grpc.StatusCode.UNIMPLEMENTED:
@@ -128,9 +140,7 @@ class GrpcCalls:
             tenant=tenant, model=model, digests=digests, max_frame_bytes=self.frame_bytes
         )
         timeout = self._timeout_s(deadline)
-        call = self._stub.Get(
-            request, timeout=timeout, metadata=self._metadata + outgoing_metadata()
-        )
+        call = self._stub.Get(request, timeout=timeout, metadata=self._auth() + outgoing_metadata())
         try:
             yield from _assembled(call)
         except grpc.RpcError as error:

@@ -33,6 +33,7 @@ from cacheserver.store.journal import (
     remove_orphans,
     replay,
 )
+from cacheserver.store.journal.sizing import journal_capacity
 from cacheserver.store.tiering import IndexedTiers
 from cacheserver.store.writer import MAX_BATCH_BYTES
 from cacheserver.tiers import JournalCheckpoint, Position
@@ -40,6 +41,7 @@ from kvcommon.errors import ConfigError, KvshareError
 from policy.types import StorageKey, TenantId
 
 log = logging.getLogger(__name__)
+DEFAULT_JOURNAL_BYTES = StorageConfig().journal_bytes
 
 
 def rebuild_index(tiers: IndexedTiers, epochs: dict[TenantId, int]) -> int:
@@ -189,9 +191,12 @@ def open_journal(
         return None
     if recorded is not None and recorded[1] != path:
         remove_journal(recorded[1])  # replayed above; the journal moved
-    journal = Journal(
-        path, storage.journal_bytes, recorded[0].seq if recorded else 0, owner=data_dir
+    # A container's /dev/shm or a memory-backed volume may be far smaller than the
+    # default: the default is then fitted to it, a value set in the config refused.
+    capacity = journal_capacity(
+        path, storage.journal_bytes, default=storage.journal_bytes == DEFAULT_JOURNAL_BYTES
     )
+    journal = Journal(path, capacity, recorded[0].seq if recorded else 0, owner=data_dir)
     for orphan in remove_orphans(path.parent, keep=path):
         log.info("removed %s: the put journal of a data dir that no longer exists", orphan)
     # From here on a replay follows the new journal's chain, which starts empty.

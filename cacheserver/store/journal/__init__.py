@@ -34,6 +34,8 @@ The package, by responsibility:
 - `ledger`: which records hold ring space, which are done, how far LMDB covers the chain;
 - `readers`: which released space a reader may still be sending (by generation);
 - `files`: where journal files live, how they are opened safely, orphans, page making.
+- `sizing`: how big the journal is: the default fitted to the file system it goes on
+  (a container's /dev/shm), a size set in the config checked against it.
 The store's use of it (what is journaled, the views the memory tier holds, draining)
 is in `cacheserver.store.journaled` and `cacheserver.store.writer`.
 """

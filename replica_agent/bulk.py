@@ -2,8 +2,15 @@
 `kvcommon.bulkwire`). `BulkChannel` is a transport (replica_agent.transport): delete,
 stats and any call its frames cannot carry are `UseGrpc`.
 
-One connection per thread and tenant (bulk_connect.py), opened with a one-time ticket
-and kept for reuse; a kept connection the server closed meanwhile (a restart) is replaced
+Its connections are of three kinds, chosen when one opens, each in a module of its own:
+on the server's host the same-host arena (bulk_samehost.py: its opening, reads and
+puts), else TCP or TLS (bulk_connect.py: opening, and the framing all kinds share;
+the streamed reads and puts here), or the sealed-payload channel (bulk_sealed.py).
+This module keeps them per thread and tenant and sends each call to its connection's
+kind.
+
+One connection per thread and tenant, opened with a one-time ticket and kept for
+reuse; a kept connection the server closed meanwhile (a restart) is replaced
 before it is used, so a restart is no failure of the channel (no fallback, no backoff in
 fallback.py). `read` is the one read path: each leading present payload as a view,
 as soon as it arrived — into the connection's reused buffers, or, on the server's host,
@@ -15,8 +22,7 @@ Every call runs within one deadline (replica_agent.deadline: the client's `timeo
 for the whole call, however slowly the reply comes); a call that runs out of it, or
 stops anywhere mid-frame, closes its connection, whose stream position is then unknown.
 
-Requests bigger than the arena are split; a block bigger than the whole arena goes over
-TCP. Sizes the server announces are checked before anything is allocated for them: a
+Sizes the server announces are checked before anything is allocated for them: a
 hostile or broken server gets a DATA_LOSS error (a miss for the agent), never an
 allocation of its choosing.
 """
@@ -27,18 +33,17 @@ import ssl
 import threading
 from collections.abc import Callable, Iterator, Sequence
 
-from kvcommon import bulkio, samehost
+from kvcommon import bulkio
 from kvcommon import bulkwire as w
-from kvcommon.tracing import binary_context
 from kvcommon.v1 import kvshare_pb2 as pb
 from replica_agent.bulk_connect import (
     Connection,
-    can_use_local,
-    connect_local,
     connect_tcp,
-    expect_ok,
+    put_request,
     recv_reply,
+    send_request,
 )
+from replica_agent.bulk_samehost import can_use_local, connect_local, put_arena, read_arena
 from replica_agent.deadline import CallDeadline
 from replica_agent.errors import store_error
 from replica_agent.grpc_calls import MAX_BLOCK_BYTES, Ticket
@@ -122,6 +127,10 @@ class BulkChannel:
                 self._all.remove(conn)  # reconnects must not accumulate dead connections
             conn.close()
 
+    def _dropper(self, tenant: str) -> Callable[[], None]:
+        """What closes this thread's same-host connection for `tenant` (bulk_samehost)."""
+        return lambda: self._drop(tenant, tcp=False)
+
     def close(self) -> None:
         with self._lock:
             for conn in self._all:
@@ -129,30 +138,6 @@ class BulkChannel:
             self._all.clear()
 
     # -- requests -------------------------------------------------------------------
-
-    def _request(
-        self,
-        conn: Connection,
-        op: int,
-        model: str,
-        digests: Sequence[bytes],
-        then: Sequence[Payload] = (),
-    ) -> None:
-        """Send a request header, and `then` (a put's sizes and payloads) in the same
-        `sendmsg`: the server wakes once, with the header and the first bytes at hand."""
-        encoded = model.encode("utf-8")
-        trace = binary_context() if conn.traced else None
-        if trace is not None:
-            op |= w.TRACED
-        header = w.REQUEST.pack(op, len(encoded), len(digests))
-        parts = [header, trace, encoded] if trace is not None else [header, encoded]
-        try:  # digests: one buffer
-            bulkio.send_parts(conn.sock, [*parts, b"".join(digests), *then], conn.timer)
-        except (BrokenPipeError, ConnectionResetError):
-            # The server refused the request from its header and closed (a Unix socket
-            # then fails the send at once): its error frame may be waiting to be read.
-            expect_ok(conn.sock, conn.timer)
-            raise
 
     def lookup(
         self,
@@ -175,7 +160,7 @@ class BulkChannel:
         if conn.sealed is not None:
             raise UseGrpc("sealed channel")
         try:
-            self._request(conn, w.OP_LOOKUP, model, digests)
+            send_request(conn, w.OP_LOOKUP, model, digests)
             (present,) = w.PRESENT.unpack(recv_reply(conn.sock, w.PRESENT.size, conn.timer))
         except Exception:
             self._drop(tenant, tcp=tcp)
@@ -203,7 +188,15 @@ class BulkChannel:
             return self._read_sealed(tenant, conn, model, digests, keep=keep)
         if conn.arena is None:
             return self._read_streamed(tenant, conn, model, digests, keep=keep, tcp=False)
-        return self._read_arena(tenant, conn, model, digests, keep=keep, deadline=deadline)
+
+        def over_tcp(rest: Sequence[bytes]) -> Iterator[memoryview]:
+            tcp = self._connection(tenant, deadline, tcp=True)
+            tcp.buffers.reset()
+            return self._read_streamed(tenant, tcp, model, rest, keep=keep, tcp=True)
+
+        return read_arena(
+            conn, model, digests, keep=keep, drop=self._dropper(tenant), over_tcp=over_tcp
+        )
 
     def _read_sealed(
         self, tenant: str, conn: Connection, model: str, digests: Sequence[bytes], *, keep: bool
@@ -229,7 +222,7 @@ class BulkChannel:
     ) -> Iterator[memoryview]:
         finished = False
         try:
-            self._request(conn, w.OP_GET, model, digests)
+            send_request(conn, w.OP_GET, model, digests)
             size_buf = recv_reply(conn.sock, w.SIZE.size, conn.timer)  # the first size
             for index in range(len(digests) + 1):
                 (size,) = w.SIZE.unpack(size_buf)
@@ -250,56 +243,6 @@ class BulkChannel:
         finally:
             if not finished:
                 self._drop(tenant, tcp=tcp)  # stopped mid-stream: out of step
-
-    def _read_arena(
-        self,
-        tenant: str,
-        conn: Connection,
-        model: str,
-        digests: Sequence[bytes],
-        *,
-        keep: bool,
-        deadline: CallDeadline,
-    ) -> Iterator[memoryview]:
-        served = 0
-        while served < len(digests):
-            views, truncated = self._get_arena(tenant, conn, model, digests[served:])
-            if truncated and not views:  # the next block is bigger than the whole arena
-                tcp = self._connection(tenant, deadline, tcp=True)
-                tcp.buffers.reset()
-                rest = digests[served:]
-                yield from self._read_streamed(tenant, tcp, model, rest, keep=keep, tcp=True)
-                return
-            served += len(views)
-            if truncated and keep:  # the arena is written again by the next request
-                views = [_kept(conn, v) for v in views]
-            yield from views
-            if not truncated:
-                return
-
-    def _get_arena(
-        self, tenant: str, conn: Connection, model: str, digests: Sequence[bytes]
-    ) -> tuple[list[memoryview], bool]:
-        """One same-host GET: views of the blocks the server put in the arena, and
-        whether it filled up before the next present block."""
-        arena = conn.arena
-        assert arena is not None
-        try:
-            self._request(conn, w.OP_GET, model, digests)
-            reply = recv_reply(conn.sock, w.LOCAL_GET.size, conn.timer)
-            count, truncated = w.LOCAL_GET.unpack(reply)
-            if count > len(digests):
-                raise store_error("DATA_LOSS", "the server described more blocks than asked")
-            raw = bulkio.recv_bytes(conn.sock, count * w.SIZE.size, conn.timer)
-            sizes = [size for (size,) in w.SIZE.iter_unpack(raw)]
-            offsets, end = w.arena_offsets(sizes)
-            if end > len(arena):
-                raise store_error("DATA_LOSS", "the server described blocks outside the arena")
-        except Exception:
-            self._drop(tenant, tcp=False)
-            raise
-        view = memoryview(arena)
-        return [view[o : o + n] for o, n in zip(offsets, sizes, strict=True)], bool(truncated)
 
     def get(self, tenant: str, model: str, digests: Sequence[bytes]) -> list[bytes]:
         return [bytes(v) for v in self.read(tenant, model, digests, keep=True)]
@@ -326,65 +269,19 @@ class BulkChannel:
             except Exception:
                 self._drop(tenant, tcp=False)
                 raise
-        if conn.arena is None:
-            return self._put_request(tenant, conn, model, digests, sizes, payloads, tcp=tcp)
-        outcomes: list[bool] = []
-        for start, end in _arena_batches(sizes, len(conn.arena)):
-            offsets, _ = w.arena_offsets(sizes[start:end])
-            view = memoryview(conn.arena)
-            for offset, payload in zip(offsets, payloads[start:end], strict=True):
-                samehost.copy_into(view[offset:], payload)
-            view.release()
-            outcomes += self._put_request(
-                tenant, conn, model, digests[start:end], sizes[start:end], (), tcp=False
-            )
-        return outcomes
-
-    def _put_request(
-        self,
-        tenant: str,
-        conn: Connection,
-        model: str,
-        digests: Sequence[bytes],
-        sizes: Sequence[int],
-        payloads: Sequence[Payload],
-        *,
-        tcp: bool,
-    ) -> list[bool]:
-        """One PUT: the payloads follow on the socket, or are in the arena already."""
-        try:
-            raw_sizes = b"".join(w.SIZE.pack(size) for size in sizes)
-            self._request(conn, w.OP_PUT, model, digests, [raw_sizes, *payloads])
-            outcomes = recv_reply(conn.sock, len(digests), conn.timer)
+        if conn.arena is not None:
+            return put_arena(conn, model, digests, sizes, payloads, self._dropper(tenant))
+        try:  # the payloads follow the request on the socket
+            return put_request(conn, model, digests, sizes, payloads)
         except Exception:
             self._drop(tenant, tcp=tcp)
             raise
-        return [o == w.OUTCOME_STORED for o in outcomes]
 
     def delete(self, request: pb.DeleteRequest, deadline: CallDeadline | None = None) -> int:
         raise UseGrpc("no delete on the bulk channel")
 
     def stats(self, deadline: CallDeadline | None = None) -> pb.StatsResponse:
         raise UseGrpc("no stats on the bulk channel")
-
-
-def _kept(conn: Connection, view: memoryview) -> memoryview:
-    """`view` copied into the connection's buffers (valid until the next call)."""
-    copy = conn.buffers.take(view.nbytes, keep=True)
-    samehost.copy_into(copy, view)
-    return copy
-
-
-def _arena_batches(sizes: Sequence[int], capacity: int) -> Iterator[tuple[int, int]]:
-    """Index ranges of consecutive blocks that each fit an arena of `capacity` bytes."""
-    start, used = 0, 0  # used: where the next block would start
-    for index, size in enumerate(sizes):
-        if index > start and used + size > capacity:
-            yield start, index
-            start, used = index, 0
-        used += size + (-size % w.ARENA_ALIGN)
-    if start < len(sizes):
-        yield start, len(sizes)
 
 
 def _check_framable(model: str, digests: Sequence[bytes]) -> None:

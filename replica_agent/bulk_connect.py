@@ -1,13 +1,13 @@
-"""Opening a bulk-channel connection: TCP/TLS, the sealed-payload channel, or the same-host arena.
+"""Opening a bulk-channel connection over TCP, TLS or the sealed-payload channel, and
+the request framing every bulk connection shares.
 
-A connection is opened with a one-time ticket from OpenBulk. On the server's host (the
-ticket names a same-host listener in this very network namespace, owned by the
-server's user), the connection gets a shared-memory arena from the server; anywhere
-else, or when the server has no arena to spare, it is a TCP (or TLS) connection to the
-address OpenBulk announced — or, when that address names no host (a wildcard), to the
-host this client dialed for gRPC (kvcommon.hostport, applied when the ticket is read).
-A ticket that carries a channel secret opens the sealed-payload channel there instead
-of TLS (replica_agent.bulk_sealed).
+A connection is opened with a one-time ticket from OpenBulk: a TCP (or TLS) connection
+to the address OpenBulk announced — or, when that address names no host (a wildcard),
+to the host this client dialed for gRPC (kvcommon.hostport, applied when the ticket is
+read). A ticket that carries a channel secret opens the sealed-payload channel there
+instead of TLS (replica_agent.bulk_sealed). On the server's host the connection may be
+a same-host one instead, with a shared-memory arena (replica_agent.bulk_samehost):
+the same `Connection`, the same request header and replies.
 
 Every step of opening a connection takes what is left of the call's deadline
 (replica_agent.deadline), so a listener that drips its handshake holds the call no
@@ -19,26 +19,22 @@ Each connection keeps its receive buffers (replica_agent.bulk_buffers).
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import logging
 import mmap
-import os
 import select
 import socket
 import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvcommon import bulkio, samehost
+from kvcommon import bulkio
 from kvcommon import bulkwire as w
-from policy.tickets import is_local_binding
+from kvcommon.tracing import binary_context
 from replica_agent.bulk_buffers import Buffers
 from replica_agent.bulk_sealed import SealedChannel
 from replica_agent.deadline import CallDeadline, SocketTimer
 from replica_agent.errors import store_error
 from replica_agent.grpc_calls import Ticket
-
-log = logging.getLogger(__name__)
+from replica_agent.transport import Payload
 
 
 @dataclass
@@ -81,7 +77,7 @@ def connect_tcp(
     carries its secret (plain TCP, replica_agent.bulk_sealed), else TLS when `tls`."""
     host, _, port = ticket.address.rpartition(":")
     host = host.strip("[]")  # an IPv6 literal, as a socket and TLS want it
-    timer = _timer(deadline)
+    timer = call_timer(deadline)
     sock = socket.create_connection((host, int(port)), timeout=timer.timeout_s)
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -116,98 +112,50 @@ def _wait_in_kernel(sock: socket.socket, deadline: CallDeadline, timer: SocketTi
         timer.timeout_s = left
 
 
-def _timer(deadline: CallDeadline) -> SocketTimer:
+def call_timer(deadline: CallDeadline) -> SocketTimer:
     """The timer of a connection opened now, its timeout what is left of `deadline`."""
     timer = SocketTimer(deadline.left_s())
     timer.deadline = deadline
     return timer
 
 
-def can_use_local(ticket: Ticket) -> bool:
-    """Whether to try the same-host listener at all: the server offers one, bound to
-    where it counts (an older server binds nothing: TCP), and this process knows its
-    own namespace."""
-    return bool(ticket.local_address and ticket.local_binding and samehost.host_namespace())
-
-
-def is_the_servers(ticket: Ticket, sock: socket.socket) -> bool:
-    """Only in the server's own namespace, and only while the server's user holds it,
-    is the listener's name the server's: a listener of that name anywhere else, or of
-    another user (the name is free once the server dies), is an impostor that would
-    get the ticket and the payloads. OpenBulk bound both to the ticket."""
-    uid = samehost.peer_uid(sock)
-    if uid is None:
-        return False
-    return is_local_binding(ticket.ticket, samehost.host_namespace(), uid, ticket.local_binding)
-
-
-def connect_local(ticket: Ticket, deadline: CallDeadline) -> tuple[Connection | None, bool]:
-    """The same-host connection and its arena; (None, whether the ticket was
-    presented) when there is none to be had: another host or network namespace, or
-    the server's arenas are all taken. Errors of policy are raised."""
-    timer = _timer(deadline)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.settimeout(timer.timeout_s)
-        try:
-            sock.connect("\0" + ticket.local_address)
-        except OSError:
-            sock.close()
-            return None, False  # not this server's host: TCP, same ticket
-        if not is_the_servers(ticket, sock):
-            # Another namespace's listener, or a process of another user that took the
-            # name after the server went away. It gets no ticket (and no payloads).
-            log.warning("the same-host bulk listener is not the server's; using TCP")
-            sock.close()
-            return None, False
-        bulkio.send_parts(sock, [w.HELLO.pack(w.MAGIC, ticket.ticket)], timer)
-        arena, data = _receive_arena(sock, timer)
-        if arena is None and data[:1] == bytes([w.OK]):
-            log.warning("same-host bulk channel gave no usable arena; using TCP")
-            sock.close()
-            return None, True
-        if arena is None:
-            if not data:
-                raise w.ConnectionClosed("the same-host listener closed the connection")
-            error = store_error(*bulkio.recv_error(sock, data, timer))
-            if error.status != "RESOURCE_EXHAUSTED":
-                raise error
-            log.warning("same-host bulk channel refused (%s); using TCP", error.details())
-            sock.close()
-            return None, True
-    except BaseException:
-        sock.close()
+def send_request(
+    conn: Connection,
+    op: int,
+    model: str,
+    digests: Sequence[bytes],
+    then: Sequence[Payload] = (),
+) -> None:
+    """Send a request header, and `then` (a put's sizes and payloads) in the same
+    `sendmsg`: the server wakes once, with the header and the first bytes at hand."""
+    encoded = model.encode("utf-8")
+    trace = binary_context() if conn.traced else None
+    if trace is not None:
+        op |= w.TRACED
+    header = w.REQUEST.pack(op, len(encoded), len(digests))
+    parts = [header, trace, encoded] if trace is not None else [header, encoded]
+    try:  # digests: one buffer
+        bulkio.send_parts(conn.sock, [*parts, b"".join(digests), *then], conn.timer)
+    except (BrokenPipeError, ConnectionResetError):
+        # The server refused the request from its header and closed (a Unix socket
+        # then fails the send at once): its error frame may be waiting to be read.
+        expect_ok(conn.sock, conn.timer)
         raise
-    return Connection(sock, ticket.traced, arena, Buffers(), timer), True
 
 
-def _receive_arena(sock: socket.socket, timer: SocketTimer) -> tuple[mmap.mmap | None, bytes]:
-    """The arena the server sent with its reply (mapped), and the reply's bytes."""
-    timer.arm(sock)
-    data, fds, _flags, _addr = socket.recv_fds(sock, w.ARENA_REPLY.size, 1)
-    try:
-        if data[:1] != bytes([w.OK]):
-            return None, data
-        data += bulkio.recv_bytes(sock, w.ARENA_REPLY.size - len(data), timer)  # if split
-        return _map_arena(fds, w.ARENA_REPLY.unpack(data)[1]), data
-    finally:
-        for fd in fds:
-            os.close(fd)  # the mapping keeps the memory
-
-
-def _map_arena(fds: Sequence[int], size: int) -> mmap.mmap | None:
-    """Map the arena the server sent, if it is one: a memfd of `size` bytes sealed
-    against shrinking and growing (else a later shrink would fault this process)."""
-    if len(fds) != 1:
-        return None
-    try:
-        needed = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
-        sealed = fcntl.fcntl(fds[0], fcntl.F_GET_SEALS) & needed == needed
-        if not sealed or os.fstat(fds[0]).st_size != size or size <= 0:
-            return None
-        return mmap.mmap(fds[0], size)
-    except (OSError, ValueError, AttributeError):  # AttributeError: no seals here
-        return None
+def put_request(
+    conn: Connection,
+    model: str,
+    digests: Sequence[bytes],
+    sizes: Sequence[int],
+    payloads: Sequence[Payload],
+) -> list[bool]:
+    """One PUT: the payloads follow on the socket, or are in the arena already (none
+    given); per block, whether it was newly stored."""
+    raw_sizes = b"".join(w.SIZE.pack(size) for size in sizes)
+    send_request(conn, w.OP_PUT, model, digests, [raw_sizes, *payloads])
+    outcomes = recv_reply(conn.sock, len(digests), conn.timer)
+    return [o == w.OUTCOME_STORED for o in outcomes]
 
 
 def expect_ok(sock: socket.socket, timer: bulkio.Timer | None = None) -> None:

@@ -6,8 +6,10 @@ the others. Three implement this interface:
 
 - `GrpcCalls` (grpc_calls.py): every call, over gRPC;
 - `BulkChannel` (bulk.py): lookups, reads and puts over the server's bulk channel. Each
-  of its connections is TCP, TLS, the sealed-payload channel or, on the server's host,
-  the same-host arena, chosen when the connection opens; anything else is `UseGrpc`;
+  of its connections is TCP or TLS (bulk_connect.py), the sealed-payload channel
+  (bulk_sealed.py) or, on the server's host, the same-host arena (bulk_samehost.py: its
+  connections, reads and puts), chosen when the connection opens, and the channel sends
+  each call to its connection's kind; anything else is `UseGrpc`;
 - `Fallback` (fallback.py): the other two behind one rule, the only place that decides
   which of them carries a call, and what happens when one fails.
 

@@ -295,6 +295,23 @@ def test_the_tour_names_real_modules() -> None:
         assert list(ROOT.glob(base)), pattern
 
 
+def test_the_table_counts_the_lists() -> None:
+    """The doc's table of counts says, after its arrow, how long each list is now."""
+    tour = documented()
+    columns = ("grpc", "bulk-tcp", "bulk-same-host")
+    rows = [
+        line.split("|")[1:-1]
+        for line in DOC.read_text().splitlines()
+        if re.match(r"^\| (GET|PUT) ", line)
+    ]
+    assert len(rows) == 2, "docs/architecture.md: the table of traced hops is not found"
+    for cells in rows:
+        verb = cells[0].strip().lower()
+        for transport, cell in zip(columns, cells[1:], strict=False):
+            now = int(cell.split("→")[-1])
+            assert now == len(tour.lists[(verb, transport)]), (verb, transport, cell)
+
+
 def test_an_added_hop_is_named() -> None:
     """The comparison names an extra hop (the positive control of the check itself)."""
     traced_hops = [Hop("cacheserver/a.py", ["A.get"]), Hop("cacheserver/b.py", ["B.get"])]

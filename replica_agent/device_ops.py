@@ -1,7 +1,7 @@
 """The device operations the restore and save paths use: one small interface, two homes.
 
 `CudaOps` runs them on CUDA. Tests run the very same restore and save code against a
-simulated asynchronous copy engine (tests/simcuda.py) that implements this interface:
+simulated asynchronous copy engine (tests/support/simcuda.py) that implements this interface:
 its copies run late, in order per stream, and read their source only when they run, so
 a missing wait shows up as wrong bytes on a CPU-only machine.
 

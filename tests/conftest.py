@@ -29,12 +29,11 @@ from cacheserver.telemetry import ServerTelemetry
 from kvcommon import bulkio
 from policy import AccessPolicy
 from replica_agent.client import BlockClient, ClientTls
-from tests.certs import Certs, make_certs
+from tests.support.certs import Certs, make_certs
+from tests.support.repo import REPO
 
 if TYPE_CHECKING:
     from policy.sealing import BlockSealer
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -34,7 +34,8 @@ DEFAULT_LISTEN = "127.0.0.1:50051"
 DEFAULT_DATA_DIR = "./kvshare-data"
 LOG_FORMATS = ("text", "json")
 # Bounds that come from elsewhere in the server (config cannot import those modules:
-# they import this one). tests/unit/test_config.py checks that they still agree.
+# they import this one). tests/unit/cacheserver/config/test_config.py checks that they
+# still agree.
 JOURNAL_MIN_BYTES = 16 * MiB  # the put journal's smallest ring (store/journal/ring.py)
 GRPC_SLACK_BYTES = 1 * MiB  # protobuf framing the server (server.py) adds to max_message_bytes
 GRPC_MAX_MESSAGE = (1 << 31) - 1  # gRPC's message sizes are signed 32-bit integers
@@ -44,15 +45,15 @@ MAX_MAP_BYTES = 96 * TiB  # an LMDB map that leaves room in 128 TiB of address s
 
 
 # -- what each key may hold -------------------------------------------------------------
-# One spec per key the parser reads (tests/unit/test_config.py checks that every field
-# of each table has one). Upper bounds keep a value from overflowing what it feeds: a
-# 32-bit gRPC size, a thread's wait (Python refuses waits past about 292 years, and an
-# fsync thread given one dies), LMDB's largest value, the LMDB map (mapped whole into
-# a 64-bit process's 128 TiB of address space: budgets stop at MAX_BUDGET_BYTES, whose
-# derived map still fits; a file system may allow less, e.g. ext4's 16 TiB files, which
-# the server reports at start). Intervals stop at a day, past anything a deployment
-# means. Where 0 means something else (off, derived, unlimited) the spec says so, and
-# the error message repeats it.
+# One spec per key the parser reads (tests/unit/cacheserver/config/test_config.py checks
+# that every field of each table has one). Upper bounds keep a value from overflowing
+# what it feeds: a 32-bit gRPC size, a thread's wait (Python refuses waits past about
+# 292 years, and an fsync thread given one dies), LMDB's largest value, the LMDB map
+# (mapped whole into a 64-bit process's 128 TiB of address space: budgets stop at
+# MAX_BUDGET_BYTES, whose derived map still fits; a file system may allow less, e.g.
+# ext4's 16 TiB files, which the server reports at start). Intervals stop at a day, past
+# anything a deployment means. Where 0 means something else (off, derived, unlimited)
+# the spec says so, and the error message repeats it.
 
 STORAGE_SPECS: dict[str, Spec] = {
     "memory_budget_bytes": int_in(0, MAX_BUDGET_BYTES, "bytes"),

@@ -12,7 +12,8 @@ distribution with the usual small-sample correction (Stephens 1970; Numerical Re
 
 Both series are the same function; each is used where it converges in a few terms.
 This tracks scipy's `ks_2samp(method="asymp")` (kstwo.sf(D, round(n*m/(n+m)))) to
-within about 0.02 for the sample sizes the audit uses (tests/unit/test_audit_stats.py).
+within about 0.02 for the sample sizes the audit uses
+(tests/unit/kvshare/audit/test_audit_stats.py).
 
 `auc(x, y)`: the ROC area of "x is larger than y", P(X > Y) + P(X = Y)/2, from the
 Mann-Whitney U with midranks for ties. 0.5: indistinguishable; 1.0: every x larger;

@@ -1,5 +1,5 @@
 """Scenarios of the agent's GPU path, run against the simulated copy engine (the default
-suite's tests/simcuda.py) and against a real GPU (scripts/gpu_check.py,
+suite's tests/support/simcuda.py) and against a real GPU (scripts/gpu_check.py,
 tests/e2e/test_gpu_restore.py).
 
 A `Rig` is what a scenario needs to play an inference engine: device operations (the
@@ -56,7 +56,7 @@ class Rig(Protocol):
 
 class Restorer(Protocol):
     """What the restore scenarios call: `BlockRestorer`, or the pre-fix one in
-    tests/sim_pre_fix_restorer.py."""
+    tests/support/sim_pre_fix_restorer.py."""
 
     spec: ModelSpec
     device: torch.device

@@ -1,4 +1,4 @@
-"""The Redis Cluster tier keeps the tier contract (tests/unit/tier_contract.py) against
+"""The Redis Cluster tier keeps the tier contract (tests/support/tier_contract.py) against
 a real cluster, and its probe names the nodes when it cannot take writes."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from kvcommon.hostport import parse_host_port
 from kvshare.bench.redis_cluster import LocalRedisCluster
 from policy.shared_values import ValueMac
 from policy.types import StorageKey
-from tests.unit.tier_contract import TENANT, FakeLocalCopies, check_tier_contract, pending_write
+from tests.support.tier_contract import TENANT, FakeLocalCopies, check_tier_contract, pending_write
 
 MiB = 1 << 20
 

@@ -28,7 +28,7 @@ from tests.cluster.conftest import (
     tier_of,
 )
 from tests.conftest import TRANSPORT_OPTIONS, ServerProcess, launch, write_config
-from tests.observability.scrape import parse, scrape_text, value
+from tests.support.scrape import parse, scrape_text, value
 
 ALPHA = TenantId("alpha")
 METRICS = TelemetryConfig(metrics_listen="127.0.0.1:0", health_interval_ms=200)

@@ -10,7 +10,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvshare.bench.redis_cluster import ClusterAccess, LocalRedisCluster
-from tests.certs import Certs
 from tests.cluster.conftest import (
     MODEL,
     NOT_SERVING,
@@ -21,6 +20,7 @@ from tests.cluster.conftest import (
     health,
     make_cluster,
 )
+from tests.support.certs import Certs
 
 
 def _secured(tmp_path: Path, certs: Certs, password: str) -> LocalRedisCluster:

@@ -21,8 +21,9 @@ import torch
 from policy.sealing import BlockSealer, Keyring, new_key_entry
 from replica_agent.adapters.hf import cache_from_blocks, greedy_continue, prefill
 from replica_agent.agent import ReplicaAgent
-from tests.conftest import REPO, Running, launch, write_config
-from tests.e2e.agent_writer import build
+from tests.conftest import Running, launch, write_config
+from tests.support.agent_writer import build
+from tests.support.repo import REPO
 
 BLOCK_TOKENS = 16
 SUFFIXES = [1, 5, 11]
@@ -58,7 +59,7 @@ def write_from_another_process(running: Running, keyring: Path, dtype: str) -> N
         "tenant": "alpha",
     }
     result = subprocess.run(
-        [sys.executable, "-m", "tests.e2e.agent_writer", json.dumps(args)],
+        [sys.executable, "-m", "tests.support.agent_writer", json.dumps(args)],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -1,5 +1,5 @@
 """The agent's CUDA path end to end: a real server, real clients, and the simulated
-asynchronous copy engine (tests/simcuda.py) in place of the GPU.
+asynchronous copy engine (tests/support/simcuda.py) in place of the GPU.
 
 What a user depends on: concurrent loads of different tenants on one agent never see
 each other's blocks; a block produced on a side stream is stored as produced; a slow
@@ -28,7 +28,7 @@ from replica_agent.client import BlockClient
 from replica_agent.codec import HEADER_BYTES, decode_block, encode_block, torch_dtype
 from replica_agent.spec import ModelSpec
 from tests.conftest import Running, ServerProcess
-from tests.simcuda import DEVICE, SimCuda
+from tests.support.simcuda import DEVICE, SimCuda
 
 SAVER = "kvshare-saver"
 

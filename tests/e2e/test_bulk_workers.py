@@ -327,7 +327,7 @@ def test_calls_a_worker_served_are_counted_in_the_servers_metrics(
     start_server: Callable[..., Running],
 ) -> None:
     from cacheserver.config import TelemetryConfig
-    from tests.observability.scrape import parse, scrape_text, value
+    from tests.support.scrape import parse, scrape_text, value
 
     running = start_server(
         bulk=BulkConfig(workers=2), telemetry=TelemetryConfig(metrics_listen="127.0.0.1:0")

@@ -1,5 +1,5 @@
 """The agent's GPU path on a real GPU: the scenarios the simulated copy engine runs in the
-default suite (tests/unit/test_device_sim.py), here with real streams, events, pinned
+default suite (tests/unit/replica_agent/test_device_sim.py), here with real streams, events, pinned
 memory and copy engines. Marked `gpu`: skipped where CUDA is absent.
 
 Blocks are 2 MiB (bf16) or 4 MiB (fp32), and the consumer stream is held busy by a

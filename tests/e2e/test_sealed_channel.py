@@ -3,7 +3,7 @@
 The production configuration across hosts: TLS, tenant `alpha` requires sealed blocks,
 the replica agent seals with its keyring, so OpenBulk (over TLS) grants the sealed
 channel: plain TCP, AEAD headers, GMAC-tagged PUT payloads, sealed GET payloads. A
-relay on loopback (tests/e2e/mitm.py) sits where the network is and alters, swaps,
+relay on loopback (tests/support/mitm.py) sits where the network is and alters, swaps,
 replays, reorders or cuts what it sees. Every case is refused (the call falls back to
 gRPC over TLS) or a miss for the agent, never wrong KV; the positive control goes
 through the same relay untouched.
@@ -33,9 +33,11 @@ from replica_agent.agent import ReplicaAgent
 from replica_agent.client import BlockClient
 from replica_agent.errors import BlockStoreError
 from replica_agent.grpc_calls import GrpcCalls
-from tests.certs import Certs
 from tests.conftest import Running, Tenancy, launch
-from tests.e2e.mitm import (
+from tests.isolation.conftest import isolation_config
+from tests.isolation.test_tamper import CURRENT, MODEL, SPEC, Sealed, make_blocks
+from tests.support.certs import Certs
+from tests.support.mitm import (
     C2S,
     CLIENT_HELLO,
     S2C,
@@ -48,8 +50,6 @@ from tests.e2e.mitm import (
     put_plan,
     untouched,
 )
-from tests.isolation.conftest import isolation_config
-from tests.isolation.test_tamper import CURRENT, MODEL, SPEC, Sealed, make_blocks
 
 TIMEOUT_S = 30.0  # only failures wait on it; generous for a loaded machine
 

@@ -14,7 +14,8 @@ import pytest
 
 from cacheserver import cli as serve_cli
 from replica_agent.client import BlockClient
-from tests.conftest import REPO, SERVING_RE, ServerProcess, run_cli, write_config
+from tests.conftest import SERVING_RE, ServerProcess, run_cli, write_config
+from tests.support.repo import REPO
 
 
 def test_dev_mode_defaults(tmp_path: Path) -> None:

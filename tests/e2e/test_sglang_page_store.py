@@ -2,7 +2,8 @@
 code inside SGLang's HiCache backend interface with SGLang's real pools).
 
 Real: the server (gRPC, bulk channel, LMDB, policy), the client, sealing, the codec.
-The host buffers have the shapes SGLang allocates (tests/unit/test_sglang_pages.py).
+The host buffers have the shapes SGLang allocates
+(tests/unit/replica_agent/adapters/test_sglang_pages.py).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A socket timeout bounds one receive; a reply dripped a byte at a time restarts i
 every byte, so a call used to take as long as the store liked (18 s with `timeout_s =
 2`), with the breaker closed. Here a hostile store (a fake one: real gRPC, real bulk
 sockets over TCP and the same-host arena, the wire formats) and an on-path relay in
-front of a real server (tests/e2e/mitm.py: TLS and the sealed-payload channel) drip
+front of a real server (tests/support/mitm.py: TLS and the sealed-payload channel) drip
 their replies one byte every DRIP_S. With `timeout_s = 1` each call ends
 DEADLINE_EXCEEDED within BOUND_S, without a fallback that would double the stall, its
 connection is closed, and the gate counts a breaker failure. Each dripped reply is long
@@ -34,14 +34,14 @@ from replica_agent.breaker import BreakerState, CircuitBreaker
 from replica_agent.client import BlockClient
 from replica_agent.errors import BlockStoreError
 from replica_agent.spec import ModelSpec
-from tests.certs import Certs
 from tests.conftest import Running
-from tests.e2e.mitm import Mitm
 from tests.e2e.test_hostile_store import AnsweringStore, serving
 from tests.e2e.test_sealed_channel import require_sealed, start_behind
 from tests.isolation.conftest import isolation_config
 from tests.isolation.test_tamper import MODEL as SEALED_MODEL
 from tests.isolation.test_tamper import make_blocks
+from tests.support.certs import Certs
+from tests.support.mitm import Mitm
 
 TIMEOUT_S = 1.0
 DRIP_S = 0.5

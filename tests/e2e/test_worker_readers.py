@@ -6,8 +6,8 @@ UNAVAILABLE, and a block the index evicted is never served by a worker.
 LMDB's reader table is read as LMDB prints it (`Environment.readers()`), from a
 separate process: opening the environment twice in the server's own process would
 drop its locks. Some tests shrink the table (the real size is shown safe by
-arithmetic in tests/unit/test_lmdb_readers.py) so that a few dozen connections
-would fill it.
+arithmetic in tests/unit/cacheserver/tiers/lmdb/test_lmdb_readers.py) so that a few
+dozen connections would fill it.
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.certs import SPIFFE, Certs
 from tests.conftest import Running, Tenancy, launch, write_config
+from tests.support.certs import SPIFFE, Certs
 
 MODEL = "iso/model@r1;fp32;L2;H2;D8;B4;tp0/1"
 

@@ -16,9 +16,10 @@ from kvcommon.errors import PermissionDenied, Unauthenticated
 from kvcommon.v1 import kvshare_pb2 as pb
 from policy.audit import AuditLog, read_records
 from replica_agent.client import BlockClient
-from tests.conftest import REPO, flip_stored_byte
+from tests.conftest import flip_stored_byte
 from tests.isolation.conftest import MODEL, Served, isolation_config, serve
-from tests.isolation.rpc import METHODS, bearer, invoke
+from tests.support.repo import REPO
+from tests.support.rpc import METHODS, bearer, invoke
 
 LOOKUP = next(m for m in METHODS if m.name == "Lookup")
 

@@ -19,9 +19,9 @@ from google.protobuf import descriptor as _descriptor
 
 from kvcommon.v1 import kvshare_pb2 as pb
 from replica_agent.client import BlockClient, ClientTls
-from tests.certs import Certs
 from tests.isolation.conftest import MODEL, Served, isolation_config, serve
-from tests.isolation.rpc import METHODS, bearer, invoke
+from tests.support.certs import Certs
+from tests.support.rpc import METHODS, bearer, invoke
 
 
 @dataclass

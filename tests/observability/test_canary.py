@@ -31,7 +31,7 @@ from replica_agent.client import BlockClient
 from replica_agent.spec import ModelSpec
 from replica_agent.telemetry import AgentTelemetry
 from tests.conftest import write_config
-from tests.observability.scrape import scrape_text
+from tests.support.scrape import scrape_text
 
 SPEC = ModelSpec(
     model_id="t/canary-model-id", revision="r", num_layers=2, num_kv_heads=2, head_dim=8,

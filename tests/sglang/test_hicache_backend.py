@@ -19,7 +19,7 @@ import torch
 from kvcommon.errors import ConfigError
 from replica_agent.adapters.sglang import KVShareHiCacheStorage
 from replica_agent.client import BlockClient
-from tests.conftest import REPO, ServerProcess, write_engine_files
+from tests.conftest import ServerProcess, write_engine_files
 from tests.sglang.conftest import (
     PAGE,
     Store,
@@ -31,6 +31,7 @@ from tests.sglang.conftest import (
     page_keys,
     store_config,
 )
+from tests.support.repo import REPO
 
 PROMPT = list(range(1000, 1000 + 4 * PAGE))  # four pages of tokens
 

@@ -22,8 +22,8 @@ import pytest
 
 from kvshare.bench import netns
 from kvshare.bench.netns import Host, TwoHosts
-from tests.conftest import REPO
-from tests.observability.scrape import Samples, parse
+from tests.support.repo import REPO
+from tests.support.scrape import Samples, parse
 
 SERVING_RE = re.compile(r"serving on (\S+)")
 BULK_RE = re.compile(r"kvshare bulk on (\S+) \(announced: (\S+)\)")

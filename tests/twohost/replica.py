@@ -85,7 +85,7 @@ def _agent(args: dict[str, Any], dtype: str = "float32") -> Any:
     from policy.sealing import BlockSealer, Keyring
     from replica_agent.agent import ReplicaAgent
     from replica_agent.breaker import CircuitBreaker
-    from tests.e2e.agent_writer import build
+    from tests.support.agent_writer import build
 
     model, spec = build(dtype, BLOCK_TOKENS)
     agent = ReplicaAgent.connect(

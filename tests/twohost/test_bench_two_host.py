@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from kvshare.bench import netns
-from tests.conftest import REPO
+from tests.support.repo import REPO
 from tests.twohost.test_netns import namespaces
 
 

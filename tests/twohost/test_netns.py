@@ -14,7 +14,7 @@ import pytest
 
 from kvshare.bench import netns
 from kvshare.bench.netns import RigError, TwoHosts
-from tests.conftest import REPO
+from tests.support.repo import REPO
 
 ECHO_SERVER = (
     "import socket; s = socket.socket(); s.bind(('0.0.0.0', 7000)); s.listen(); "

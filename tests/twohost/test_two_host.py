@@ -16,9 +16,10 @@ from pathlib import Path
 
 from kvshare.bench.netns import TwoHosts
 from policy.sealing import new_key_entry
-from tests.certs import TestCA
-from tests.conftest import REPO, write_config
-from tests.observability.scrape import Samples, value
+from tests.conftest import write_config
+from tests.support.certs import TestCA
+from tests.support.repo import REPO
+from tests.support.scrape import Samples, value
 from tests.twohost.conftest import RemoteServer, replica_command, run_in
 
 BLOCK_TOKENS = 16

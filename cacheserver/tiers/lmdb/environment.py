@@ -13,8 +13,9 @@ BLOCKS_DB, META_DB = b"blocks", b"meta"
 MAX_DBS = 8
 # Read transactions open at once, across every process (the lock file's table, 64 bytes
 # a slot): above lmdb_readers_needed for any valid configuration (400 at the specs'
-# maxima, 344 with 8 workers; tests/unit/test_lmdb_readers.py). The server, opening the
-# environment first, sizes the table; the workers take its size from the lock file.
+# maxima, 344 with 8 workers; tests/unit/cacheserver/tiers/lmdb/test_lmdb_readers.py).
+# The server, opening the environment first, sizes the table; the workers take its size
+# from the lock file.
 MAX_READERS = 1024
 
 

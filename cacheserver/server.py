@@ -15,6 +15,8 @@ import logging
 import signal
 import socket
 import ssl
+from collections.abc import Callable
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -47,7 +49,7 @@ from cacheserver.transport.bulk import BulkServer, server_tls_context
 from cacheserver.transport.grpc.credentials import RotatingCertificate, TlsMaterial, read_tls
 from cacheserver.transport.grpc.service import BlockStoreService
 from cacheserver.transport.grpc.wire import AuthInterceptor
-from kvcommon.errors import ConfigError
+from kvcommon.errors import ConfigError, KvshareError
 from kvcommon.v1 import kvshare_pb2, kvshare_pb2_grpc
 from policy import AccessPolicy, Principal
 from policy.audit import AuditLog
@@ -91,6 +93,7 @@ class Server:
         )
         self.reloads = ReloadState()
         self._reload_lock = asyncio.Lock()
+        self._cleanups: set[asyncio.Task[None]] = set()  # a reload's deletes, running
         self.telemetry = telemetry or ServerTelemetry(config.telemetry)
         self._lock_file = prepare_data_dir(config.data_dir)
         access = config.access or dev_access(config.data_dir)
@@ -343,13 +346,35 @@ class Server:
                 self.bulk.use_tls(bulk_tls)
         self._tls, self._tls_material = tls, material
         self.config = config
-        evicted = await asyncio.to_thread(self.store.set_quotas, self.policy.quotas_bytes)
+        evicted = self.store.set_quotas(self.policy.quotas_bytes)
+        # What is no longer served leaves the disk behind the reload: a delete waits for
+        # the disk writer, which under load may take seconds.
         if evicted:
-            self.policy.record_admin(None, "evict_to_lowered_quotas", blocks=evicted)
+            self._in_background("evict_to_lowered_quotas", self.store.delete, evicted)
         for tenant in change.tenants_removed:
-            blocks = await asyncio.to_thread(self.store.delete_tenant, tenant)
-            self.policy.record_admin(None, "reclaim_removed_tenant", tenant=tenant, blocks=blocks)
-        return describe(change, ended, closed, tickets)
+            self._in_background(
+                "reclaim_removed_tenant", self.store.delete_tenant, tenant, tenant=tenant
+            )
+        return describe(change, ended, closed, tickets) + (
+            f"; evicted to lowered quotas {len(evicted)}" if evicted else ""
+        )
+
+    def _in_background(
+        self, action: str, delete: Callable[..., int], *args: Any, tenant: TenantId | None = None
+    ) -> None:
+        """Run a reload's delete on a thread; audit it when done. `stop` waits for it."""
+
+        async def run() -> None:
+            try:
+                blocks = await asyncio.to_thread(delete, *args)
+            except KvshareError as error:  # the writer is behind: a restart reclaims them
+                log.warning("%s after a reload: %s", action, error)
+                return
+            self.policy.record_admin(None, action, tenant=tenant, blocks=blocks)
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
 
     async def wait_for_termination(self) -> None:
         assert self._server is not None
@@ -370,6 +395,8 @@ class Server:
             self.bulk = None
         if self.workers is not None:
             self.workers.stop()
+        if self._cleanups:
+            await asyncio.wait(self._cleanups, timeout=SHUTDOWN_GRACE_S)
         if self._service is not None:
             self._service.close()
             self._service = None

@@ -300,10 +300,12 @@ class BlockStore:
         deleted = self._lineup.delete_below(keys)
         return max(present, deleted, held)
 
-    def set_quotas(self, quotas_bytes: Mapping[TenantId, int]) -> int:
+    def set_quotas(self, quotas_bytes: Mapping[TenantId, int]) -> list[StorageKey]:
         """New per-tenant quotas (a live config reload): a tenant over its new quota is
-        evicted down to it at once, least recently used first, by the same rules as
-        `delete`; other tenants keep every block. Returns the blocks evicted. Blocking."""
+        evicted down to it at once, least recently used first: its blocks leave the
+        index and memory here (other tenants keep every block); pass the keys returned
+        to `delete` to delete them below (that waits on the writer: a caller that must
+        not wait does it later)."""
         storage = self._storage
         memory = memory_quotas(
             quotas_bytes,
@@ -311,12 +313,7 @@ class BlockStore:
             storage.disk_budget_bytes,
             self._fixed_order,
         )
-        victims = self._tiers.set_quotas(quotas_bytes, memory)
-        if victims:
-            self._writer.barrier()
-            self._lineup.delete_shared(victims)
-            self._lineup.delete_below(victims)
-        return len(victims)
+        return self._tiers.set_quotas(quotas_bytes, memory)
 
     def delete_tenant(self, tenant: TenantId, model_tag: ModelTag | None = None) -> int:
         """Every block of the tenant, or (with `model_tag`) of one model of it, by the

@@ -37,6 +37,7 @@ class LiveConfig:
     principals: dict[str, Grant]
     extra: str = ""  # TOML before the tenants (e.g. [bulk] workers = 2, [tls])
     tail: str = ""  # TOML after the principals (e.g. certificate principals)
+    sealed: set[str] = field(default_factory=set)  # tenants with require_sealed
 
     @property
     def path(self) -> Path:
@@ -50,6 +51,8 @@ class LiveConfig:
         ]
         for tenant, quota in self.tenants.items():
             lines += ["[[tenants]]", f'id = "{tenant}"', f"quota_bytes = {quota}"]
+            if tenant in self.sealed:
+                lines.append("require_sealed = true")
         for name, grant in self.principals.items():
             lines += [
                 "[[principals]]",

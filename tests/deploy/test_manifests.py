@@ -14,10 +14,12 @@ import copy
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
+import time
 import tomllib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,8 @@ from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from cacheserver.config import ServerConfig, load_config
+from kvcommon.errors import ConfigError
+from policy.naming import load_or_create_server_secret
 from replica_agent.adapters.settings import parse_store_settings
 from replica_agent.adapters.vllm_options import ENGINE_KEYS, parse_vllm_options
 from tests.conftest import ServerProcess
@@ -77,6 +81,10 @@ def _rendered(overlay: str) -> str:
 def render(overlay: str) -> list[Obj]:
     """The overlay's objects, as `kubectl kustomize` renders them (fresh copies)."""
     return [obj for obj in yaml.safe_load_all(_rendered(overlay)) if obj]
+
+
+def yaml_objects(path: Path) -> list[Obj]:
+    return [obj for obj in yaml.safe_load_all(path.read_text()) if obj]
 
 
 def one(objects: list[Obj], kind: str, name: str | None = None) -> Obj:
@@ -200,7 +208,7 @@ def test_every_overlay_renders_and_each_object_passes_the_kubernetes_schemas(
 
 
 def test_the_vllm_example_passes_the_kubernetes_schemas() -> None:
-    objects = [o for o in yaml.safe_load_all(VLLM_EXAMPLE.read_text()) if o]
+    objects = yaml_objects(VLLM_EXAMPLE)
     assert {o["kind"] for o in objects} == {"Namespace", "ConfigMap", "Deployment"}
     for obj in objects:
         for version in K8S_VERSIONS:
@@ -316,7 +324,7 @@ def test_a_network_policy_admits_only_the_replicas_and_the_scraper(overlay: str)
     assert set(admitted) == {ports["grpc"], ports["bulk"], ports["metrics"]}
 
     # The vLLM example's pods are admitted to gRPC and bulk, and only there.
-    example = [o for o in yaml.safe_load_all(VLLM_EXAMPLE.read_text()) if o]
+    example = yaml_objects(VLLM_EXAMPLE)
     namespace_labels = one(example, "Namespace")["metadata"]["labels"]
     replica_labels = one(example, "Deployment")["spec"]["template"]["metadata"]["labels"]
 
@@ -442,7 +450,7 @@ def test_the_vllm_replica_reaches_the_store_with_its_secrets_through_the_connect
     """The example's kv_transfer_config is one the connector accepts (its own parsers),
     names the single overlay's Service, and reads its token and keyring from owner-only
     copies of the Secret; the pod meets `restricted` too."""
-    objects = [o for o in yaml.safe_load_all(VLLM_EXAMPLE.read_text()) if o]
+    objects = yaml_objects(VLLM_EXAMPLE)
     transfer = json.loads(one(objects, "ConfigMap")["data"]["kv-transfer-config.json"])
     assert transfer["kv_connector"] == "KVShareConnector"
     assert transfer["kv_connector_module_path"] == "replica_agent.adapters.vllm"
@@ -539,3 +547,97 @@ def test_the_single_overlays_config_serves_and_its_probe_answers(tmp_path: Path)
         assert run_probe(wrong).returncode != 0
     finally:
         server.terminate()
+
+
+# -- the secret copies, for real -------------------------------------------------------
+
+
+def secret_volume(directory: Path, files: dict[str, bytes], version: int) -> None:
+    """Lay out (or update) a Secret volume as the kubelet does: the files in a
+    timestamped directory, `..data` a link to it, each name a link through `..data`;
+    an update swaps `..data` in one rename."""
+    directory.mkdir(exist_ok=True)
+    timestamped = directory / f"..v{version}"
+    timestamped.mkdir()
+    for name, data in files.items():
+        (timestamped / name).write_bytes(data)
+        (timestamped / name).chmod(0o440)  # what fsGroup makes of defaultMode 0400
+    staged = directory / "..data_tmp"
+    staged.symlink_to(timestamped.name)
+    staged.rename(directory / "..data")
+    for name in files:
+        link = directory / name
+        if not link.is_symlink():
+            link.symlink_to(f"..data/{name}")
+
+
+def copy_script(container: Obj, source: Path, target: Path) -> str:
+    script: str = container["command"][-1]
+    for old, new in (("/etc/kvshare/secret-volume", source), ("/etc/kvshare/secrets", target)):
+        assert f'"{old}"' in script
+        script = script.replace(f'"{old}"', f'"{new}"')
+    return script
+
+
+def wait_for(check: Callable[[], bool], timeout_s: float = 60) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def test_the_servers_init_container_copies_the_secret_owner_only(tmp_path: Path) -> None:
+    """The init container's own script, on a Secret volume laid out as the kubelet
+    does (group-readable files behind links): the copies are regular files of mode
+    0400 that the server's secret check accepts."""
+    pod = server_set(render("overlays/single"))["spec"]["template"]["spec"]
+    (init,) = pod["initContainers"]
+    source, target = tmp_path / "secret-volume", tmp_path / "secrets"
+    target.mkdir()
+    files = {"server.secret": os.urandom(32), "tls.key": b"key", "ca.crt": b"ca"}
+    secret_volume(source, files, 1)
+    script = copy_script(init, source, target)
+    done = subprocess.run([sys.executable, "-I", "-c", script], capture_output=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in target.iterdir()) == sorted(files)
+    for name, data in files.items():
+        copy = target / name
+        assert not copy.is_symlink() and copy.read_bytes() == data
+        assert stat.S_IMODE(copy.stat().st_mode) == 0o400
+    assert load_or_create_server_secret(target / "server.secret") == files["server.secret"]
+    with pytest.raises(ConfigError, match="readable by group"):  # control: the original
+        load_or_create_server_secret(source / "server.secret")
+
+
+@pytest.mark.slow
+def test_the_replicas_sidecar_follows_a_rotated_secret(tmp_path: Path) -> None:
+    """The vLLM example's sidecar copies the Secret to 0400 files, and when the Secret
+    changes replaces each changed copy by a rename (a new file the connector notices)."""
+    pod = one(yaml_objects(VLLM_EXAMPLE), "Deployment")["spec"]["template"]["spec"]
+    (sidecar,) = pod["initContainers"]
+    assert sidecar["restartPolicy"] == "Always"
+    source, target = tmp_path / "secret-volume", tmp_path / "secrets"
+    target.mkdir()
+    secret_volume(source, {"token": b"token-1", "keyring.toml": b"keys-1"}, 1)
+    process = subprocess.Popen(
+        [sys.executable, "-I", "-c", copy_script(sidecar, source, target)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert wait_for(lambda: (target / ".copied").exists()), "no first copy"
+        token = target / "token"
+        assert token.read_bytes() == b"token-1"
+        assert stat.S_IMODE(token.stat().st_mode) == 0o400
+        first = token.stat().st_ino
+        secret_volume(source, {"token": b"token-2", "keyring.toml": b"keys-1"}, 2)
+        assert wait_for(lambda: token.read_bytes() == b"token-2"), "the rotation was missed"
+        assert token.stat().st_ino != first  # replaced by a rename, never rewritten
+        assert stat.S_IMODE(token.stat().st_mode) == 0o400
+        assert (target / "keyring.toml").read_bytes() == b"keys-1"
+    finally:
+        process.kill()
+        _, errors = process.communicate(timeout=30)
+    assert b"Traceback" not in errors, errors

@@ -1,0 +1,300 @@
+"""The server image (deploy/image/build.sh), run for real with podman: non-root, a
+read-only root file system, a data volume, ports published on 127.0.0.1 only.
+
+A put/get/lookup smoke passes from the host (this repository's client) and from a
+second container of the same image (its own client, over the host's loopback), the
+health command answers from both, and a new container on the same volume serves what
+the first stored. Needs root, podman and mmdebstrap (skipped otherwise); the image is
+built once per session, or reused when an image of the same inputs exists (build.sh).
+
+Run alone: `python -m pytest tests/deploy/test_image.py -m packaging -s` (prints the
+image size and the start times docs/deploy.md records).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from replica_agent.client import BlockClient
+from tests.support.repo import REPO
+
+pytestmark = [pytest.mark.slow, pytest.mark.packaging]
+
+BUILD = REPO / "deploy" / "image" / "build.sh"
+MODEL = "image/model@r1;fp32;L2;H2;D8;B4;tp0/1"
+UID = 10001
+# What the second container runs: the image's own client, over the host's loopback.
+SMOKE = """
+import os, sys
+from replica_agent.client import BlockClient
+address, token_file = sys.argv[1], sys.argv[2]
+token = open(token_file).read().strip()
+model = "image/model@r1;fp32;L2;H2;D8;B4;tp0/1"
+digests = [bytes([n]) * 32 for n in range(1, 4)]
+payloads = [os.urandom(1 << 20) for _ in digests]
+with BlockClient(address, token, same_host=False) as client:
+    assert client.put("alpha", model, digests, payloads) == [True, True, True]
+    assert client.lookup("alpha", model, digests) == 3
+    assert client.get("alpha", model, digests) == payloads
+    assert client.lookup("alpha", model, [bytes([9]) * 32]) == 0
+print("smoke ok uid", os.getuid())
+"""
+
+
+def podman_conf(directory: Path) -> dict[str, str]:
+    """runc (crun refuses hybrid cgroups) and ulimits within the hard limits."""
+    conf = directory / "containers.conf"
+    made = subprocess.run(
+        ["python3", str(REPO / "deploy" / "image" / "assemble.py"), "containers-conf"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    conf.write_text(made.stdout)
+    return {**os.environ, "CONTAINERS_CONF": str(conf)}
+
+
+@dataclass
+class Podman:
+    env: dict[str, str]
+
+    def __call__(self, *args: str, check: bool = True, timeout_s: float = 300) -> str:
+        done = subprocess.run(
+            ["podman", *args], capture_output=True, text=True, env=self.env, timeout=timeout_s
+        )
+        if check and done.returncode != 0:
+            raise AssertionError(f"podman {' '.join(args[:3])}: {done.stderr.strip()}")
+        return done.stdout
+
+    def run(self, *args: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["podman", "run", "--rm", *args],
+            capture_output=True,
+            text=True,
+            env=self.env,
+            timeout=timeout_s,
+        )
+
+
+@pytest.fixture(scope="session")
+def podman(tmp_path_factory: pytest.TempPathFactory) -> Podman:
+    if os.geteuid() != 0:
+        pytest.skip("building the image needs root (mmdebstrap's root mode, chroot)")
+    for tool in ("podman", "mmdebstrap"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"{tool} is missing: apt-get install podman mmdebstrap runc")
+    return Podman(podman_conf(tmp_path_factory.mktemp("podman")))
+
+
+@pytest.fixture(scope="session")
+def image(podman: Podman) -> str:
+    started = time.monotonic()
+    done = subprocess.run(
+        [str(BUILD)], capture_output=True, text=True, env=podman.env, timeout=1800
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    ref = done.stdout.strip().splitlines()[-1]
+    size = int(podman("image", "inspect", "--format", "{{.Size}}", ref))
+    print(f"\nimage {ref}: {size / 2**20:.0f} MiB, build.sh {time.monotonic() - started:.0f} s")
+    return ref
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` consecutive free loopback ports (the bulk port is the gRPC port + 1)."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            first = probe.getsockname()[1]
+        if first + count > 65535:
+            continue
+        try:
+            socks = []
+            for port in range(first, first + count):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+        return list(range(first, first + count))
+    raise AssertionError("no free consecutive ports")
+
+
+@dataclass
+class Server:
+    name: str
+    address: str
+    token: str
+    token_file: Path
+    ready_s: float
+
+
+@pytest.fixture
+def tenancy(tmp_path: Path) -> tuple[Path, str, Path]:
+    """A config for the container (plaintext: its ports are published on 127.0.0.1
+    only), a principal's token, and the token in a file a container can read."""
+    token = secrets.token_urlsafe(24)
+    port = free_ports(2)[0]
+    config = tmp_path / "kvshare.toml"
+    config.write_text(
+        f'listen = "0.0.0.0:{port}"\n'
+        "allow_insecure_listen = true  # published on the host's 127.0.0.1 only\n"
+        'data_dir = "/var/lib/kvshare"\n'
+        "[bulk]\n"
+        f'listen = "0.0.0.0:{port + 1}"\n'
+        "same_host = false\n"
+        "[[tenants]]\n"
+        'id = "alpha"\n'
+        "quota_bytes = 0\n"
+        "[[principals]]\n"
+        'name = "a"\n'
+        f'token_sha256 = "{hashlib.sha256(token.encode()).hexdigest()}"\n'
+        'tenants = ["alpha"]\n'
+        'actions = ["read", "write"]\n'
+    )
+    config.chmod(0o644)
+    token_file = tmp_path / "a.token"
+    token_file.write_text(token)
+    token_file.chmod(0o644)  # the second container's user reads it; a test token
+    return config, token, token_file
+
+
+@pytest.fixture
+def start(
+    podman: Podman, image: str, tenancy: tuple[Path, str, Path]
+) -> Iterator[Callable[[str], Server]]:
+    """start(volume) runs the server container on `volume`; all removed at the end."""
+    config, token, token_file = tenancy
+    port = int(config.read_text().split('listen = "0.0.0.0:')[1].split('"')[0])
+    names: list[str] = []
+
+    def run(volume: str) -> Server:
+        name = f"kvshare-test-{secrets.token_hex(4)}"
+        names.append(name)
+        started = time.monotonic()
+        podman(
+            "run", "-d", "--name", name,
+            "--read-only", "--cap-drop=ALL", "--security-opt=no-new-privileges",
+            "-p", f"127.0.0.1:{port}:{port}", "-p", f"127.0.0.1:{port + 1}:{port + 1}",
+            "-v", f"{volume}:/var/lib/kvshare",
+            "-v", f"{config}:/etc/kvshare/kvshare.toml:ro",
+            image,
+        )  # fmt: skip
+        while "serving on" not in podman("logs", name):
+            state = podman("inspect", "--format", "{{.State.Status}}", name).strip()
+            assert state == "running", podman("logs", name, check=False)
+            time.sleep(0.05)
+        ready_s = time.monotonic() - started
+        return Server(name, f"127.0.0.1:{port}", token, token_file, ready_s)
+
+    yield run
+    for name in names:
+        podman("rm", "-f", "-t", "5", name, check=False)
+
+
+@pytest.fixture
+def volume(podman: Podman) -> Iterator[str]:
+    name = f"kvshare-test-data-{secrets.token_hex(4)}"
+    podman("volume", "create", name)
+    yield name
+    podman("volume", "rm", "-f", name, check=False)
+
+
+def test_image_runs_as_kvshare_without_a_shell_and_carries_its_sbom(
+    podman: Podman, image: str
+) -> None:
+    config = json.loads(podman("image", "inspect", "--format", "{{json .Config}}", image))
+    assert config["User"] == f"{UID}:{UID}"
+    assert config["Cmd"] == ["kvshare", "serve", "--config", "/etc/kvshare/kvshare.toml"]
+    labels = config["Labels"]
+    assert labels["org.opencontainers.image.title"] == "kvshare"
+    assert image.endswith(":" + labels["org.opencontainers.image.version"])
+    assert labels["org.opencontainers.image.licenses"] == "Apache-2.0"
+    # No shell, no package manager, no compiler: each is not found.
+    for tool in ("/bin/sh", "/bin/bash", "/usr/bin/apt-get", "/usr/bin/dpkg", "/usr/bin/gcc"):
+        done = podman.run("--read-only", image, tool, "--version")
+        assert done.returncode != 0 and "no such file" in done.stderr.lower(), tool
+    # Positive control: the interpreter is there, as user kvshare.
+    done = podman.run("--read-only", image, "python3", "-c", "import os; print(os.getuid())")
+    assert done.stdout.strip() == str(UID), done.stderr
+    sbom_path = labels["dev.kvshare.sbom"]
+    read = podman.run("--read-only", image, "python3", "-c", f"print(open('{sbom_path}').read())")
+    sbom = json.loads(read.stdout)
+    assert sbom["bomFormat"] == "CycloneDX" and sbom["specVersion"] == "1.5"
+    purls = {c["purl"].split("@")[0] for c in sbom["components"]}
+    for expected in ("pkg:pypi/kvshare", "pkg:pypi/grpcio", "pkg:pypi/lmdb", "pkg:pypi/redis"):
+        assert expected in purls
+    assert "pkg:deb/debian/libc6" in purls and "pkg:deb/debian/python3.11-minimal" in purls
+    assert not {"pkg:pypi/torch", "pkg:deb/debian/bash", "pkg:deb/debian/dash"} & purls
+    # Every Python distribution in the venv is in the SBOM.
+    listed = podman.run(
+        "--read-only", image, "python3", "-c",
+        "import importlib.metadata as m; print('\\n'.join(d.name for d in m.distributions()))",
+    )  # fmt: skip
+    names = {n.strip().lower().replace("_", "-") for n in listed.stdout.split()}
+    assert names and names <= {p.split("/")[-1] for p in purls}
+
+
+def test_read_only_non_root_server_smoke_from_host_and_second_container(
+    podman: Podman, image: str, start: Callable[[str], Server], volume: str
+) -> None:
+    server = start(volume)
+    print(f"\nserver container ready (serving line) {server.ready_s:.2f} s after podman run")
+    # Runs as kvshare, on a read-only root file system.
+    top = podman("top", server.name, "user", "huser").split()
+    assert "10001" in top or "kvshare" in top, top
+    done = subprocess.run(
+        ["podman", "exec", server.name, "python3", "-c", "open('/opt/kvshare/x', 'w')"],
+        capture_output=True, text=True, env=podman.env, timeout=60,
+    )  # fmt: skip
+    assert done.returncode != 0 and "Read-only file system" in done.stderr
+    # The journal is fitted to the container's 64 MiB /dev/shm (the default would not fit).
+    logs = subprocess.run(
+        ["podman", "logs", server.name], capture_output=True, text=True, env=podman.env
+    )
+    logs_text = logs.stdout + logs.stderr
+    assert "put journal:" in logs_text and "/dev/shm" in logs_text
+
+    # From the host: this repository's client, gRPC and the bulk channel.
+    digests = [os.urandom(32) for _ in range(4)]
+    payloads = [os.urandom(1 << 20) for _ in digests]
+    with BlockClient(server.address, server.token, same_host=False) as client:
+        assert client.put("alpha", MODEL, digests, payloads) == [True] * 4
+        assert client.lookup("alpha", MODEL, digests) == 4
+        assert client.get("alpha", MODEL, digests) == payloads
+    with BlockClient(server.address, server.token, bulk=False) as client:
+        assert client.get("alpha", MODEL, digests[:2]) == payloads[:2]
+
+    # From a second container of the same image, over the host's loopback.
+    host = ["--network", "host", "--read-only", "--cap-drop=ALL"]
+    token_mount = ["-v", f"{server.token_file}:/run/a.token:ro"]
+    smoke = podman.run(
+        *host, *token_mount, image, "python3", "-c", SMOKE, server.address, "/run/a.token"
+    )
+    assert smoke.returncode == 0, smoke.stderr[-2000:]
+    assert smoke.stdout.strip() == f"smoke ok uid {UID}"
+    health = podman.run(*host, image, "kvshare", "health", "--address", server.address)
+    assert health.returncode == 0 and "SERVING" in health.stdout, health.stderr
+
+    # A new container on the same volume serves what the first stored (SIGTERM drains
+    # the journal into LMDB; the volume keeps LMDB).
+    podman("stop", "-t", "60", server.name)
+    assert podman("inspect", "--format", "{{.State.ExitCode}}", server.name).strip() == "0"
+    second = start(volume)
+    print(f"restarted on the same volume: ready {second.ready_s:.2f} s after podman run")
+    with BlockClient(second.address, second.token, same_host=False) as client:
+        assert client.get("alpha", MODEL, digests) == payloads

@@ -4,8 +4,8 @@ stats and any call its frames cannot carry are `UseGrpc`.
 
 Its connections are of three kinds, chosen when one opens, each in a module of its own:
 on the server's host the same-host arena (bulk_samehost.py: its opening, reads and
-puts), else TCP or TLS (bulk_connect.py: opening, and the framing all kinds share;
-the streamed reads and puts here), or the sealed-payload channel (bulk_sealed.py).
+puts), else TCP or TLS (bulk_connect.py: opening, streamed reads and puts, and the
+request framing all kinds share), or the sealed-payload channel (bulk_sealed.py).
 This module keeps them per thread and tenant and sends each call to its connection's
 kind.
 
@@ -33,20 +33,20 @@ import ssl
 import threading
 from collections.abc import Callable, Iterator, Sequence
 
-from kvcommon import bulkio
 from kvcommon import bulkwire as w
 from kvcommon.v1 import kvshare_pb2 as pb
 from replica_agent.bulk_connect import (
     Connection,
     connect_tcp,
     put_request,
+    read_streamed,
     recv_reply,
     send_request,
 )
 from replica_agent.bulk_samehost import can_use_local, connect_local, put_arena, read_arena
 from replica_agent.deadline import CallDeadline
 from replica_agent.errors import store_error
-from replica_agent.grpc_calls import MAX_BLOCK_BYTES, Ticket
+from replica_agent.grpc_calls import Ticket
 from replica_agent.transport import Payload, UseGrpc
 
 OpenTicket = Callable[[str, CallDeadline], Ticket]  # tenant, the call's deadline -> a ticket
@@ -127,9 +127,10 @@ class BulkChannel:
                 self._all.remove(conn)  # reconnects must not accumulate dead connections
             conn.close()
 
-    def _dropper(self, tenant: str) -> Callable[[], None]:
-        """What closes this thread's same-host connection for `tenant` (bulk_samehost)."""
-        return lambda: self._drop(tenant, tcp=False)
+    def _dropper(self, tenant: str, *, tcp: bool = False) -> Callable[[], None]:
+        """What closes this thread's connection for `tenant` when a request left it out
+        of step (bulk_connect, bulk_samehost)."""
+        return lambda: self._drop(tenant, tcp=tcp)
 
     def close(self) -> None:
         with self._lock:
@@ -187,12 +188,13 @@ class BulkChannel:
         if conn.sealed is not None:
             return self._read_sealed(tenant, conn, model, digests, keep=keep)
         if conn.arena is None:
-            return self._read_streamed(tenant, conn, model, digests, keep=keep, tcp=False)
+            return read_streamed(conn, model, digests, keep=keep, drop=self._dropper(tenant))
 
         def over_tcp(rest: Sequence[bytes]) -> Iterator[memoryview]:
             tcp = self._connection(tenant, deadline, tcp=True)
             tcp.buffers.reset()
-            return self._read_streamed(tenant, tcp, model, rest, keep=keep, tcp=True)
+            drop = self._dropper(tenant, tcp=True)
+            return read_streamed(tcp, model, rest, keep=keep, drop=drop)
 
         return read_arena(
             conn, model, digests, keep=keep, drop=self._dropper(tenant), over_tcp=over_tcp
@@ -209,40 +211,6 @@ class BulkChannel:
         finally:
             if not finished:
                 self._drop(tenant, tcp=False)  # stopped mid-stream, or a frame failed
-
-    def _read_streamed(
-        self,
-        tenant: str,
-        conn: Connection,
-        model: str,
-        digests: Sequence[bytes],
-        *,
-        keep: bool,
-        tcp: bool,
-    ) -> Iterator[memoryview]:
-        finished = False
-        try:
-            send_request(conn, w.OP_GET, model, digests)
-            size_buf = recv_reply(conn.sock, w.SIZE.size, conn.timer)  # the first size
-            for index in range(len(digests) + 1):
-                (size,) = w.SIZE.unpack(size_buf)
-                if size == 0:
-                    finished = True
-                    return
-                if size > MAX_BLOCK_BYTES:
-                    raise store_error("DATA_LOSS", f"the server announced a {size}-byte block")
-                view = conn.buffers.take(size, keep=keep)
-                if index + 1 < len(digests):
-                    bulkio.recv_exact(conn.sock, view, conn.timer)  # yielded before the next size
-                    yield view
-                    bulkio.recv_exact(conn.sock, size_buf, conn.timer)
-                else:  # the last block asked for: the end follows it at once, read with it
-                    bulkio.recv_exact_parts(conn.sock, [view, size_buf], conn.timer)
-                    yield view
-            raise store_error("DATA_LOSS", "the server sent more blocks than were asked for")
-        finally:
-            if not finished:
-                self._drop(tenant, tcp=tcp)  # stopped mid-stream: out of step
 
     def get(self, tenant: str, model: str, digests: Sequence[bytes]) -> list[bytes]:
         return [bytes(v) for v in self.read(tenant, model, digests, keep=True)]

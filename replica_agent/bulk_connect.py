@@ -1,5 +1,6 @@
-"""Opening a bulk-channel connection over TCP, TLS or the sealed-payload channel, and
-the request framing every bulk connection shares.
+"""Bulk-channel connections over TCP, TLS or the sealed-payload channel: opening one,
+its GET and PUT with the payloads on the socket (`read_streamed`, `put_request`), and
+the request framing every bulk connection shares (`send_request`, `recv_reply`).
 
 A connection is opened with a one-time ticket from OpenBulk: a TCP (or TLS) connection
 to the address OpenBulk announced — or, when that address names no host (a wildcard),
@@ -23,7 +24,7 @@ import mmap
 import select
 import socket
 import ssl
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvcommon import bulkio
@@ -33,7 +34,7 @@ from replica_agent.bulk_buffers import Buffers
 from replica_agent.bulk_sealed import SealedChannel
 from replica_agent.deadline import CallDeadline, SocketTimer
 from replica_agent.errors import store_error
-from replica_agent.grpc_calls import Ticket
+from replica_agent.grpc_calls import MAX_BLOCK_BYTES, Ticket
 from replica_agent.transport import Payload
 
 
@@ -156,6 +157,43 @@ def put_request(
     send_request(conn, w.OP_PUT, model, digests, [raw_sizes, *payloads])
     outcomes = recv_reply(conn.sock, len(digests), conn.timer)
     return [o == w.OUTCOME_STORED for o in outcomes]
+
+
+def read_streamed(
+    conn: Connection,
+    model: str,
+    digests: Sequence[bytes],
+    *,
+    keep: bool,
+    drop: Callable[[], None],
+) -> Iterator[memoryview]:
+    """One GET whose payloads follow on the socket: each leading present payload as a
+    view of the connection's buffers, as soon as it arrived. A read stopped before the
+    reply's end (by the caller, a deadline or a bad size) leaves the connection out of
+    step: `drop` closes it."""
+    finished = False
+    try:
+        send_request(conn, w.OP_GET, model, digests)
+        size_buf = recv_reply(conn.sock, w.SIZE.size, conn.timer)  # the first size
+        for index in range(len(digests) + 1):
+            (size,) = w.SIZE.unpack(size_buf)
+            if size == 0:
+                finished = True
+                return
+            if size > MAX_BLOCK_BYTES:
+                raise store_error("DATA_LOSS", f"the server announced a {size}-byte block")
+            view = conn.buffers.take(size, keep=keep)
+            if index + 1 < len(digests):
+                bulkio.recv_exact(conn.sock, view, conn.timer)  # yielded before the next size
+                yield view
+                bulkio.recv_exact(conn.sock, size_buf, conn.timer)
+            else:  # the last block asked for: the end follows it at once, read with it
+                bulkio.recv_exact_parts(conn.sock, [view, size_buf], conn.timer)
+                yield view
+        raise store_error("DATA_LOSS", "the server sent more blocks than were asked for")
+    finally:
+        if not finished:
+            drop()  # stopped mid-stream: out of step
 
 
 def expect_ok(sock: socket.socket, timer: bulkio.Timer | None = None) -> None:

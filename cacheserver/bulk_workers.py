@@ -7,18 +7,17 @@ from __future__ import annotations
 import socket
 
 from cacheserver.config import ServerConfig
-from cacheserver.store import BlockStore
+from cacheserver.core.readonly import Grants, check_reader_table
+from cacheserver.core.served import ServingStore, TenantReport, replay
 from cacheserver.telemetry import ServerTelemetry
-from cacheserver.tiers.lmdb.environment import MAX_READERS
-from cacheserver.transport.bulk.delegation import Delegation, TenantReport
+from cacheserver.transport.bulk.delegation import Delegation
 from cacheserver.transport.bulk.handler import OPS
 from cacheserver.transport.bulk.listener import IDLE_TIMEOUT_S
 from cacheserver.transport.bulk.processes import WorkerProcesses, WorkerSpec
 from cacheserver.transport.bulk.slots import MAX_AUTHENTICATED
 from cacheserver.transport.grpc.threads import THREADS
 from kvcommon import bulkwire
-from kvcommon.errors import ConfigError
-from policy import AccessPolicy, Action
+from policy import AccessPolicy
 from policy.ratelimit import RequestRateLimiter
 from policy.tickets import Grant
 from policy.types import TenantId
@@ -52,6 +51,25 @@ def lmdb_readers_needed(config: ServerConfig) -> int:
     return MAX_AUTHENTICATED + 2 * THREADS + SERVER_OWN_READERS + config.bulk.processes()
 
 
+def delegation_for(
+    grant: Grant, policy: AccessPolicy, limiter: RequestRateLimiter, config: ServerConfig
+) -> Delegation:
+    """What a worker gets with a connection: data, not decisions. The grant's principal
+    as the config has it, its tenant and that tenant's naming key, the limits and the
+    public scope; the worker decides from them with the request core's own admission
+    (cacheserver.core.readonly)."""
+    grants = Grants(
+        principal=grant.principal,
+        tenant=grant.tenant,
+        naming_key=policy.tenant_namer(grant.tenant).naming_key,
+        public=policy.public_scope,
+        default_requests_per_s=limiter.default_requests_per_s,
+        burst_s=limiter.burst_s,
+        max_digests_per_call=config.limits.max_digests_per_call,
+    )
+    return Delegation.of(grants, IDLE_TIMEOUT_S, config.bulk.min_transfer_bytes_per_s)
+
+
 class WorkerAssembly:
     """Starts the workers (`processes` - 1 of them), hands them connections, applies
     their reports."""
@@ -62,17 +80,11 @@ class WorkerAssembly:
         config: ServerConfig,
         policy: AccessPolicy,
         limiter: RequestRateLimiter,
-        store: BlockStore,
+        store: ServingStore,
         telemetry: ServerTelemetry,
     ) -> None:
         assert limiter.shared is not None, "workers draw from the server's shared buckets"
-        needed = lmdb_readers_needed(config)
-        if needed > MAX_READERS:  # not at the specs' maxima (tests/unit/test_lmdb_readers.py)
-            raise ConfigError(
-                f"{processes} bulk-serving processes may hold {needed} LMDB read "
-                f"transactions at once, over its {MAX_READERS} reader slots; lower "
-                "[bulk] workers"
-            )
+        check_reader_table(lmdb_readers_needed(config), processes)
         self._config = config
         self._policy = policy
         self._limiter = limiter
@@ -97,31 +109,13 @@ class WorkerAssembly:
     ) -> socket.socket | None:
         """BulkServer's `delegate_to`: the connection to the next worker in turn (or, with
         `to_a_worker`, skipping the server's own), or None."""
-        principal = grant.principal
-        delegation = Delegation(
-            principal=principal.name,
-            tenant=grant.tenant,
-            naming_key=self._policy.tenant_namer(grant.tenant).naming_key,
-            may_read=Action.READ in principal.actions,
-            requests_per_s=self._limiter.rate_of(principal),
-            burst_s=self._limiter.burst_s,
-            max_digests=self._config.limits.max_digests_per_call,
-            idle_s=IDLE_TIMEOUT_S,
-            min_transfer_bytes_per_s=self._config.bulk.min_transfer_bytes_per_s,
-        )
+        delegation = delegation_for(grant, self._policy, self._limiter, self._config)
         return self.processes.delegate(conn, delegation, to_a_worker)
 
     def apply_report(self, tenant: TenantId, report: TenantReport) -> None:
-        """What a worker served: recently used in the index, counted in the metrics and
-        Stats as the server's own lookups and GETs are (all of them hits: a worker hands
-        back every request that misses), and in the bulk channel's call counts."""
-        self._store.touch(report.keys)
+        """What a worker served: recently used in the index, the store events its reads
+        fired replayed into the server's (its metrics and Stats count them as they count
+        the server's own reads), and its calls in the bulk channel's call counts."""
+        replay(self._store, tenant, report)
         self._telemetry.rpcs_served_elsewhere(BULK_LOOKUP, report.lookups)
         self._telemetry.rpcs_served_elsewhere(BULK_GET, report.gets)
-        events = self._store.events
-        if report.lookups:
-            digests = report.lookup_digests
-            events.looked_up(tenant, digests, digests, calls=report.lookups)
-        if report.gets:
-            events.got(tenant, report.get_blocks, report.get_blocks)
-            events.served(tenant, "lmdb", report.get_blocks, report.bytes_served)

@@ -18,7 +18,8 @@
 `begin` needs only what a request's header carries, so the bulk channel refuses a
 request before it reads the body; gRPC has the whole message and runs the stages back
 to back. Either way the order is this one. Client digests become keyed storage names
-here (`AccessPolicy.storage_key`) before anything else sees them.
+here (`AccessPolicy.storage_key`) before anything else sees them. `begin` and `name`
+are `cacheserver.core.checks.RequestChecks`, which a bulk read worker runs too.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from cacheserver.config import LimitsConfig
-from cacheserver.core.checks import parse_names
+from cacheserver.core.checks import RequestChecks
 from cacheserver.core.values import Admitted, Announced, Begun, PutNamespace, Verb
 from cacheserver.events import NoEvents
 from cacheserver.store.backlog import WriteBacklog
@@ -51,6 +52,7 @@ class Admission:
         over all tenants; one tenant: half."""
         self._policy = policy
         self._limits = limits
+        self._checks = RequestChecks(policy, limits)
         self._check_room = check_room
         self._receiving = WriteBacklog(receive_bytes, NoEvents(), hurry=lambda: None)
 
@@ -63,11 +65,7 @@ class Admission:
     ) -> Begun:
         """Steps 1-3: what a request's header says. `rate_drawn`: step 1 was passed already,
         by a bulk worker that drew from the same bucket and handed the request back."""
-        if not rate_drawn:
-            self._policy.check_rate(principal)
-        tenant_id = self._policy.admit(principal, tenant, verb.action)
-        self._limits.check_digest_count(count)
-        return Begun(principal, verb, tenant_id, count)
+        return self._checks.begin(principal, verb, tenant, count, rate_drawn=rate_drawn)
 
     def open_bulk(self, principal: Principal, tenant: str) -> TenantId:
         """Step 2 for a bulk ticket (after `count_request`): either action opens the
@@ -77,10 +75,7 @@ class Admission:
 
     def name(self, begun: Begun, model: str, digests: Sequence[bytes]) -> Admitted:
         """Steps 4-5: the storage keys of a request that `begin` admitted."""
-        assert len(digests) == begun.count, "the body holds the digests its header counted"
-        model_name, parsed = parse_names(model, digests)
-        keys = self._policy.storage_keys(begun.tenant, model_name, parsed)
-        return Admitted(begun.principal, begun.tenant, model_name, keys)
+        return self._checks.name(begun, model, digests)
 
     def namespace(self, begun: Begun, model: str) -> PutNamespace:
         """Step 4 for a put, whose blocks are then announced one by one."""

@@ -40,23 +40,24 @@ class Verb(enum.Enum):
 
     @property
     def action(self) -> Action:
-        return _ACTIONS[self]
+        return _ACTIONS[self._value_]  # by value: a str's hash, not Enum.__hash__'s call
 
 
 _ACTIONS = {
-    Verb.LOOKUP: Action.READ,
-    Verb.GET: Action.READ,
-    Verb.PUT: Action.WRITE,
-    Verb.DELETE: Action.WRITE,  # a delete by digest needs `write`, like a put
-    Verb.DELETE_NAMESPACE: Action.ADMIN,
+    Verb.LOOKUP.value: Action.READ,
+    Verb.GET.value: Action.READ,
+    Verb.PUT.value: Action.WRITE,
+    Verb.DELETE.value: Action.WRITE,  # a delete by digest needs `write`, like a put
+    Verb.DELETE_NAMESPACE.value: Action.ADMIN,
 }
 
 
 @dataclass(frozen=True, slots=True)
 class Begun:
     """A request whose header passed the first stage of admission (rate, tenant and
-    action, digest count): what the core's verbs take. Only `RequestCore.begin` makes
-    one, so no verb runs on a request that skipped those checks."""
+    action, digest count): what the core's verbs take. Only admission makes one
+    (cacheserver.core.checks.RequestChecks.begin), so no verb runs on a request that
+    skipped those checks."""
 
     principal: Principal
     verb: Verb

@@ -304,7 +304,7 @@ def test_puts_reach_lmdb_while_busy_once_the_worker_hands_a_read_back(two: Runni
 
 
 def test_a_large_get_is_handed_back_and_a_small_one_is_the_workers(two: Running) -> None:
-    from cacheserver.worker import MAX_GET_BYTES
+    from cacheserver.transport.bulk.readworker import MAX_GET_BYTES
 
     large = [os.urandom(32) for _ in range(2)]
     large_payloads = [os.urandom(MAX_GET_BYTES // 2 + 4096) for _ in large]

@@ -40,7 +40,7 @@ from tests.e2e.test_bulk_workers import assembly, pair, served_by_workers, wait_
 MODEL = "workers/model"
 KiB, MiB = 1 << 10, 1 << 20
 BLOCK = 64 * KiB
-# One GET a worker answers (at most cacheserver.worker.MAX_GET_BYTES); a stalled
+# One GET a worker answers (at most readworker.MAX_GET_BYTES); a stalled
 # reader asks for it STALLED_GETS times at once, more than a receive buffer of a few
 # KiB and the socket's send buffer (a few MiB on loopback) take before it reads.
 GET_BLOCKS = 15

@@ -11,7 +11,7 @@ from pathlib import Path
 import lmdb
 
 from cacheserver.tiers.lmdb import environment
-from cacheserver.tiers.lmdb.records import checksum, unpack_meta
+from cacheserver.tiers.lmdb.records import StoredMeta, intact, unpack_meta
 from cacheserver.tiers.retiring import RetiringView
 from policy.types import StorageKey, TenantId
 
@@ -95,7 +95,7 @@ class BlockReads:
         when they come to more than `max_bytes` (known from their sizes before any of
         their pages is touched). Valid until the transaction ends."""
         txn = self._open
-        found: list[tuple[bytes, memoryview]] = []
+        found: list[tuple[memoryview, bytes, StoredMeta]] = []
         total = 0
         for key in keys:
             raw_meta = txn.get(key, db=self._meta)
@@ -103,15 +103,15 @@ class BlockReads:
             if raw_meta is None or raw is None:
                 break
             digest, meta = unpack_meta(key, raw_meta)
-            if meta.tenant != tenant or len(raw) != meta.size:
+            if meta.tenant != tenant:
                 break
             total += meta.size
             if total > max_bytes:
                 return None
-            found.append((digest, memoryview(raw)))
+            found.append((memoryview(raw), digest, meta))
         out: list[memoryview] = []
-        for digest, view in found:
-            if checksum(view) != digest:
+        for view, digest, meta in found:
+            if not intact(view, digest, meta):
                 break
             out.append(view)
         return out

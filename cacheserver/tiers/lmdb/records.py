@@ -31,6 +31,13 @@ def checksum(payload: Payload) -> bytes:
     return xxhash.xxh3_128_digest(payload)
 
 
+def intact(raw: Payload, digest: bytes, meta: StoredMeta) -> bool:
+    """Whether a block's bytes are what its meta record says was committed: its size,
+    then its checksum. Every read from LMDB (the server's tier, a bulk worker's reader)
+    asks this before a byte leaves the read transaction."""
+    return len(raw) == meta.size and checksum(raw) == digest
+
+
 def pack_meta(w: PendingWrite, digest: bytes) -> bytes:
     return _META.pack(digest, len(w.payload), w.epoch, w.clock, w.model_tag) + w.tenant.encode(
         "utf-8"

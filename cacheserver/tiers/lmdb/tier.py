@@ -22,7 +22,7 @@ from cacheserver.tiers import (
     Position,
 )
 from cacheserver.tiers.lmdb import environment
-from cacheserver.tiers.lmdb.records import StoredMeta, checksum, pack_meta, unpack_meta
+from cacheserver.tiers.lmdb.records import StoredMeta, checksum, intact, pack_meta, unpack_meta
 from cacheserver.tiers.retiring import RetiringKeys
 from kvcommon.errors import ConfigError, ResourceExhausted
 from policy.types import StorageKey, TenantId
@@ -215,7 +215,7 @@ class LmdbTier:
                     out.append(None)
                     continue
                 digest, meta = unpack_meta(key, raw_meta)
-                if len(raw) != meta.size or checksum(raw) != digest:
+                if not intact(raw, digest, meta):
                     corrupt.append((key, meta.tenant))
                     out.append(None)
                     continue

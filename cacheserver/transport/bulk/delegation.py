@@ -1,8 +1,8 @@
 """What the server and its bulk workers tell each other (framing only; no I/O).
 
-A bulk worker (cacheserver.worker) is a process of its own, with a GIL of its own,
-that serves the plain-TCP bulk connections the server hands it. Messages, each one
-SOCK_SEQPACKET datagram:
+A bulk read worker (cacheserver.transport.bulk.readworker) is a process of its own,
+with a GIL of its own, that serves the plain-TCP bulk connections the server hands it.
+Messages, each one SOCK_SEQPACKET datagram:
 
 - server -> worker, on the worker's control socket: a `Delegation` (JSON) with two
   descriptors, the connection (already past its hello: authenticated, bound to one
@@ -13,12 +13,16 @@ SOCK_SEQPACKET datagram:
   the same, and the connection is the server's from then on (it only writes: each of
   its requests would come back anyway, at the cost of a round trip here), until it
   reads again (`REDELEGATE_AFTER_READS`): then the server hands it to a worker anew;
-- worker -> server, on the control socket, every `REPORT_INTERVAL_S`: a `Report` of
-  what the worker served (per tenant: calls, digests, blocks, bytes, and the storage
-  keys read, so the server's index sees them as recently used).
+- worker -> server, on the control socket, every `REPORT_INTERVAL_S`: a report of
+  what the worker served (per tenant: the store events its reads fired, summed, and
+  the storage keys read, so the server's index sees them as recently used), which the
+  server replays into its own events (cacheserver.core.served).
 
-Only storage keys cross, never digests or payloads; the delegation carries the
-tenant's naming key (policy.naming.TenantNamer), never the server secret.
+A delegation carries data, never a decision made for the worker: the principal's
+grants and rate, the tenant's naming key (policy.naming.TenantNamer, never the server
+secret), the limits and the public scope, from which the worker runs the request
+core's own admission (cacheserver.core.readonly). Only storage keys cross, never
+digests or payloads.
 """
 
 from __future__ import annotations
@@ -28,6 +32,10 @@ import struct
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
+from cacheserver.core.readonly import Grants
+from cacheserver.core.served import TenantReport
+from policy import Action, Principal
+from policy.permissions import PublicScope
 from policy.types import StorageKey, TenantId
 
 HAND_BACK = b"H"
@@ -44,23 +52,66 @@ REPORT_INTERVAL_S = 0.2
 STORAGE_KEY_BYTES = 32
 # A report datagram stays well below the socket's send buffer.
 MAX_REPORT_BYTES = 48 << 10
-# tenant length | lookups | lookup digests | gets | get blocks | bytes served | keys
-_TENANT_REPORT = struct.Struct(">HQQQQQI")
+# tenant length | the counts (cacheserver.core.served.TenantReport.counts) | keys
+_TENANT_REPORT = struct.Struct(">H8QI")
 
 
 @dataclass(frozen=True)
 class Delegation:
-    """One connection as a worker serves it: who it is bound to, and its limits."""
+    """One connection as a worker serves it: the data of its `Grants` (the principal
+    as its config has it, the connection's tenant and its naming key, the limits and
+    the public scope) and its pace."""
 
     principal: str
+    tenants: list[str]
+    actions: list[str]
+    requests_per_s: int | None  # the principal's own (None: the default; 0: unlimited)
     tenant: str
     naming_key: bytes = field(repr=False)
-    may_read: bool
-    requests_per_s: int  # the principal's rate (0: unlimited), drawn from shared buckets
+    default_requests_per_s: int
     burst_s: int
     max_digests: int
+    public: bool  # whether the server has a public scope
+    public_readers: list[str]  # tenants whose readers may read it (read_public)
     idle_s: float
     min_transfer_bytes_per_s: int
+
+    @classmethod
+    def of(cls, grants: Grants, idle_s: float, min_transfer_bytes_per_s: int) -> Delegation:
+        principal = grants.principal
+        return cls(
+            principal=principal.name,
+            tenants=sorted(principal.tenants),
+            actions=sorted(principal.actions),
+            requests_per_s=principal.requests_per_s,
+            tenant=grants.tenant,
+            naming_key=grants.naming_key,
+            default_requests_per_s=grants.default_requests_per_s,
+            burst_s=grants.burst_s,
+            max_digests=grants.max_digests_per_call,
+            public=grants.public.configured,
+            public_readers=sorted(grants.public.reader_tenants),
+            idle_s=idle_s,
+            min_transfer_bytes_per_s=min_transfer_bytes_per_s,
+        )
+
+    def grants(self) -> Grants:
+        principal = Principal(
+            self.principal,
+            frozenset(TenantId(t) for t in self.tenants),
+            frozenset(Action(a) for a in self.actions),
+            self.requests_per_s,
+        )
+        public = PublicScope(self.public, frozenset(TenantId(t) for t in self.public_readers))
+        return Grants(
+            principal,
+            TenantId(self.tenant),
+            self.naming_key,
+            public,
+            self.default_requests_per_s,
+            self.burst_s,
+            self.max_digests,
+        )
 
     def encode(self) -> bytes:
         fields = asdict(self)
@@ -77,41 +128,25 @@ class Delegation:
         return delegation
 
 
-@dataclass
-class TenantReport:
-    """What a worker served for one tenant since its last report. The worker answers
-    only lookups and GETs whose every block it found, so hits are all it counts."""
-
-    lookups: int = 0
-    lookup_digests: int = 0
-    gets: int = 0
-    get_blocks: int = 0
-    bytes_served: int = 0
-    keys: set[StorageKey] = field(default_factory=set)
-
-    def __bool__(self) -> bool:
-        return bool(self.lookups or self.gets or self.keys)
-
-
 def encode_reports(reports: dict[TenantId, TenantReport]) -> Iterator[bytes]:
     """Datagrams of at most MAX_REPORT_BYTES; a tenant with many keys spans several
     (its counts in the first)."""
     for tenant, report in reports.items():
         name = tenant.encode("utf-8")
         keys = sorted(report.keys)
-        counts = (report.lookups, report.lookup_digests, report.gets, report.get_blocks)
+        counts = report.counts()
         room = (MAX_REPORT_BYTES - _TENANT_REPORT.size - len(name)) // STORAGE_KEY_BYTES
         first = True
         while first or keys:
             part, keys = keys[:room], keys[room:]
-            figures = (*counts, report.bytes_served) if first else (0, 0, 0, 0, 0)
+            figures = counts if first else (0,) * len(counts)
             head = _TENANT_REPORT.pack(len(name), *figures, len(part))
             yield head + name + b"".join(part)
             first = False
 
 
 def decode_report(raw: bytes) -> tuple[TenantId, TenantReport]:
-    size, lookups, digests, gets, blocks, nbytes, count = _TENANT_REPORT.unpack_from(raw)
+    size, *figures, count = _TENANT_REPORT.unpack_from(raw)
     start = _TENANT_REPORT.size
     tenant = TenantId(raw[start : start + size].decode("utf-8"))
     start += size
@@ -121,4 +156,4 @@ def decode_report(raw: bytes) -> tuple[TenantId, TenantReport]:
         StorageKey(raw[offset : offset + STORAGE_KEY_BYTES])
         for offset in range(start, len(raw), STORAGE_KEY_BYTES)
     }
-    return tenant, TenantReport(lookups, digests, gets, blocks, nbytes, keys)
+    return tenant, TenantReport.of(figures, keys)

@@ -1,9 +1,10 @@
-"""The server's bulk workers: `[bulk] workers = N` puts N processes to work on requests.
+"""The server's bulk read workers' processes: `[bulk] workers = N` puts N processes to
+work on requests.
 
 One Python process serves with one GIL, whatever the host's cores. With N > 1 the
-server starts N - 1 worker processes (cacheserver.worker) and, after each plain-TCP
-bulk connection's hello, keeps it or hands it to a worker in turn (N connections:
-one each). A worker serves the reads it can answer from LMDB; everything else comes
+server starts N - 1 read worker processes (cacheserver.transport.bulk.readworker) and,
+after each plain-TCP bulk connection's hello, keeps it or hands it to a worker in turn
+(N connections: one each). A worker serves the reads it can answer from LMDB; everything else comes
 back whole to the server over the connection's hand-back pair, and the server serves
 it on its own descriptor of the same connection (cacheserver.transport.bulk.listener).
 
@@ -44,6 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from cacheserver.core.served import TenantReport
 from cacheserver.transport.bulk import delegation as d
 from policy.ratelimit import SharedBuckets
 from policy.types import TenantId
@@ -54,7 +56,7 @@ REAP_TIMEOUT_S = 5.0
 REPO_ROOT = Path(__file__).resolve().parents[3]  # where `cacheserver` is imported from
 
 # Applies one tenant's report in the server (index recency, metrics, Stats).
-OnReport = Callable[[TenantId, d.TenantReport], None]
+OnReport = Callable[[TenantId, TenantReport], None]
 
 
 @dataclass(frozen=True)
@@ -74,7 +76,7 @@ class _Process:
         self.control, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.lock = threading.Lock()  # delegations are whole datagrams, one at a time
         args = [
-            sys.executable, "-m", "cacheserver.worker",
+            sys.executable, "-m", "cacheserver.transport.bulk.readworker",
             "--control-fd", str(child.fileno()),
             "--buckets-fd", str(spec.buckets.fd),
             "--slots", json.dumps(spec.buckets.slots),

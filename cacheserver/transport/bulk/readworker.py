@@ -1,7 +1,7 @@
-"""A bulk worker: a second process (and GIL) serving plain-TCP bulk reads from LMDB.
+"""A bulk read worker: a second process (and GIL) serving plain-TCP bulk reads from LMDB.
 
-    python -m cacheserver.worker --control-fd FD --buckets-fd FD --slots JSON \
-        --lmdb DIR --map-bytes N
+    python -m cacheserver.transport.bulk.readworker --control-fd FD --buckets-fd FD \
+        --slots JSON --lmdb DIR --map-bytes N
 
 The server (cacheserver.transport.bulk.processes) starts it and hands it connections that
 are past their hello (authenticated and bound to a principal and tenant by the
@@ -9,12 +9,12 @@ server: a worker never sees a ticket or a credential). Per request, the worker
 answers only what it can answer exactly as the server would:
 
 - a LOOKUP, or a GET of at most MAX_GET_BYTES, whose every block is committed in LMDB
-  (a consistent snapshot in one read transaction), for a principal that may read,
-  within its rate (drawn from the buckets the server shares:
-  policy.ratelimit.SharedBuckets) and limits, its model and digests checked by the
-  request core's own checks (cacheserver.core.checks) and named with the tenant's
-  naming key (policy.naming.TenantNamer), each block's checksum verified before it is
-  sent;
+  (a consistent snapshot in one read transaction), admitted by the request core's own
+  admission, run here on the grants the server delegated with the connection (rate
+  drawn from the buckets the server shares, policy.ratelimit.SharedBuckets; tenant and
+  action by policy.permissions' rule; limits; model and digests; names from the
+  tenant's naming key), each block's checksum verified before it is sent: the core as
+  a worker runs it, cacheserver.core.readonly, which this module only frames for;
 - anything else it hands back, unread: it only peeks at a request (MSG_PEEK), so the
   request is still whole at the head of the socket, and the server, which kept its own
   descriptor of the connection, reads and serves it as if it had never left (puts,
@@ -42,9 +42,10 @@ Two rules keep a worker's reads what the server's would be, and LMDB's reader ta
   index answers it.
 
 So every write, quota, eviction, journal record, audit record and refusal stays in the
-server process; a worker writes nothing. What it served, it reports every
-REPORT_INTERVAL_S (delegation.Report): the keys become recently used in the server's
-index, and the figures join the server's metrics and Stats. The worker exits when its
+server process; a worker writes nothing. What it served, counted as the store's
+events (cacheserver.core.served), it reports every REPORT_INTERVAL_S: the keys become
+recently used in the server's index, and the events are replayed into the server's
+metrics and Stats. The worker exits when its
 control socket closes (the server stopped or died).
 """
 
@@ -60,25 +61,20 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from cacheserver.config import LimitsConfig
-from cacheserver.core.checks import parse_names
-from cacheserver.core.values import parse_model_bytes
-from cacheserver.tiers.lmdb.reader import LmdbReader
+from cacheserver.core.readonly import BoundCore, ReadOnlyCore
+from cacheserver.core.served import Tally
+from cacheserver.core.values import Begun, Verb, parse_model_bytes
 from cacheserver.transport.bulk import delegation as d
 from cacheserver.transport.bulk.handler import VERBS, Pace
 from cacheserver.transport.bulk.listener import IDLE_TIMEOUT_S
 from cacheserver.transport.bulk.readyloop import ReadyLoop
 from kvcommon import bulkio, handoff
 from kvcommon import bulkwire as w
-from kvcommon.errors import InvalidArgument, Unavailable
+from kvcommon.errors import KvshareError, ResourceExhausted
 from kvcommon.logs import configure_logging
-from policy import Action
-from policy.identity import Principal
-from policy.naming import TenantNamer
-from policy.ratelimit import RequestRateLimiter, SharedBuckets
-from policy.types import StorageKey, TenantId
+from policy.ratelimit import SharedBuckets
 
-log = logging.getLogger("cacheserver.worker")
+log = logging.getLogger(__name__)
 # A request's header and body are peeked at whole: at most this many bytes, well
 # inside a socket's receive buffer (1,000 digests); a larger one is handed back.
 MAX_PEEK_BYTES = 32 << 10
@@ -86,67 +82,25 @@ MAX_PEEK_BYTES = 32 << 10
 # tier (a worker's first read of LMDB pages faults each one in, and it checksums every
 # byte), and large transfers are few calls, where one process is not the limit.
 MAX_GET_BYTES = 1 << 20
+# What a worker answers: reads. Everything else (puts, traced requests) is the server's.
+ANSWERED = (Verb.LOOKUP, Verb.GET)
 # Plain ints: or-ing socket's flag enums costs microseconds a call.
 _PEEK = int(socket.MSG_PEEK)
 _PEEK_ALL = int(socket.MSG_PEEK | socket.MSG_WAITALL)
 _OK = bytes([w.OK])
-
-
-class Tally:
-    """What this worker served since the last report, per tenant (thread-safe)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._reports: dict[TenantId, d.TenantReport] = {}
-
-    def lookup(self, tenant: TenantId, keys: Sequence[StorageKey]) -> None:
-        with self._lock:
-            report = self._reports.setdefault(tenant, d.TenantReport())
-            report.lookups += 1
-            report.lookup_digests += len(keys)
-            report.keys.update(keys)
-
-    def get(self, tenant: TenantId, keys: Sequence[StorageKey], nbytes: int) -> None:
-        with self._lock:
-            report = self._reports.setdefault(tenant, d.TenantReport())
-            report.gets += 1
-            report.get_blocks += len(keys)
-            report.bytes_served += nbytes
-            report.keys.update(keys)
-
-    def take(self) -> dict[TenantId, d.TenantReport]:
-        with self._lock:
-            reports, self._reports = self._reports, {}
-        return reports
+Parts = list[bytes | bytearray | memoryview]
 
 
 class Connection:
     """One delegated connection: peek, answer or hand back, until it closes."""
 
     def __init__(
-        self,
-        conn: socket.socket,
-        handback: socket.socket,
-        delegation: d.Delegation,
-        reader: LmdbReader,
-        buckets: SharedBuckets,
-        tally: Tally,
+        self, conn: socket.socket, handback: socket.socket, core: BoundCore, pace: Pace
     ) -> None:
         self._conn = conn
         self._handback = handback
-        self._d = delegation
-        self._tenant = TenantId(delegation.tenant)
-        self._namer = TenantNamer(self._tenant, delegation.naming_key)
-        self._reader = reader
-        # The principal as far as its rate goes (the server checked everything else);
-        # its buckets are the server's (SharedBuckets).
-        self._principal = Principal(
-            delegation.principal, frozenset(), frozenset(), delegation.requests_per_s
-        )
-        self._limiter = RequestRateLimiter(burst_s=delegation.burst_s, shared=buckets)
-        self._limits = LimitsConfig(max_digests_per_call=delegation.max_digests)
-        self._tally = tally
-        self._pace = Pace(delegation.min_transfer_bytes_per_s, delegation.idle_s)
+        self._core = core
+        self._pace = pace
         self._scratch = bytearray(MAX_PEEK_BYTES)
         self._puts_in_a_row = 0
         self.last_bytes = 0  # at most MAX_GET_BYTES: the ready loop never stays with it
@@ -169,103 +123,65 @@ class Connection:
         if self._puts_in_a_row >= d.GIVE_BACK_AFTER_PUTS:
             self._handback.sendall(d.GIVE_BACK)
             return False  # the server serves this request and the rest
-        if not self._may_answer(op, count, size) or not self._draw_rate():
+        verb = VERBS.get(op)
+        if verb is None or verb not in ANSWERED or count < 1 or size > MAX_PEEK_BYTES:
             return self._hand_back(rate_drawn=False)
+        try:
+            begun = self._core.begin(verb, count)
+        except ResourceExhausted:  # the rate's: not drawn, the server draws and refuses
+            return self._hand_back(rate_drawn=False)
+        except KvshareError:  # the server refuses it, with its message and audit record
+            return self._hand_back(rate_drawn=True)
         request = head[:size] if len(head) >= size else self._peek(size)
         if request is None:
             return False
-        if not self._answer(op, request, model_len, count):
+        try:
+            answered = self._answer(begun, request, model_len)
+        except KvshareError:
+            answered = False  # the server refuses it, with its message
+        if not answered:
             return self._hand_back(rate_drawn=True)
         return True
 
-    def _may_answer(self, op: int, count: int, size: int) -> bool:
-        """Whether the request is one a worker may answer, by its header: a read (the
-        verb's action, which the delegation says the principal has on its tenant) of at
-        least one digest and no more than the server admits (the core's limit check),
-        small enough to peek at whole. Anything else goes to the server unread."""
-        verb = VERBS.get(op)
-        if verb is None or verb.action is not Action.READ or not self._d.may_read:
-            return False
-        if count < 1 or size > MAX_PEEK_BYTES:
-            return False
-        try:
-            self._limits.check_digest_count(count)
-        except InvalidArgument:
-            return False  # the server refuses it, with its message
-        return True
-
-    def _draw_rate(self) -> bool:
-        """One request from the principal's shared bucket; a refusal is the server's to
-        answer (and audit), so it is handed back with its rate not drawn."""
-        return self._limiter.try_admit(self._principal)
-
-    def _answer(self, op: int, request: bytes, model_len: int, count: int) -> bool:
-        """Serve the peeked request if every block it names is in LMDB and listed in the
-        server's index; False: not (the server answers it)."""
+    def _answer(self, begun: Begun, request: bytes, model_len: int) -> bool:
+        """Serve the peeked request if the core answers it whole; False: not (the
+        server answers it)."""
         body = memoryview(request)[w.REQUEST.size :]
-        try:
-            model, digests = parse_names(
-                parse_model_bytes(body[:model_len]), w.request_digests(body[model_len:])
-            )
-        except InvalidArgument:
-            return False  # the server refuses it, with its message
-        keys = self._namer.storage_keys(model, digests)
-        # Asked before the snapshot is taken: a delete committed after this is in it.
-        if self._reader.any_retiring(keys):
-            return False  # evicted from the index, still in LMDB: the server's miss
-        if op == w.OP_LOOKUP:
-            if not self._all_present(keys):
+        model = parse_model_bytes(body[:model_len])
+        digests = w.request_digests(body[model_len:])
+        if begun.verb is Verb.LOOKUP:
+            present = self._core.lookup(begun, model, digests)
+            if present is None:
                 return False
             self._consume(len(request))
-            bulkio.send_parts(self._conn, [w.lookup_reply(count)], self._pace.deadline(0))
-            self._tally.lookup(self._tenant, keys)
+            bulkio.send_parts(self._conn, [w.lookup_reply(present)], self._pace.deadline(0))
             return True
-        sent = self._send_blocks(keys, len(request))
-        if sent is None:
+        whole = self._core.get(begun, model, digests, MAX_GET_BYTES)
+        if whole is None:
             return False
-        rest, deadline, nbytes = sent
+        with whole:
+            deadline = self._pace.deadline(whole.nbytes)
+            rest = self._send_now(whole.views, len(request))
         if rest:  # the peer is slower than the socket buffer: wait, with no snapshot held
             bulkio.send_parts(self._conn, rest, deadline)
-        self._tally.get(self._tenant, keys, nbytes)
         return True
 
-    def _all_present(self, keys: Sequence[StorageKey]) -> bool:
-        try:
-            with self._reader.reads() as reads:
-                return reads.leading_present(keys) == len(keys)
-        except Unavailable:
-            return False  # LMDB's reader table is full: the server answers
-
-    def _send_blocks(
-        self, keys: Sequence[StorageKey], request_bytes: int
-    ) -> tuple[list[bytes | bytearray | memoryview], bulkio.Deadline, int] | None:
-        """Within one read transaction: the blocks of `keys` read and verified, the
-        request consumed, and as much of the reply sent as the socket takes at once,
-        straight from the memory map; what it did not take is copied out before the
-        transaction ends. Returns that rest (empty: all sent), the reply's deadline and
-        its payload bytes; None when a block is missing (nothing consumed or sent).
+    def _send_now(self, views: Sequence[memoryview], request_bytes: int) -> Parts:
+        """Within the GET's read transaction: the request consumed, and as much of the
+        reply sent as the socket takes at once, straight from the memory map; what it
+        did not take is copied out before the transaction ends. Returns that rest
+        (empty: all sent).
 
         So a read transaction, and its slot in LMDB's reader table, never waits on the
         peer: a slow or stalled reader cannot hold a snapshot (and the pages freed
         after it) or fill the table every process shares."""
-        try:
-            reads = self._reader.reads()
-        except Unavailable:
-            return None
-        with reads:
-            views = reads.leading(self._tenant, keys, MAX_GET_BYTES)
-            if views is None or len(views) < len(keys):
-                return None
-            self._consume(request_bytes)
-            nbytes = sum(len(view) for view in views)
-            deadline = self._pace.deadline(nbytes)
-            parts: list[memoryview] = [memoryview(_OK)]
-            for view in views:
-                parts += [memoryview(w.SIZE.pack(len(view))), view]
-            parts.append(memoryview(w.END))
-            bulkio.send_now(self._conn, parts)
-            rest: list[bytes | bytearray | memoryview] = [b"".join(parts)] if parts else []
-        return rest, deadline, nbytes
+        self._consume(request_bytes)
+        parts: list[memoryview] = [memoryview(_OK)]
+        for view in views:
+            parts += [memoryview(w.SIZE.pack(len(view))), view]
+        parts.append(memoryview(w.END))
+        bulkio.send_now(self._conn, parts)
+        return [b"".join(parts)] if parts else []
 
     def _hand_back(self, *, rate_drawn: bool) -> bool:
         """The server serves the request at the head of the socket; True when the
@@ -295,11 +211,10 @@ class Connection:
 
 
 class Worker:
-    def __init__(self, control: socket.socket, reader: LmdbReader, buckets: SharedBuckets) -> None:
+    def __init__(self, control: socket.socket, core: ReadOnlyCore, tally: Tally) -> None:
         self._control = control
-        self._reader = reader
-        self._buckets = buckets
-        self._tally = Tally()
+        self._core = core
+        self._tally = tally
         self._stopped = threading.Event()
         # Its connections on a ready loop of its own, as the server's: no thread each.
         self._loop: ReadyLoop[Connection] = ReadyLoop(
@@ -325,27 +240,28 @@ class Worker:
         socks = [socket.socket(fileno=fd) for fd in fds]
         try:
             delegation = d.Delegation.decode(message)
+            grants = delegation.grants()
             conn, handback = socks
         except (ValueError, TypeError, KeyError):
             log.error("a malformed delegation from the server; connection dropped")
             for sock in socks:
                 sock.close()
             return
-        served = Connection(conn, handback, delegation, self._reader, self._buckets, self._tally)
+        pace = Pace(delegation.min_transfer_bytes_per_s, delegation.idle_s)
+        served = Connection(conn, handback, self._core.bind(grants), pace)
         self._loop.adopt(conn, served, served.close)
 
     def _report_loop(self) -> None:
         while not self._stopped.wait(d.REPORT_INTERVAL_S):
-            reports = {t: r for t, r in self._tally.take().items() if r}
             try:
-                for datagram in d.encode_reports(reports):
+                for datagram in d.encode_reports(self._tally.take()):
                     self._control.sendall(datagram)
             except OSError:
                 return
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cacheserver.worker")
+    parser = argparse.ArgumentParser(prog="python -m cacheserver.transport.bulk.readworker")
     parser.add_argument("--control-fd", type=int, required=True)
     parser.add_argument("--buckets-fd", type=int, required=True)
     parser.add_argument("--slots", required=True, help="JSON: principal name -> bucket slot")
@@ -356,11 +272,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging("info", args.log_format)
     control = socket.socket(fileno=args.control_fd)
     buckets = SharedBuckets.attach(args.buckets_fd, json.loads(args.slots))
-    reader = LmdbReader(args.lmdb, args.map_bytes)
+    tally = Tally()
+    core = ReadOnlyCore(args.lmdb, args.map_bytes, buckets, tally)
     try:
-        Worker(control, reader, buckets).run()
+        Worker(control, core, tally).run()
     finally:
-        reader.close()
+        core.close()
     return 0
 
 

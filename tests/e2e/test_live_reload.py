@@ -5,6 +5,7 @@ quotas, tenants and TLS certificates change without a restart."""
 
 from __future__ import annotations
 
+import hashlib
 import re
 import threading
 from collections.abc import Iterator
@@ -15,8 +16,10 @@ import pytest
 
 from kvcommon.v1 import kvshare_pb2 as pb
 from kvcommon.v1 import kvshare_pb2_grpc as pb_grpc
+from policy.audit import read_records
 from tests.conftest import Running
 from tests.e2e.reload_config import MODEL, Grant, LiveConfig, digest, reload, seconds_until, start
+from tests.support.scrape import Samples, parse, scrape_text, value
 
 REVOCATION_WITHIN_S = 1.0  # the issue's bound: refused on every path within a second
 BLOCK = bytes(range(256)) * 64  # 16 KiB
@@ -277,3 +280,41 @@ def test_a_removed_tenant_is_reclaimed_and_an_added_one_serves(
     seconds_until(lambda: running.store.tenant_usage("beta") == (0, 0))  # type: ignore[arg-type]
     assert serves(running, "g", "gamma", "new-tenant")
     assert serves(running, "a", "alpha", "stays")
+
+
+# -- what a reload leaves for the operator: audit records and metrics --------------------
+
+
+def test_the_audit_log_and_metrics_record_each_reload_by_name_only(tmp_path: Path) -> None:
+    live = three_principals(tmp_path, '[telemetry]\nmetrics_listen = "127.0.0.1:0"\n')
+    with start(live) as running:
+        server = running.server.server
+        assert server is not None
+
+        def scrape() -> Samples:
+            return parse(scrape_text(server.metrics_address))
+
+        assert value(scrape(), "kvshare_config_generation") == 1
+        del live.principals["b"]
+        live.write()
+        assert reload(running, live).applied
+        live.write(live.text() + "[[tenants]\n")
+        assert not reload(running, live).applied
+        samples = scrape()
+        assert value(samples, "kvshare_config_generation") == 2
+        assert value(samples, "kvshare_config_last_reload_success") == 0
+        assert value(samples, "kvshare_config_last_reload_timestamp_seconds") > 0
+        audit_path = server.config.audit_log_path
+    records = read_records(audit_path)
+    reloads = [r for r in records if r["event"] == "reload"]
+    assert [(r["principal"], r["applied"], r["generation"]) for r in reloads] == [
+        ("root", True, 2),
+        ("root", False, 2),
+    ]
+    assert [(r["principal"], r["reason"]) for r in records if r["event"] == "revoked"] == [
+        ("b", "removed")
+    ]
+    text = audit_path.read_text()
+    for grant in live.principals.values():  # names only: no token, no token hash
+        assert grant.token not in text
+        assert hashlib.sha256(grant.token.encode()).hexdigest() not in text

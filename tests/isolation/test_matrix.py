@@ -81,7 +81,19 @@ def probe(method: _descriptor.MethodDescriptor, owner: BlockClient, tenant: str)
             assert len(response.ticket) == 32 and response.address
 
         return Probe(pb.OpenBulkRequest(tenant=tenant), ticket, still_there)
+    if method.name == "Reload":  # an admin call: its owner is `root` (ADMIN_ONLY)
+
+        def answered(response: Any) -> None:
+            # These servers were started from a config built in code: nothing to reload,
+            # so a refusal that says so, with the generation serving.
+            assert not response.applied and response.generation == 1
+
+        return Probe(pb.ReloadRequest(), answered, still_there)
     raise AssertionError(f"new RPC {method.name}: add it to the isolation matrix")
+
+
+# RPCs whose positive control is an admin's (`root`): the tenant's owner may not call them.
+ADMIN_ONLY = frozenset({"Reload"})
 
 
 def _eq(found: object, expected: object) -> None:
@@ -129,7 +141,7 @@ def _channel(served: Served, tls: ClientTls | None) -> grpc.Channel:
 def test_every_rpc_over_tls_by_every_kind_of_token_caller(
     tls_server: Served, method: _descriptor.MethodDescriptor
 ) -> None:
-    owner_token = tls_server.tokens["a"]
+    owner_token = tls_server.tokens["root" if method.name in ADMIN_ONLY else "a"]
     unauthenticated = {
         "no credential": (),
         "wrong token": bearer("not-a-token"),
@@ -192,6 +204,12 @@ def _mtls_matrix(
     with _channel(mtls_server, mtls_server.tls("cert-b")) as channel:
         _refused_or_invisible(lambda: invoke(channel, method, p.request), method)
     p.unchanged()
+    if method.name in ADMIN_ONLY:  # cert-a may not: denied like cert-b; root's token may
+        with _channel(mtls_server, mtls_server.tls("cert-a")) as channel:
+            _refused(lambda: invoke(channel, method, p.request), grpc.StatusCode.PERMISSION_DENIED)
+        with _channel(mtls_server, mtls_server.tls("stranger")) as channel:
+            p.owner_sees(invoke(channel, method, p.request, bearer(mtls_server.tokens["root"])))
+        return
     with _channel(mtls_server, mtls_server.tls("cert-a")) as channel:
         p.owner_sees(invoke(channel, method, p.request))
 

@@ -22,7 +22,6 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from cacheserver.bulk_workers import WorkerAssembly
 from cacheserver.config import ServerConfig, StorageConfig, TlsFiles
 from cacheserver.config.bulk import (
     bulk_announced_address,
@@ -46,6 +45,7 @@ from cacheserver.store import BlockStore
 from cacheserver.telemetry import ServerTelemetry
 from cacheserver.tiers.assembly import HealthWatch, open_tiers
 from cacheserver.transport.bulk import BulkServer, server_tls_context
+from cacheserver.transport.bulk.readworkers import WorkerAssembly
 from cacheserver.transport.grpc.credentials import RotatingCertificate, TlsMaterial, read_tls
 from cacheserver.transport.grpc.service import BlockStoreService
 from cacheserver.transport.grpc.wire import AuthInterceptor

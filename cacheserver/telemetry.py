@@ -272,8 +272,9 @@ class ServerTelemetry:
         self._rpc_duration.record(seconds, method, status)
 
     def rpcs_served_elsewhere(self, method: str, calls: int) -> None:
-        """Count `calls` of `method` that a bulk worker answered (cacheserver.worker), all
-        OK: call counts stay whole; their latencies are not observed here."""
+        """Count `calls` of `method` that a bulk read worker answered
+        (cacheserver.transport.bulk.readworker), all OK: call counts stay whole; their
+        latencies are not observed here."""
         if calls:
             self._rpc_requests.add(calls, self._labels(None, "method", method, "status", "OK"))
 

@@ -156,8 +156,9 @@ class BlockNamer:
 
     def tenant_namer(self, tenant: TenantId) -> TenantNamer:
         """The names of one tenant's blocks alone, for a bulk worker process that serves
-        that tenant's connections (cacheserver.worker): it holds this tenant's naming
-        key, never the server secret, so it can name no other tenant's blocks."""
+        that tenant's connections (cacheserver.transport.bulk.readworker): it holds this
+        tenant's naming key, never the server secret, so it can name no other tenant's
+        blocks."""
         return TenantNamer(tenant, self._naming_key(tenant))
 
 

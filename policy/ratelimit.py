@@ -4,11 +4,11 @@ A principal may make `requests_per_s` calls per second on average and up to
 `requests_per_s * burst_s` in a burst (a bucket that starts full). 0 means unlimited.
 The clock is passed in (monotonic seconds) so tests need not sleep.
 
-With bulk workers (cacheserver.worker), the server and its worker processes draw from
-the same buckets: `SharedBuckets` keeps one bucket per principal in shared memory (a
-memfd the workers inherit), updated under a record lock on its bytes, so a principal's
-rate holds across every process that serves it. CLOCK_MONOTONIC is one clock for every
-process on the host.
+With bulk read workers (cacheserver.transport.bulk.readworker), the server and its
+worker processes draw from the same buckets: `SharedBuckets` keeps one bucket per
+principal in shared memory (a memfd the workers inherit), updated under a record lock on
+its bytes, so a principal's rate holds across every process that serves it.
+CLOCK_MONOTONIC is one clock for every process on the host.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""Fault scenarios of bulk workers (`[bulk] workers`, cacheserver.worker): a worker killed
-mid-read (see fault_scenarios.py for the common parts).
+"""Fault scenarios of bulk workers (`[bulk] workers`,
+cacheserver.transport.bulk.readworker): a worker killed mid-read (see
+fault_scenarios.py for the common parts).
 
 LMDB's reader table is read as LMDB prints it (`Environment.readers()`), from this
 process: the server's own readers are in another process, so opening the environment

@@ -98,7 +98,7 @@ class BlockStore:
             sync_writes=storage.sync_writes,
             on_integrity_failure=self._integrity_failed,
         )
-        self.lmdb_path = disk.path  # what bulk workers read (cacheserver.worker)
+        self.lmdb_path = disk.path  # what bulk workers read (cacheserver.transport.bulk.readworker)
         memory = MemoryTier(
             storage.memory_budget_bytes,
             memory_quotas(

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from cacheserver.bulk_workers import WorkerAssembly
 from cacheserver.config import BulkConfig
 from cacheserver.store.writer import HANDED_BACK_READS_HOLD_S
 from cacheserver.transport.bulk.delegation import REPORT_INTERVAL_S
+from cacheserver.transport.bulk.readworkers import WorkerAssembly
 from kvcommon.errors import PermissionDenied, ResourceExhausted
 from replica_agent.client import BlockClient
 from tests.conftest import Running, run_cli

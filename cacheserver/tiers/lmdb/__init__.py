@@ -17,13 +17,14 @@ Readers. LMDB's reader table (in its lock file, shared by every process that ope
 environment: the server and its bulk workers) has a slot for each read transaction
 open at once; when none is free a read fails. So no read transaction here is held
 across a wait on a peer (the server copies payloads out; a worker sends what the
-socket takes at once and copies the rest: cacheserver.worker), the table is sized
-above what every process can open at once (MAX_READERS, against
-cacheserver.bulk_workers.lmdb_readers_needed), a process that died holding slots is
-cleared by LMDB's reader check (every READER_CHECK_INTERVAL_S here, and by each bulk
-worker as it starts: a dead worker's snapshot would otherwise keep every page freed
-after it from reuse, and the file would grow to the map's end), and a table that is
-full anyway fails a read as UNAVAILABLE, with what to do, never as an internal error.
+socket takes at once and copies the rest: cacheserver.transport.bulk.readworker), the
+table is sized above what every process can open at once (MAX_READERS, against
+cacheserver.transport.bulk.readworkers.lmdb_readers_needed), a process that died
+holding slots is cleared by LMDB's reader check (every READER_CHECK_INTERVAL_S here,
+and by each bulk worker as it starts: a dead worker's snapshot would otherwise keep
+every page freed after it from reuse, and the file would grow to the map's end), and a
+table that is full anyway fails a read as UNAVAILABLE, with what to do, never as an
+internal error.
 Blocks the index has evicted but LMDB still holds are marked for the workers until
 their delete commits (`retire`; cacheserver.tiers.retiring).
 

@@ -1,5 +1,6 @@
 """`LmdbReader`: the bulk workers' read-only view of the server's LMDB tier, from
-another process (cacheserver.worker), and the blocks of one read transaction
+another process (cacheserver.transport.bulk.readworker, through
+cacheserver.core.readonly), and the blocks of one read transaction
 (`BlockReads`).
 """
 
@@ -17,8 +18,8 @@ from policy.types import StorageKey, TenantId
 
 
 class LmdbReader:
-    """A read-only view of a server's LMDB tier from another process (a bulk worker,
-    cacheserver.worker): LMDB serves readers in several processes at once, each read
+    """A read-only view of a server's LMDB tier from another process (a bulk read
+    worker): LMDB serves readers in several processes at once, each read
     transaction a consistent snapshot of committed blocks. It writes nothing: a block
     that fails its checksum is reported as absent, and the server, reading it next,
     drops it (LmdbTier.read_many). Opening it runs LMDB's reader check: a worker that

@@ -102,7 +102,7 @@ class ReadyLoop(Generic[H]):
         close it). `peeked`: the request's header and body, still in the socket, as the
         leader peeked them (valid until serving first waits; None: not peeked, read them
         from the socket). A bulk worker's loop serves its own connections
-        (cacheserver.worker)."""
+        (cacheserver.transport.bulk.readworker)."""
         self._serve_one = serve_one
         self._idle_timeout_s = idle_timeout_s
         self._stopping = stopping

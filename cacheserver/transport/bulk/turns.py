@@ -1,5 +1,5 @@
 """Who serves a plain-TCP bulk connection's next request: this process, on the ready
-loop, or a bulk worker (cacheserver.worker), in turn.
+loop, or a bulk worker (cacheserver.transport.bulk.readworker), in turn.
 
 With `[bulk] workers > 1` a connection past its hello goes to a worker in turn (the
 server keeps a turn of its own); the worker answers whole-hit reads and hands every

@@ -9,13 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cacheserver.bulk_workers import SERVER_OWN_READERS, lmdb_readers_needed
 from cacheserver.config import BulkConfig, ServerConfig
 from cacheserver.config.specs import AUTO_MAX_WORKERS, MAX_BULK_WORKERS
 from cacheserver.tiers import PendingWrite
 from cacheserver.tiers.lmdb.environment import MAX_READERS
 from cacheserver.tiers.lmdb.tier import LmdbTier
 from cacheserver.tiers.retiring import RETIRING_SLOTS, RetiringKeys, RetiringView
+from cacheserver.transport.bulk.readworkers import SERVER_OWN_READERS, lmdb_readers_needed
 from cacheserver.transport.bulk.slots import MAX_AUTHENTICATED
 from cacheserver.transport.grpc.threads import THREADS
 from policy.types import StorageKey, TenantId

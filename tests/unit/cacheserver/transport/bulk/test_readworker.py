@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 
-from cacheserver.bulk_workers import delegation_for
 from cacheserver.config import ServerConfig
 from cacheserver.core.readonly import ReadOnlyCore
 from cacheserver.core.served import Tally, TenantReport
@@ -29,6 +28,7 @@ from cacheserver.tiers.lmdb.tier import LmdbTier
 from cacheserver.transport.bulk import delegation as d
 from cacheserver.transport.bulk.handler import Pace
 from cacheserver.transport.bulk.readworker import Connection
+from cacheserver.transport.bulk.readworkers import delegation_for
 from kvcommon import bulkio
 from kvcommon import bulkwire as w
 from kvcommon.errors import PermissionDenied

@@ -1,6 +1,8 @@
-"""The server's side of bulk workers, assembled: who may be delegated, with what, and
-what a worker's report changes here (cacheserver.transport.bulk.processes has
-the processes; cacheserver.worker is a worker)."""
+"""The server's side of its bulk read workers: what a worker is delegated with a
+connection (data, `delegation_for`), what a worker's report changes here, and how many
+LMDB readers the server and its workers may hold at once. `readworker` is one worker
+(its process), `processes` starts, restarts and hands connections to them, and
+`delegation` frames what crosses between the two sides."""
 
 from __future__ import annotations
 

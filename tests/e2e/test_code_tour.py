@@ -5,10 +5,12 @@ runs in this process (port 0, LMDB in tmp_path) with a profile function on each 
 threads (`threading.setprofile` before it starts: every thread it starts has it), and a
 real client makes one warm GET and one PUT of two blocks over each transport: gRPC, the
 bulk channel over TCP (served by the ready loop) and the same-host arena. While a call
-runs, every Python function entered on a server thread is recorded with its stack.
+runs, every Python function entered on a server thread is recorded with its stack. A
+bulk worker runs in a process of its own: it is traced there, through a
+`sitecustomize.py` its Python imports from PYTHONPATH (WORKER_HOOK), no product code.
 
-The request's events are those on a thread that entered `cacheserver/core/` during
-the call, whose stack holds a frame of `cacheserver/transport/` or `cacheserver/core/`
+The request's events are those on a thread that entered a hop in `cacheserver/core/`
+during the call, whose stack holds a frame of `cacheserver/transport/` or `cacheserver/core/`
 (the ready loop looking up from epoll, the reaper, the writer, the health probe and the
 like are not the request). Walking each event's stack from its outermost frame, every
 module of `cacheserver/` not listed as named inside a hop becomes a hop the first time
@@ -35,6 +37,7 @@ from typing import Any
 
 import pytest
 
+from cacheserver.transport.bulk.delegation import REDELEGATE_AFTER_READS
 from replica_agent.client import BlockClient
 from tests.conftest import TEST_BULK_WORKERS, TRANSPORTS, Running, launch, write_config
 
@@ -167,7 +170,12 @@ class Hop:
 def hops(events: list[Event], tour: Tour) -> list[Hop]:
     """The request's hops (the module docstring says how)."""
     serving = {
-        e.thread for e in events if any(p.startswith("cacheserver/core/") for p, _ in e.stack)
+        e.thread
+        for e in events
+        if any(
+            p.startswith("cacheserver/core/") and not named_inside(p, tour.inside)
+            for p, _ in e.stack
+        )
     }
     found: dict[str, Hop] = {}
     for event in events:
@@ -280,6 +288,136 @@ def test_the_tour_lists_the_traced_hops(traced: Traced, verb: str, transport: st
     assert difference is None, f"{verb.upper()} over {transport}: {difference}"
 
 
+# -- the bulk worker, a process of its own ---------------------------------------------
+
+# Imported at start-up by every Python process that has it on PYTHONPATH: the bulk
+# workers the server starts inherit the test's environment. While the flag file exists
+# it writes each cacheserver function entered, with its stack, to a file per process.
+WORKER_HOOK = r"""
+import os, sys, threading
+_out = os.environ.get("KVSHARE_TOUR_TRACE")
+if _out:
+    _root = os.environ["KVSHARE_TOUR_ROOT"]
+    _product = os.path.join(_root, "cacheserver", "")
+    _armed = _out + ".armed"
+    _file = open(f"{_out}.{os.getpid()}", "a", buffering=1)
+
+    def _hook(frame, event, arg):
+        if event != "call" or not frame.f_code.co_filename.startswith(_product):
+            return
+        if not os.path.exists(_armed):
+            return
+        stack = []
+        walked = frame
+        while walked is not None:
+            code = walked.f_code
+            if code.co_filename.startswith(_product):
+                path = os.path.relpath(code.co_filename, _root)
+                stack.append(f"{path}:{code.co_qualname}")
+            walked = walked.f_back
+        stack.reverse()
+        _file.write(f"{threading.get_ident()}\t{' '.join(stack)}\n")
+
+    sys.setprofile(_hook)
+    threading.setprofile(_hook)
+"""
+WORKER_END = "cacheserver/transport/bulk/readyloop.py:ReadyLoop._park"  # served, parked again
+
+
+@dataclass
+class WorkerTrace:
+    running: Running
+    client: BlockClient
+    out: Path
+    digests: list[bytes]
+    payloads: list[bytes]
+
+    def get(self) -> list[Event]:
+        """One warm GET the worker serves, traced in the worker."""
+        for old in self.out.parent.glob(f"{self.out.name}.*"):
+            old.write_text("")
+        armed = Path(f"{self.out}.armed")
+        armed.touch()
+        try:
+            got = [bytes(b) for b in self.client.get("alpha", MODEL, self.digests)]
+            assert got == self.payloads
+            lines = self._lines_until_parked()
+        finally:
+            armed.unlink()
+        events = []
+        for line in lines:
+            thread, _, stack = line.partition("\t")
+            frames = tuple(tuple(f.split(":", 1)) for f in stack.split(" "))
+            events.append(Event(int(thread), frames))  # type: ignore[arg-type]
+        return events
+
+    def _lines_until_parked(self) -> list[str]:
+        for _ in range(300):
+            lines = [
+                line
+                for f in sorted(self.out.parent.glob(f"{self.out.name}.[0-9]*"))
+                for line in f.read_text().splitlines()
+            ]
+            if any(line.endswith(WORKER_END) for line in lines):
+                return lines
+            threading.Event().wait(0.1)
+        raise AssertionError("no bulk worker served the GET (no trace of it in a worker)")
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerTrace]:
+    """A server with one bulk worker whose process runs WORKER_HOOK, two blocks in
+    LMDB (the worker reads only what LMDB holds), and a warm client whose connection
+    the worker serves (the server keeps the first plain-TCP connection, the worker
+    gets the second: tests/e2e/test_bulk_workers.py)."""
+    tmp = tmp_path_factory.mktemp("tour-worker")
+    hook = tmp / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(WORKER_HOOK)
+    out = tmp / "trace"
+    with pytest.MonkeyPatch.context() as env:
+        path = os.environ.get("PYTHONPATH")
+        env.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(hook), path) if p))
+        env.setenv("KVSHARE_TOUR_TRACE", str(out))
+        env.setenv("KVSHARE_TOUR_ROOT", str(ROOT))
+        with launch(write_config(tmp, extra="[bulk]\nworkers = 2\n")) as running:
+            first = running.client("a", transport="bulk-tcp")
+            client = running.client("a", transport="bulk-tcp")
+            try:
+                digests = [bytes([n]) * 32 for n in range(2)]
+                payloads = [bytes([n + 1]) * BLOCK_BYTES for n in range(2)]
+                assert first.get("alpha", MODEL, [bytes(32)]) == []
+                assert client.get("alpha", MODEL, [bytes(32)]) == []  # the worker's
+                first.put("alpha", MODEL, digests, payloads)
+                _wait_for_lmdb(running)
+                # A connection whose read was handed back goes back to the worker once
+                # its last REDELEGATE_AFTER_READS requests were reads.
+                for _ in range(REDELEGATE_AFTER_READS + 2):
+                    assert len(client.get("alpha", MODEL, digests)) == 2
+                yield WorkerTrace(running, client, out, digests, payloads)
+            finally:
+                first.close()
+                client.close()
+
+
+def _wait_for_lmdb(running: Running) -> None:
+    for _ in range(300):
+        if running.store.undrained_blocks == 0:
+            return
+        threading.Event().wait(0.1)
+    raise AssertionError("the journaled blocks never reached LMDB")
+
+
+def test_the_tour_lists_the_workers_hops(worker: WorkerTrace) -> None:
+    """A warm GET a bulk worker answers (a worker answers reads only: a PUT it hands
+    back to the server, whose hops are those of bulk-tcp)."""
+    tour = documented()
+    listed = tour.lists.get(("get", "bulk-worker"))
+    assert listed is not None, "docs/architecture.md has no hop list for get bulk-worker"
+    difference = compare(listed, hops(worker.get(), tour))
+    assert difference is None, f"GET over a bulk worker: {difference}"
+
+
 def test_the_tour_names_real_modules() -> None:
     """Every documented hop names a module or package that exists, and so does every
     named-inside pattern."""
@@ -298,7 +436,7 @@ def test_the_tour_names_real_modules() -> None:
 def test_the_table_counts_the_lists() -> None:
     """The doc's table of counts says, after its arrow, how long each list is now."""
     tour = documented()
-    columns = ("grpc", "bulk-tcp", "bulk-same-host")
+    columns = ("grpc", "bulk-tcp", "bulk-same-host", "bulk-worker")
     rows = [
         line.split("|")[1:-1]
         for line in DOC.read_text().splitlines()
@@ -307,9 +445,12 @@ def test_the_table_counts_the_lists() -> None:
     assert len(rows) == 2, "docs/architecture.md: the table of traced hops is not found"
     for cells in rows:
         verb = cells[0].strip().lower()
-        for transport, cell in zip(columns, cells[1:], strict=False):
-            now = int(cell.split("→")[-1])
-            assert now == len(tour.lists[(verb, transport)]), (verb, transport, cell)
+        for transport, cell in zip(columns, cells[1:], strict=True):
+            now = cell.split("→")[-1].strip()
+            if now.isdigit():
+                assert int(now) == len(tour.lists[(verb, transport)]), (verb, transport, cell)
+            else:
+                assert (verb, transport) not in tour.lists, (verb, transport, cell)
 
 
 def test_an_added_hop_is_named() -> None:

@@ -14,9 +14,6 @@ import gc
 import logging
 import signal
 import socket
-import ssl
-from collections.abc import Callable
-from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -32,26 +29,20 @@ from cacheserver.core.requests import RequestCore
 from cacheserver.core.values import BulkEndpoint
 from cacheserver.events import FanOut, TenantCounters
 from cacheserver.health import HealthMonitor
-from cacheserver.reload import (
-    ConfigSource,
-    ReloadOutcome,
-    ReloadState,
-    check_live,
-    describe,
-    require_admin,
-)
+from cacheserver.reload import ConfigSource, ReloadOutcome
+from cacheserver.reloader import Reloader
 from cacheserver.startup import check_can_bind, check_tls, prepare_data_dir
 from cacheserver.store import BlockStore
 from cacheserver.telemetry import ServerTelemetry
 from cacheserver.tiers.assembly import HealthWatch, open_tiers
-from cacheserver.transport.bulk import BulkServer, server_tls_context
+from cacheserver.transport.bulk import BulkServer
 from cacheserver.transport.bulk.readworkers import WorkerAssembly
-from cacheserver.transport.grpc.credentials import RotatingCertificate, TlsMaterial, read_tls
+from cacheserver.transport.grpc.credentials import RotatingCertificate, bulk_tls, read_tls
 from cacheserver.transport.grpc.service import BlockStoreService
 from cacheserver.transport.grpc.wire import AuthInterceptor
-from kvcommon.errors import ConfigError, KvshareError
+from kvcommon.errors import ConfigError
 from kvcommon.v1 import kvshare_pb2, kvshare_pb2_grpc
-from policy import AccessPolicy, Principal
+from policy import AccessPolicy
 from policy.audit import AuditLog
 from policy.devmode import dev_access
 from policy.naming import load_or_create_server_secret
@@ -86,14 +77,10 @@ class Server:
         check_tls(config, tls)
         self.config = config
         self._tls = tls
-        self.source = source
         self._tls_material = read_tls(tls) if tls is not None else None
         self._certificate = (
             RotatingCertificate(self._tls_material) if self._tls_material is not None else None
         )
-        self.reloads = ReloadState()
-        self._reload_lock = asyncio.Lock()
-        self._cleanups: set[asyncio.Task[None]] = set()  # a reload's deletes, running
         self.telemetry = telemetry or ServerTelemetry(config.telemetry)
         self._lock_file = prepare_data_dir(config.data_dir)
         access = config.access or dev_access(config.data_dir)
@@ -130,7 +117,12 @@ class Server:
             drain_within_s=_drain_within_s(config, processes),
         )
         self.telemetry.watch(self.store.tier_usage, self._tenant_usage)
-        state = self.reloads
+        self.tickets = TicketBook()
+        # The config file read again on SIGHUP and the admin RPC (cacheserver.reloader).
+        self.reloader = Reloader(
+            source, config, tls, self._certificate, self.policy, self.store, self.tickets
+        )
+        state = self.reloader.state
         self.telemetry.watch_reloads(lambda: (state.generation, state.last_at_s, state.last_ok))
         if self.store.reclaimed_at_start:
             self.policy.record_admin(
@@ -150,7 +142,6 @@ class Server:
         # A tier the server serves without has a health service of its own
         # (Capability.OWN_HEALTH): the local tiers keep serving while it is unreachable.
         self.tier_health = [self._watch_tier(watch) for watch in self.tier_stack.health]
-        self.tickets = TicketBook()
         self.workers: WorkerAssembly | None = None
         if processes > 1:
             self.workers = WorkerAssembly(
@@ -205,7 +196,7 @@ class Server:
             bulk_listen.bracketed_host,
             core,
             self.tickets,
-            _bulk_tls(self._tls_material),
+            bulk_tls(self._tls_material),
             telemetry=self.telemetry,
             bulk=self.config.bulk,
             port=bulk_listen.port,
@@ -233,7 +224,8 @@ class Server:
             bulk.local_namespace,
             bulk.local_uid,
         )
-        self._service = BlockStoreService(core, self.config.limits, reload=self.reload_for)
+        self.reloader.attach(self._interceptor.calls, bulk)
+        self._service = BlockStoreService(core, self.config.limits, reload=self.reloader.reload_for)
         kvshare_pb2_grpc.add_BlockStoreServicer_to_server(self._service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
@@ -281,101 +273,6 @@ class Server:
             return None
         return self.workers.delegate(raw, grant, to_a_worker)
 
-    # -- live reload ------------------------------------------------------------------
-
-    async def reload_for(self, principal: Principal) -> ReloadOutcome:
-        """The admin RPC Reload: an `admin` principal's reload (PermissionDenied else)."""
-        self.policy.check_rate(principal)
-        is_admin = self.policy.is_admin(principal)
-        if not is_admin:
-            self.policy.audit.record("denied", principal=principal.name, action="reload")
-        require_admin(is_admin, principal)
-        return await self.reload(principal.name)
-
-    async def reload(self, by: str | None = None) -> ReloadOutcome:
-        """Read the config file again and apply it live, or refuse all of it (one line
-        naming what to change). `by`: the admin principal that asked (None: SIGHUP)."""
-        async with self._reload_lock:
-            try:
-                message = await self._reload()
-                ok = True
-            except ConfigError as error:
-                message, ok = str(error), False
-            self.reloads.note(ok, message)
-            generation = self.reloads.generation
-            self.policy.audit.record(
-                "reload",
-                principal=by,
-                applied=ok,
-                generation=generation,
-                detail=message,
-            )
-            if ok:
-                log.info("config reloaded (generation %d): %s", generation, message)
-            else:
-                log.error("config reload refused, the running config stays: %s", message)
-            return ReloadOutcome(ok, message, generation)
-
-    async def _reload(self) -> str:
-        if self.source is None:
-            raise ConfigError(
-                "this server was started without a config file (dev mode): nothing to "
-                "reload; start it with --config FILE"
-            )
-        config, tls, text = self.source.load()
-        check_live(self.config, config, text)
-        check_tls(config, tls)
-        material = read_tls(tls) if tls is not None else None
-        bulk_tls = _bulk_tls(material)  # a bad certificate or key is refused here
-        assert config.access is not None
-        change = self.policy.reload_access(
-            config.access,
-            requests_per_s=config.limits.requests_per_s,
-            burst_s=config.limits.request_burst_s,
-        )
-        # From here on the new config serves: cut off what the old one opened.
-        cut = change.closed
-        tickets = self.tickets.revoke(cut)
-        ended = self._interceptor.calls.end(cut) if self._server is not None else 0
-        closed = self.bulk.close_principals(cut) if self.bulk is not None else 0
-        for name, reason in cut.items():
-            self.policy.audit.record("revoked", principal=name, reason=reason)
-        if material is not None and self._certificate is not None:
-            self._certificate.rotate(material)
-            if self.bulk is not None and bulk_tls is not None:
-                self.bulk.use_tls(bulk_tls)
-        self._tls, self._tls_material = tls, material
-        self.config = config
-        evicted = self.store.set_quotas(self.policy.quotas_bytes)
-        # What is no longer served leaves the disk behind the reload: a delete waits for
-        # the disk writer, which under load may take seconds.
-        if evicted:
-            self._in_background("evict_to_lowered_quotas", self.store.delete, evicted)
-        for tenant in change.tenants_removed:
-            self._in_background(
-                "reclaim_removed_tenant", self.store.delete_tenant, tenant, tenant=tenant
-            )
-        return describe(change, ended, closed, tickets) + (
-            f"; evicted to lowered quotas {len(evicted)}" if evicted else ""
-        )
-
-    def _in_background(
-        self, action: str, delete: Callable[..., int], *args: Any, tenant: TenantId | None = None
-    ) -> None:
-        """Run a reload's delete on a thread; audit it when done. `stop` waits for it."""
-
-        async def run() -> None:
-            try:
-                blocks = await asyncio.to_thread(delete, *args)
-            except KvshareError as error:  # the writer is behind: a restart reclaims them
-                log.warning("%s after a reload: %s", action, error)
-                return
-            self.policy.record_admin(None, action, tenant=tenant, blocks=blocks)
-
-        task = asyncio.get_running_loop().create_task(run())
-        self._cleanups.add(task)
-        task.add_done_callback(self._cleanups.discard)
-
     async def wait_for_termination(self) -> None:
         assert self._server is not None
         await self._server.wait_for_termination()
@@ -395,8 +292,7 @@ class Server:
             self.bulk = None
         if self.workers is not None:
             self.workers.stop()
-        if self._cleanups:
-            await asyncio.wait(self._cleanups, timeout=SHUTDOWN_GRACE_S)
+        await self.reloader.finish(SHUTDOWN_GRACE_S)
         if self._service is not None:
             self._service.close()
             self._service = None
@@ -416,12 +312,6 @@ def _drain_within_s(config: ServerConfig, processes: int) -> float | None:
     if processes > 1 and config.storage.drain_idle_ms == default:
         return WORKERS_DRAIN_WITHIN_S
     return None
-
-
-def _bulk_tls(material: TlsMaterial | None) -> ssl.SSLContext | None:
-    if material is None:
-        return None
-    return server_tls_context(material.chain, material.key, material.client_ca)
 
 
 async def serve(
@@ -451,7 +341,7 @@ async def serve(
     reloading: set[asyncio.Task[ReloadOutcome]] = set()
 
     def reload_on_hangup() -> None:  # SIGHUP's default action would kill the server
-        task = loop.create_task(server.reload())
+        task = loop.create_task(server.reloader.reload())
         reloading.add(task)
         task.add_done_callback(reloading.discard)
 

@@ -76,7 +76,7 @@ def start(live: LiveConfig) -> Running:
     """The real server, in-process, started from `live`'s file; it reloads that file."""
     live.write()
     running = launch(Tenancy(live.path, live.tokens()))
-    running.server.server.source = ConfigSource(live.path)  # type: ignore[union-attr]
+    running.server.server.reloader.source = ConfigSource(live.path)  # type: ignore[union-attr]
     return running
 
 

@@ -144,3 +144,17 @@ def test_a_reload_with_an_unreadable_key_keeps_the_old_certificate(
     assert served_certificate(running.address, cas.both, cas.old_client, alpn=True) == der_of(
         cas.old_server
     )
+
+
+def test_a_reload_with_a_key_of_another_certificate_keeps_the_old_certificate(
+    running: Running, live: LiveConfig, cas: Cas
+) -> None:
+    live.extra = tls_table(CertFiles(cas.new_server.cert, cas.old_server.key), cas.new.cert_path)
+    live.write()
+    admin_tls = ClientTls(cas.both, cas.old_client.cert, cas.old_client.key)
+    reply = reload(running, live, tls=admin_tls)
+    assert not reply.applied
+    assert "do not make a TLS context" in reply.message and "\n" not in reply.message
+    assert served_certificate(running.address, cas.both, cas.old_client, alpn=True) == der_of(
+        cas.old_server
+    )

@@ -1,4 +1,5 @@
-"""The gRPC port's TLS credentials, which a live reload can rotate.
+"""The server's TLS credentials, which a live reload can rotate (gRPC's, and the
+bulk listener's context made from the same files).
 
 The server's certificate chain, key and client CA are read at start-up and again at
 each reload (cacheserver.reload). gRPC's dynamic server credentials ask
@@ -10,6 +11,7 @@ TLS) is fixed at start-up: turning it on or off needs a restart.
 
 from __future__ import annotations
 
+import ssl
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from cacheserver.config import TlsFiles
+from cacheserver.transport.bulk import server_tls_context
 from kvcommon.errors import ConfigError
 
 
@@ -38,6 +41,21 @@ def read_tls(tls: TlsFiles) -> TlsMaterial:
         )
     except OSError as error:
         raise ConfigError(f"cannot read TLS file {error.filename}: {error.strerror}") from None
+
+
+def bulk_tls(material: TlsMaterial | None) -> ssl.SSLContext | None:
+    """The bulk listener's TLS context for the same files (None: no TLS); ConfigError
+    for a certificate and key that do not make one."""
+    if material is None:
+        return None
+    try:
+        return server_tls_context(material.chain, material.key, material.client_ca)
+    except (ssl.SSLError, ValueError) as error:  # a key not the certificate's, no PEM
+        reason = getattr(error, "reason", None) or str(error)
+        raise ConfigError(
+            f"[tls] cert and key do not make a TLS context ({reason}); give the "
+            "certificate chain and the private key that belong together, and a PEM client_ca"
+        ) from None
 
 
 def _configuration(material: TlsMaterial) -> grpc.ServerCertificateConfiguration:

@@ -25,6 +25,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedConfig, PreTrainedModel
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from replica_agent.adapters.hf_weights import weights_fingerprint
 from replica_agent.codec import TORCH_DTYPES, torch_dtype
 from replica_agent.device import Placement
 from replica_agent.spec import ModelSpec
@@ -92,9 +93,18 @@ def tiny_llama(
 
 
 def spec_for(
-    model: PreTrainedModel, *, model_id: str, revision: str, block_tokens: int
+    model: PreTrainedModel,
+    *,
+    model_id: str,
+    revision: str,
+    block_tokens: int,
+    weight_version: str | None = None,
 ) -> ModelSpec:
-    """The block spec of `model`'s KV cache (tensor-parallel rank 0 of 1)."""
+    """The block spec of `model`'s KV cache (tensor-parallel rank 0 of 1).
+
+    `weight_version`: the version of the weights, when the caller knows it; None: a
+    fingerprint of the loaded weights (adapters.hf_weights), so replicas whose weights
+    differ under the same id and revision never share blocks."""
     config = model.config
     dtype_names = {value: name for name, value in TORCH_DTYPES.items()}
     if model.dtype not in dtype_names:
@@ -111,6 +121,7 @@ def spec_for(
         head_dim=int(head_dim),
         dtype=dtype_names[model.dtype],
         block_tokens=block_tokens,
+        weight_version=weights_fingerprint(model) if weight_version is None else weight_version,
     )
 
 

@@ -5,10 +5,17 @@ as JSON objects; both adapters read the same keys (docs/design.md §7 names `tar
 `token_file`, `tenant`; the rest are ours):
 
     target           "HOST:PORT", or a list of them (gRPC round robin across servers)
-    token_file       a file holding the bearer token (owner-only: mode 0600)
+    token_file       a file holding the bearer token (owner-only: mode 0600); re-read
+                     when it changes (replica_agent.credentials): rotate by renaming a
+                     new file over it, no restart
     tenant           the tenant blocks are stored under (or the default tenant)
     keyring_file     the tenant data keys (policy.sealing.Keyring); blocks are sealed
-                     with them before they leave the replica and opened on the way in
+                     with them before they leave the replica and opened on the way in;
+                     re-read when it changes, like token_file
+    weight_version   the version of the served weights (e.g. a checkpoint's commit or
+                     an RL step): part of every block's identity, so replicas of
+                     another version never load these blocks (default: none, a
+                     namespace of its own)
     tls_ca           the server's CA (PEM); with tls_cert and tls_key: mTLS
     tls_cert, tls_key, tls_server_name
     model            the block namespace; by default each adapter derives one from the
@@ -23,16 +30,17 @@ not silently turn sealing off. Adapters may pass `engine_keys` they handle thems
 
 from __future__ import annotations
 
-import stat
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvcommon.errors import ConfigError
-from policy.sealing import BlockSealer, Keyring
+from policy.sealing import BlockSealer
 from policy.types import PUBLIC, is_valid_tenant_id
 from replica_agent.client import BlockClient, ClientTls
+from replica_agent.credentials import KeyringFileSealer, TokenFile, read_secret_file
+from replica_agent.spec import check_weight_version
 
 DEFAULT_TIMEOUT_S = 5.0
 KNOWN_KEYS = frozenset(
@@ -49,6 +57,7 @@ KNOWN_KEYS = frozenset(
         "timeout_s",
         "bulk",
         "same_host",
+        "weight_version",
     }
 )
 
@@ -64,6 +73,7 @@ class StoreSettings:
     timeout_s: float = DEFAULT_TIMEOUT_S
     bulk: bool = True
     same_host: bool = True
+    weight_version: str = ""  # "": not versioned
 
     @property
     def grpc_target(self) -> str:
@@ -73,19 +83,20 @@ class StoreSettings:
         return "ipv4:" + ",".join(self.targets)
 
     def read_token(self) -> str:
-        return _read_secret_file(self.token_file, "token_file")
+        return read_secret_file(self.token_file, "token_file")
 
     def sealer(self) -> BlockSealer | None:
+        """A sealer over the keyring file, which it re-reads when the file changes."""
         if self.keyring_file is None:
             return None
-        return BlockSealer(Keyring.from_file(self.keyring_file))
+        return KeyringFileSealer(self.keyring_file)
 
     def connect(self) -> BlockClient:
         """A client of the store (gRPC connects lazily: a store that is down now is not
         an error here; the adapter's breaker deals with it call by call)."""
         return BlockClient(
             self.grpc_target,
-            self.read_token(),
+            TokenFile(self.token_file),  # each call sends the file's current token
             tls=self.tls,
             timeout_s=self.timeout_s,
             bulk=self.bulk,
@@ -148,7 +159,19 @@ def parse_store_settings(
         timeout_s=float(timeout_s),
         bulk=_bool(raw, "bulk", source),
         same_host=_bool(raw, "same_host", source),
+        weight_version=_weight_version(raw, source),
     )
+
+
+def _weight_version(raw: Mapping[str, Any], source: str) -> str:
+    """`weight_version`, checked as ModelSpec checks it (the message names the key)."""
+    value = _str(raw, "weight_version", source)
+    if value:
+        try:
+            check_weight_version(value)
+        except ValueError as error:
+            raise ConfigError(f"{source}: {error}") from None
+    return value
 
 
 def _str(raw: Mapping[str, Any], key: str, source: str) -> str:
@@ -168,18 +191,3 @@ def _bool(raw: Mapping[str, Any], key: str, source: str) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(f"{source}: {key} must be true or false")
     return value
-
-
-def _read_secret_file(path: Path, key: str) -> str:
-    """A credential from a file that only its owner may read (as the server's dev
-    token is written): a world-readable token is someone else's token too."""
-    try:
-        info = path.stat()
-        text = path.read_text(encoding="utf-8").strip()
-    except OSError as error:
-        raise ConfigError(f"{key}: cannot read {path}: {error.strerror}") from None
-    if stat.S_IMODE(info.st_mode) & 0o077:
-        raise ConfigError(f"{key}: {path} is readable by group or others; chmod 600 it")
-    if not text:
-        raise ConfigError(f"{key}: {path} is empty")
-    return text

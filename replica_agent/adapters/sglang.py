@@ -123,7 +123,12 @@ class KVShareHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
-        spec = namespace_spec(self.storage_config, mem_pool_host, self.settings.model)
+        spec = namespace_spec(
+            self.storage_config,
+            mem_pool_host,
+            self.settings.model,
+            self.settings.weight_version,
+        )
         layout = str(getattr(mem_pool_host, "layout", ""))
         kv_buffer = getattr(mem_pool_host, "kv_buffer", None)
         if not isinstance(kv_buffer, torch.Tensor):
@@ -132,7 +137,8 @@ class KVShareHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self.namespace = spec.wire_model()
         self._store = self._page_store(spec)
         log.info(
-            "kvshare HiCache backend: %s pages of %d tokens, %s, %s",
+            "kvshare HiCache backend: namespace %s, %s pages of %d tokens, %s, %s",
+            self.namespace,
             layout,
             spec.block_tokens,
             "sealed" if self._sealer is not None else "not sealed (no keyring_file)",

@@ -85,7 +85,7 @@ def page_digest(key: str) -> bytes:
     return hashlib.sha256(enc(KEY_LABEL, key)).digest()
 
 
-def namespace_spec(config: Any, pool: Any, model: str) -> ModelSpec:
+def namespace_spec(config: Any, pool: Any, model: str, weight_version: str = "") -> ModelSpec:
     """The block layout and namespace of this rank's pages (ConfigError if unsupported).
 
     `config` is SGLang's HiCacheStorageConfig (ranks, model name), `pool` its MHA host
@@ -117,6 +117,7 @@ def namespace_spec(config: Any, pool: Any, model: str) -> ModelSpec:
             block_tokens=int(pool.page_size),
             tp_rank=int(config.tp_rank),
             tp_size=int(config.tp_size),
+            weight_version=weight_version,
         )
     except (TypeError, ValueError) as error:
         raise ConfigError(f"kvshare cannot store this host pool's pages: {error}") from None

@@ -101,7 +101,12 @@ class KVShareConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.options = parse_vllm_options(raw, source=SOURCE)
         self.vllm_block_tokens = int(vllm_config.cache_config.block_size)
         self.block_tokens = store_block_tokens(self.vllm_block_tokens, self.options.block_tokens)
-        self.spec = engine_spec(vllm_config, self.settings.model, self.block_tokens)
+        self.spec = engine_spec(
+            vllm_config,
+            self.settings.model,
+            self.block_tokens,
+            weight_version=self.settings.weight_version,
+        )
         self.namespace = self.spec.wire_model()  # the chain's model; rank 0's store namespace
         self.stats = StoreStats()
         self._sealer = self.settings.sealer()
@@ -115,6 +120,8 @@ class KVShareConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._loaded_early: set[str] = set()  # async loads with no cache to fill: done
         self.timeline = LoadTimeline()  # this side's marks (vllm_trace)
         if role == KVConnectorRole.SCHEDULER:
+            # What `kvshare admin delete-model --namespace` takes (rank 0's name).
+            log.info("KVShareConnector: store namespace %s", self.namespace)
             self._adopt_recompute_policy()
             catalogue = self._public_catalogue()
             self._planner = SchedulerPlanner(
@@ -264,7 +271,11 @@ class KVShareConnector(KVConnectorBase_V1):  # type: ignore[misc]
             )
         self._cache = PagedCache(tuple(kv_caches[n] for n in names), layout, self.vllm_block_tokens)
         spec = engine_spec(
-            self._vllm_config, self.settings.model, self.block_tokens, self._tp_rank()
+            self._vllm_config,
+            self.settings.model,
+            self.block_tokens,
+            self._tp_rank(),
+            weight_version=self.settings.weight_version,
         )
         self._store = WorkerStore(
             self._client,

@@ -103,9 +103,17 @@ def store_block_tokens(vllm_block_tokens: int, configured: int | None) -> int:
 
 
 def engine_spec(
-    vllm_config: VllmConfig, model_name: str, block_tokens: int, tp_rank: int = 0
+    vllm_config: VllmConfig,
+    model_name: str,
+    block_tokens: int,
+    tp_rank: int = 0,
+    *,
+    weight_version: str = "",
 ) -> ModelSpec:
-    """The block layout of this engine's KV cache (one tensor-parallel rank)."""
+    """The block layout of this engine's KV cache (one tensor-parallel rank), and the
+    weights' version from the settings. vLLM keeps its own `weight_version` (set by
+    `update_weight_version` after a weight sync) in the engine core, which a KV
+    connector is never handed: a replica whose weights change must say so here."""
     model, parallel = vllm_config.model_config, vllm_config.parallel_config
     if parallel.pipeline_parallel_size > 1:
         raise ConfigError("KVShareConnector does not support pipeline parallelism yet")
@@ -128,6 +136,7 @@ def engine_spec(
         block_tokens=block_tokens,
         tp_rank=tp_rank,
         tp_size=parallel.tensor_parallel_size,
+        weight_version=weight_version,
     )
 
 

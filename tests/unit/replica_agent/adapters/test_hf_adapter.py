@@ -20,6 +20,7 @@ from replica_agent.adapters.hf import (
     spec_for,
     tiny_llama,
 )
+from replica_agent.adapters.hf_weights import weights_fingerprint
 from replica_agent.codec import decode_block, encode_block
 from replica_agent.spec import ModelSpec
 
@@ -162,7 +163,9 @@ def test_adapter_rejects_mismatches(fp32_model: LlamaForCausalLM) -> None:
 
 def test_spec_for_reads_the_config(fp32_model: LlamaForCausalLM) -> None:
     spec = spec_of(fp32_model)
-    assert spec.wire_model() == "kvshare/tiny-llama@seed0;fp32;L8;H4;D64;B16;tp0/1"
+    layout, version = spec.wire_model().rsplit(";W", 1)
+    assert layout == "kvshare/tiny-llama@seed0;fp32;L8;H4;D64;B16;tp0/1"
+    assert version == weights_fingerprint(fp32_model)  # the loaded weights' version
     bf16 = tiny_llama(0, dtype=torch.bfloat16, num_layers=2)
     assert spec_for(bf16, model_id="m", revision="r", block_tokens=BLOCK).dtype == "bfloat16"
 

@@ -11,6 +11,8 @@
     kvshare admin publish --target HOST:PORT --token-file F --keyring K \
         --text-file framework-prompt.txt [--model ...]   # blocks into @public
     kvshare admin reload --address HOST:PORT --token-file F  # apply kvshare.toml live
+    kvshare admin delete-model --address HOST:PORT --token-file F --tenant acme \
+        --namespace NS [--weight-version V]      # a retired weight version's blocks
 
 Stanzas go to stdout, so they can be appended to a file. A new bearer token is shown
 once, on stderr (or written to `--token-file`, mode 0600); the stanza holds only its
@@ -26,6 +28,7 @@ import sys
 from pathlib import Path
 
 from kvcommon.errors import ConfigError
+from kvshare.delete_model_cli import add_delete_model_arguments, run_delete_model
 from kvshare.publish import add_publish_arguments, run_publish
 from kvshare.reload_cli import add_reload_arguments, run_reload
 from policy.types import PUBLIC
@@ -74,6 +77,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(an admin principal's call; prints the outcome)",
     )
     add_reload_arguments(reload)
+    delete_model = sub.add_parser(
+        "delete-model",
+        help="delete a tenant's blocks of one model and weight version, every TP shard "
+        "(an admin principal's call; prints one JSON line)",
+    )
+    add_delete_model_arguments(delete_model)
 
 
 def _principal_arguments(parser: argparse.ArgumentParser) -> None:
@@ -94,6 +103,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.admin_command == "reload":  # the server audits it, in its own log
         return run_reload(args)
+    if args.admin_command == "delete-model":  # audited by itself, after the call
+        return run_delete_model(args)
     try:
         fields = _perform(args)
         if args.audit_log is not None:

@@ -119,6 +119,21 @@ def _check_tenants(old: ServerConfig, new: ServerConfig, text: ConfigText) -> No
             )
     if (old.access.public is None) != (new.access.public is None):
         raise text.error(("public",), f"adding or removing the public scope {RESTART}")
+    if old.redis_cluster is not None:
+        # The shared tier takes its tenants, their tags and quotas once, at start-up
+        # (cacheserver.tiers.cluster), the same on every server that shares it.
+        before = [(t.id, t.quota_bytes) for t in old.access.tenants]
+        after = [(t.id, t.quota_bytes) for t in new.access.tenants]
+        if before != after:
+            changed = next(
+                (i for i, (b, a) in enumerate(zip(before, after, strict=False)) if b != a), None
+            )
+            where: tuple[str | int, ...] = ("tenants",) if changed is None else ("tenants", changed)
+            raise text.error(
+                where,
+                "with [redis_cluster], tenants and their quotas change only with a restart "
+                "of every server that shares it; put them back to reload the rest",
+            )
     old_public, new_public = old.access.public, new.access.public
     if old_public is not None and new_public is not None and old_public.epoch != new_public.epoch:
         raise text.error(("public", "epoch"), f"changed; {RESTART}")

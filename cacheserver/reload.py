@@ -8,13 +8,16 @@ that only a restart can make, refuses the whole reload with one line naming the 
 the line and the key, and the running config keeps serving; nothing is dropped.
 
 What changes live: tenants (added; removed: their blocks are deleted, as a start-up
-without them reclaims them), principals (tokens, certificates, tenants, actions, rates),
+without them reclaims them), quotas (a tenant over a lowered one is evicted down to it
+at once), principals (tokens, certificates, tenants, actions, rates),
 `[limits]` requests_per_s and request_burst_s, read_public, require_sealed, the public
 scope's quota and require_sealed, and the TLS certificate, key and client CA (new
 handshakes use them; open connections keep theirs). Everything else sizes or binds
 something at start-up (listen addresses, data_dir, the naming secret, budgets and files
 of `[storage]`, `[bulk]`, `[telemetry]`, the cluster tier, a tenant's epoch, whether
-there is a public scope or TLS or mTLS at all) and needs a restart.
+there is a public scope or TLS or mTLS at all; with a cluster tier, which tenants there
+are and their quotas, which that tier takes once) and needs a restart.
+`cacheserver.reloader` applies a checked file to the running server.
 
 Once applied, a principal that was removed, whose credential changed or that lost
 tenants or actions keeps nothing it opened under the old config (policy.access_change):

@@ -184,7 +184,11 @@ class BoundCore:
             reads = self._reader.reads()
         except Unavailable:
             return None
-        views = reads.leading(begun.tenant, keys, max_bytes)
+        try:
+            views = reads.leading(begun.tenant, keys, max_bytes)
+        except BaseException:
+            reads.__exit__(None, None, None)  # the transaction ends either way
+            raise
         if views is None or len(views) < len(keys):
             reads.__exit__(None, None, None)
             return None

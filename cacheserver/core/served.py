@@ -2,7 +2,7 @@
 
 The store's events (cacheserver.events.StoreEvents) are the one counting path: metrics
 and the Stats RPC's per-tenant figures both consume them. A read worker
-(cacheserver.core.readonly) fires the same events as it serves, into a `Tally`, which
+(cacheserver.core.readonly) fires the same events as it serves, into `EventSums`, which
 sums them per tenant with the storage keys they read; every report interval the sums
 cross to the server (cacheserver.transport.bulk.delegation frames them), and `replay`
 fires them into the server's store events, so they are counted exactly where and how
@@ -69,7 +69,7 @@ class TenantReport:
         return report
 
 
-class Tally(NoEvents):
+class EventSums(NoEvents):
     """A worker's `ServedEvents` (cacheserver.core.readonly): the events of what it
     served, summed per tenant until `take`n for a report. Thread-safe."""
 

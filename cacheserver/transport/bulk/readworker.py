@@ -62,7 +62,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from cacheserver.core.readonly import BoundCore, ReadOnlyCore
-from cacheserver.core.served import Tally
+from cacheserver.core.served import EventSums
 from cacheserver.core.values import Begun, Verb, parse_model_bytes
 from cacheserver.transport.bulk import delegation as d
 from cacheserver.transport.bulk.handler import VERBS, Pace
@@ -211,10 +211,10 @@ class Connection:
 
 
 class Worker:
-    def __init__(self, control: socket.socket, core: ReadOnlyCore, tally: Tally) -> None:
+    def __init__(self, control: socket.socket, core: ReadOnlyCore, served: EventSums) -> None:
         self._control = control
         self._core = core
-        self._tally = tally
+        self._served = served
         self._stopped = threading.Event()
         # Its connections on a ready loop of its own, as the server's: no thread each.
         self._loop: ReadyLoop[Connection] = ReadyLoop(
@@ -254,7 +254,7 @@ class Worker:
     def _report_loop(self) -> None:
         while not self._stopped.wait(d.REPORT_INTERVAL_S):
             try:
-                for datagram in d.encode_reports(self._tally.take()):
+                for datagram in d.encode_reports(self._served.take()):
                     self._control.sendall(datagram)
             except OSError:
                 return
@@ -272,10 +272,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging("info", args.log_format)
     control = socket.socket(fileno=args.control_fd)
     buckets = SharedBuckets.attach(args.buckets_fd, json.loads(args.slots))
-    tally = Tally()
-    core = ReadOnlyCore(args.lmdb, args.map_bytes, buckets, tally)
+    served = EventSums()
+    core = ReadOnlyCore(args.lmdb, args.map_bytes, buckets, served)
     try:
-        Worker(control, core, tally).run()
+        Worker(control, core, served).run()
     finally:
         core.close()
     return 0

@@ -22,7 +22,7 @@ import pytest
 
 from cacheserver.config import ServerConfig
 from cacheserver.core.readonly import ReadOnlyCore
-from cacheserver.core.served import Tally, TenantReport
+from cacheserver.core.served import EventSums, TenantReport
 from cacheserver.tiers import PendingWrite
 from cacheserver.tiers.lmdb.tier import LmdbTier
 from cacheserver.transport.bulk import delegation as d
@@ -51,7 +51,7 @@ class Setup:
     policy: AccessPolicy
     limiter: RequestRateLimiter
     core: ReadOnlyCore
-    tally: Tally
+    served: EventSums
     digest: bytes
     payload: bytes
     key: bytes
@@ -68,9 +68,9 @@ def setup(tmp_path: Path) -> Iterator[Setup]:
     tier.close()
     buckets = SharedBuckets([READER.name, WRITER.name])
     limiter = RequestRateLimiter(0, shared=buckets)  # unlimited: this test is not the rate's
-    tally = Tally()
-    core = ReadOnlyCore(tmp_path / "lmdb", 64 * MiB, buckets, tally)
-    yield Setup(policy, limiter, core, tally, digest, payload, key)
+    served = EventSums()
+    core = ReadOnlyCore(tmp_path / "lmdb", 64 * MiB, buckets, served)
+    yield Setup(policy, limiter, core, served, digest, payload, key)
     core.close()
 
 
@@ -117,7 +117,7 @@ def served_by_the_worker(setup: Setup, delegated: Delegated) -> TenantReport | N
     request = delegated.ask(setup.digest)
     delegated.server.send(d.SERVED_ON)  # the server's answer, should it be handed back
     assert delegated.worker.serve_one()
-    reports = setup.tally.take()
+    reports = setup.served.take()
     delegated.server.settimeout(0)  # what the worker said, if anything: no waiting
     try:
         handed_back = delegated.server.recv(8)

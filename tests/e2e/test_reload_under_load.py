@@ -18,6 +18,7 @@ second.
 from __future__ import annotations
 
 import itertools
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -30,6 +31,7 @@ import pytest
 
 from cacheserver.transport.bulk import BulkServer
 from kvshare.reload_cli import request_reload
+from policy.tickets import Grant as TicketGrant
 from policy.types import TenantId
 from replica_agent.client import BlockClient, ClientTls
 from tests.conftest import Running
@@ -229,6 +231,25 @@ def fill_quota_tenant(running: Running, live: LiveConfig, round_: int = 0) -> No
         c.put("q", MODEL, digests, [BLOCK] * QUOTA_BLOCKS)
 
 
+def record_delegations(running: Running) -> list[str]:
+    """The principals whose connections the server hands to a bulk worker from now on
+    (the real hand-over, observed)."""
+    server = running.server.server
+    assert server is not None and server.workers is not None
+    workers = server.workers
+    real = workers.delegate
+    names: list[str] = []
+
+    def delegate(raw: socket.socket, grant: TicketGrant, to_a_worker: bool) -> socket.socket | None:
+        handed = real(raw, grant, to_a_worker)
+        if handed is not None:
+            names.append(grant.principal.name)
+        return handed
+
+    workers.delegate = delegate  # type: ignore[method-assign,assignment]
+    return names
+
+
 def all_closed(bulk: BulkServer, principal: str) -> Callable[[], bool]:
     return lambda: bulk.connections_of(principal) == 0
 
@@ -251,6 +272,7 @@ def test_reloads_under_load_lose_nothing_and_revoke_within_a_second(
     config, plain, tls = fleet
     servers = {"plain": (plain, None), "tls": (tls, config.client_tls)}
     fill_quota_tenant(plain, config.plain)
+    delegated = record_delegations(plain)
     # The victims' connections, opened by a read each (a read keeps a worker's turn).
     for victim in config.victims:
         running, client_tls = servers[victim.server]
@@ -262,6 +284,7 @@ def test_reloads_under_load_lose_nothing_and_revoke_within_a_second(
             victim.clients.append(client)
         if victim.transport != "grpc":
             assert bulk_of(running).connections_of(victim.name) == len(victim.clients)
+    assert "v-worker" in delegated  # a bulk worker serves one of its connections
     # 8 clients of 4 tenants, principals that stay: 6 on the plaintext server over each
     # of its transports, 2 over TLS.
     plan = [

@@ -34,7 +34,9 @@ from policy.config import AccessConfig, PublicConfig, TenantConfig
 from policy.identity import (
     Action,
     Authenticator,
+    CertCredential,
     Principal,
+    TokenCredential,
     certificate_identities,
     describe,
 )
@@ -176,8 +178,20 @@ class AccessPolicy:
             self._limiter.set_defaults(requests_per_s, burst_s)
             self.quotas_bytes = access.quotas_bytes()
             self._set_tenant_rules(access.tenants, access.public)
-            self._live = {p.name: p for p in new}
-            self._authenticator = Authenticator(access.credentials, access.cert_credentials)
+            # A principal the reload leaves as it was keeps its object: what it holds
+            # open stays current (`is_current`), e.g. a connection a bulk worker may take.
+            kept = {p.name: p for p in old}
+
+            def same(principal: Principal) -> Principal:
+                before = kept.get(principal.name)
+                return before if before == principal else principal
+
+            tokens = [
+                TokenCredential(c.token_sha256, same(c.principal)) for c in access.credentials
+            ]
+            certs = [CertCredential(c.identity, same(c.principal)) for c in access.cert_credentials]
+            self._live = {p.name: same(p) for p in new}
+            self._authenticator = Authenticator(tokens, certs)
         return change
 
     def current(self, principal: Principal) -> Principal:

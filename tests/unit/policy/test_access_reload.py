@@ -161,3 +161,14 @@ def test_the_namer_is_unchanged_by_a_reload() -> None:
     policy.reload_access(access((a, "t"), tenants=("alpha",)), requests_per_s=0, burst_s=1)
     assert policy.storage_key(ALPHA, "m", b"\x01" * 32) == before  # type: ignore[arg-type]
     assert namer.epoch(ALPHA) == 0
+
+
+def test_a_principal_the_reload_leaves_alone_stays_current() -> None:
+    a, b = principal("a", {"alpha"}, "ta"), principal("b", {"beta"}, "tb")
+    policy = policy_for(access((a, "ta"), (b, "tb")))
+    # The same entries, parsed again (new objects), and b removed.
+    again = principal("a", {"alpha"}, "ta")
+    policy.reload_access(access((again, "ta")), requests_per_s=0, burst_s=1)
+    assert policy.is_current(a)  # what a opened before the reload may go to a worker
+    assert policy.authenticate("Bearer ta") is a
+    assert not policy.is_current(b)

@@ -13,9 +13,12 @@ image size and the start times docs/deploy.md records).
 
 from __future__ import annotations
 
+import copy
 import hashlib
+import ipaddress
 import json
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -24,10 +27,16 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml  # type: ignore[import-untyped]
+from cryptography import x509
+from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from replica_agent.client import BlockClient
+from policy.sealing import BlockSealer, Keyring, new_key_entry
+from replica_agent.client import BlockClient, ClientTls
+from tests.support.certs import TestCA
 from tests.support.repo import REPO
 
 pytestmark = [pytest.mark.slow, pytest.mark.packaging]
@@ -36,19 +45,28 @@ BUILD = REPO / "deploy" / "image" / "build.sh"
 MODEL = "image/model@r1;fp32;L2;H2;D8;B4;tp0/1"
 UID = 10001
 # What the second container runs: the image's own client, over the host's loopback.
+# argv: ADDRESS TOKEN_FILE [TENANT [CA_FILE]]. Payloads are sealed, as the agent seals
+# them (the overlays' tenant requires sealed blocks), with a key made here.
 SMOKE = """
 import os, sys
-from replica_agent.client import BlockClient
+from pathlib import Path
+from policy.sealing import BlockSealer, Keyring, new_key_entry
+from replica_agent.client import BlockClient, ClientTls
 address, token_file = sys.argv[1], sys.argv[2]
+tenant = sys.argv[3] if len(sys.argv) > 3 else "alpha"
+tls = ClientTls(root_ca=Path(sys.argv[4])) if len(sys.argv) > 4 else None
 token = open(token_file).read().strip()
+sealer = BlockSealer(Keyring.parse_toml(new_key_entry(tenant, 1), "smoke"))
 model = "image/model@r1;fp32;L2;H2;D8;B4;tp0/1"
-digests = [bytes([n]) * 32 for n in range(1, 4)]
-payloads = [os.urandom(1 << 20) for _ in digests]
-with BlockClient(address, token, same_host=False) as client:
-    assert client.put("alpha", model, digests, payloads) == [True, True, True]
-    assert client.lookup("alpha", model, digests) == 3
-    assert client.get("alpha", model, digests) == payloads
-    assert client.lookup("alpha", model, [bytes([9]) * 32]) == 0
+digests = [os.urandom(32) for _ in range(3)]
+plain = [os.urandom(1 << 20) for _ in digests]
+sealed = [sealer.seal(tenant, model, d, p) for d, p in zip(digests, plain)]
+with BlockClient(address, token, tls=tls, same_host=False) as client:
+    assert client.put(tenant, model, digests, sealed) == [True, True, True]
+    assert client.lookup(tenant, model, digests) == 3
+    got = client.get(tenant, model, digests)
+    assert [sealer.open(tenant, model, d, g) for d, g in zip(digests, got)] == plain
+    assert client.lookup(tenant, model, [os.urandom(32)]) == 0
 print("smoke ok uid", os.getuid())
 """
 
@@ -298,3 +316,182 @@ def test_read_only_non_root_server_smoke_from_host_and_second_container(
     print(f"restarted on the same volume: ready {second.ready_s:.2f} s after podman run")
     with BlockClient(second.address, second.token, same_host=False) as client:
         assert client.get("alpha", MODEL, digests) == payloads
+
+
+# -- podman kube play of the rendered single-server overlay --------------------------
+
+SERVICE_NAME = "kvshare.kvshare.svc"
+
+
+def render(overlay: str) -> list[dict[str, Any]]:
+    done = subprocess.run(
+        ["kubectl", "kustomize", str(REPO / "deploy" / "k8s" / "overlays" / overlay)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+
+
+def playable(
+    objects: list[dict[str, Any]],
+    *,
+    image: str,
+    secrets_dir: Path,
+    data_dir: Path,
+    empty_dirs: Path,
+    pod_name: str,
+    host_ports: dict[str, int],
+    token_sha256: str,
+) -> list[dict[str, Any]]:
+    """The rendered overlay as podman 4.3's kube play takes it. Podman plays Pods,
+    Deployments, ConfigMaps and volume claims, not StatefulSets, Services or Secrets, so
+    this test-side transform (nothing else is changed):
+    - the StatefulSet's pod template becomes Pod `pod_name`, its image this build's;
+    - the Secret kvshare-secrets (a projected volume), the volume claim `data` and the
+      emptyDirs become host directories made here, owned by the server's user (podman
+      makes an emptyDir a root-owned volume and ignores fsGroup);
+    - the Service's ports are the pod's ports published on the host's 127.0.0.1
+      (hostIP/hostPort): clients reach the server only through them;
+    - in the ConfigMap's kvshare.toml: the principal's placeholder hash is this test's
+      token's, and `[bulk] advertise` is the host's published bulk port (the Service's
+      DNS name does not resolve on this host);
+    - CPU requests and limits are dropped (podman refuses more CPUs than the host has);
+    - the init container is kept once run (podman 4.3 fails removing it).
+    """
+    statefulset = next(o for o in objects if o["kind"] == "StatefulSet")
+    configmap = copy.deepcopy(next(o for o in objects if o["kind"] == "ConfigMap"))
+    service = next(
+        o for o in objects if o["kind"] == "Service" and o["metadata"]["name"] == "kvshare"
+    )
+    toml = configmap["data"]["kvshare.toml"]
+    assert "0" * 64 in toml  # the placeholder the shipped config carries
+    toml = toml.replace("0" * 64, token_sha256)
+    toml = re.sub(
+        r'(?m)^advertise = "[^"]*"', f'advertise = "127.0.0.1:{host_ports["bulk"]}"', toml
+    )
+    configmap["data"]["kvshare.toml"] = toml
+    spec = copy.deepcopy(statefulset["spec"]["template"]["spec"])
+    by_port_name = {p["targetPort"]: p["name"] for p in service["spec"]["ports"]}
+    for container in spec.get("initContainers", []) + spec["containers"]:
+        container["image"] = image
+        for limits in container.get("resources", {}).values():
+            limits.pop("cpu", None)
+        for port in container.get("ports", []):
+            if port["name"] in by_port_name and by_port_name[port["name"]] in host_ports:
+                port["hostIP"] = "127.0.0.1"
+                port["hostPort"] = host_ports[by_port_name[port["name"]]]
+    volumes = []
+    for volume in spec["volumes"]:
+        if "projected" in volume or "secret" in volume:
+            volume = {"name": volume["name"], "hostPath": {"path": str(secrets_dir)}}
+        elif "emptyDir" in volume:
+            path = empty_dirs / volume["name"]
+            path.mkdir(mode=0o700, parents=True)
+            os.chown(path, UID, UID)
+            volume = {"name": volume["name"], "hostPath": {"path": str(path)}}
+        volumes.append(volume)
+    claims = [c["metadata"]["name"] for c in statefulset["spec"]["volumeClaimTemplates"]]
+    assert claims == ["data"]
+    volumes.append({"name": "data", "hostPath": {"path": str(data_dir)}})
+    spec["volumes"] = volumes
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": pod_name,
+            "labels": statefulset["spec"]["template"]["metadata"]["labels"],
+            # podman 4.3 removes a run-once init container while it still runs, and
+            # fails the play: keep it ("always" runs it at each start of the pod).
+            "annotations": {"io.podman.annotations.init.container.type": "always"},
+        },
+        "spec": spec,
+    }
+    return [configmap, pod]
+
+
+def test_kube_play_of_the_single_overlay_serves_through_the_service_ports(
+    podman: Podman, image: str, tmp_path: Path
+) -> None:
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl (kustomize) is missing")
+    ca = TestCA(tmp_path / "ca")
+    sans: list[x509.GeneralName] = [
+        x509.DNSName(SERVICE_NAME),
+        x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+    ]
+    server_cert = ca._issue("server", SERVICE_NAME, sans, ExtendedKeyUsageOID.SERVER_AUTH)
+    secrets_dir = tmp_path / "secrets"
+    secrets_dir.mkdir()
+    (secrets_dir / "server.secret").write_bytes(os.urandom(32))
+    shutil.copy(server_cert.cert, secrets_dir / "tls.crt")
+    shutil.copy(server_cert.key, secrets_dir / "tls.key")
+    shutil.copy(ca.cert_path, secrets_dir / "ca.crt")
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    for path in (secrets_dir, data_dir, *secrets_dir.iterdir()):
+        os.chown(path, UID, UID)  # what the kubelet's fsGroup would make readable
+    token = secrets.token_urlsafe(24)
+    grpc_port, bulk_port = free_ports(2)
+    manifest = tmp_path / "play.yaml"
+    pod = f"kvshare-test-{secrets.token_hex(4)}"
+    server = f"{pod}-kvshare"  # podman names a pod's container <pod>-<container>
+    objects = playable(
+        render("single"),
+        image=image,
+        secrets_dir=secrets_dir,
+        data_dir=data_dir,
+        empty_dirs=tmp_path / "emptydir",
+        pod_name=pod,
+        host_ports={"grpc": grpc_port, "bulk": bulk_port},
+        token_sha256=hashlib.sha256(token.encode()).hexdigest(),
+    )
+    manifest.write_text(yaml.safe_dump_all(objects))
+    started = time.monotonic()
+    try:
+        podman("kube", "play", str(manifest), timeout_s=600)
+        logs = ""
+        while "serving on" not in logs:
+            state = podman("inspect", "--format", "{{.State.Status}}", server)
+            logs = subprocess.run(
+                ["podman", "logs", server],
+                capture_output=True, text=True, env=podman.env, timeout=60,
+            ).stdout  # fmt: skip
+            assert state.strip() == "running", podman("logs", server, check=False)
+            time.sleep(0.1)
+        print(f"\nkube play: server ready {time.monotonic() - started:.2f} s after kube play")
+        address = f"127.0.0.1:{grpc_port}"
+        tls = ["--tls-ca", "/run/ca.crt", "--tls-server-name", SERVICE_NAME]
+        client = ["--network", "host", "--read-only", "--cap-drop=ALL"]
+        ca_mount = ["-v", f"{ca.cert_path}:/run/ca.crt:ro"]
+        health = podman.run(
+            *client, *ca_mount, image, "kvshare", "health", "--address", address, *tls
+        )
+        assert health.returncode == 0 and "SERVING" in health.stdout, health.stderr
+        token_file = tmp_path / "token"
+        token_file.write_text(token)
+        token_file.chmod(0o644)
+        smoke = podman.run(
+            *client, *ca_mount, "-v", f"{token_file}:/run/a.token:ro", image,
+            "python3", "-c", SMOKE, address, "/run/a.token", "acme", "/run/ca.crt",
+        )  # fmt: skip
+        assert smoke.returncode == 0, smoke.stderr[-2000:]
+        assert smoke.stdout.strip() == f"smoke ok uid {UID}"
+        # And from the host, through the same published Service ports.
+        digest = os.urandom(32)
+        sealer = BlockSealer(Keyring.parse_toml(new_key_entry("acme", 1), "test"))
+        payload = sealer.seal("acme", MODEL, digest, os.urandom(1 << 20))
+        tls_client = ClientTls(root_ca=ca.cert_path)
+        with BlockClient(address, token, tls=tls_client, same_host=False) as host_client:
+            assert host_client.put("acme", MODEL, [digest], [payload]) == [True]
+            assert host_client.get("acme", MODEL, [digest]) == [payload]
+        # The pod runs as the server's user with a read-only root file system.
+        wrote = subprocess.run(
+            ["podman", "exec", server, "python3", "-c", "open('/x', 'w')"],
+            capture_output=True, text=True, env=podman.env, timeout=60,
+        )  # fmt: skip
+        assert wrote.returncode != 0 and "Read-only file system" in wrote.stderr
+    finally:
+        podman("kube", "down", str(manifest), check=False, timeout_s=300)
+        podman("pod", "rm", "-f", pod, check=False)

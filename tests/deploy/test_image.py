@@ -39,7 +39,9 @@ from replica_agent.client import BlockClient, ClientTls
 from tests.support.certs import TestCA
 from tests.support.repo import REPO
 
-pytestmark = [pytest.mark.slow, pytest.mark.packaging]
+# The first test of a session builds the image (build.sh: up to ~5 minutes on 2 busy
+# cores) in its session fixture, which the default 300 s per test would cut short.
+pytestmark = [pytest.mark.slow, pytest.mark.packaging, pytest.mark.timeout(1800)]
 
 BUILD = REPO / "deploy" / "image" / "build.sh"
 MODEL = "image/model@r1;fp32;L2;H2;D8;B4;tp0/1"

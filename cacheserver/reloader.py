@@ -114,8 +114,11 @@ class Reloader:
         config, tls, text = self.source.load()
         check_live(self.config, config, text)
         check_tls(config, tls)
-        material = read_tls(tls) if tls is not None else None
-        bulk_context = bulk_tls(material)  # a bad certificate or key is refused here
+        try:
+            material = read_tls(tls) if tls is not None else None
+            bulk_context = bulk_tls(material)  # a bad certificate or key is refused here
+        except ConfigError as error:  # named where the file points at them: [tls]
+            raise text.error(("tls",), str(error)) from None
         assert config.access is not None
         change = self._policy.reload_access(
             config.access,

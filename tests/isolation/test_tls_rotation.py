@@ -5,6 +5,7 @@ certificate of the old CA is refused from then on, one of the new CA serves."""
 
 from __future__ import annotations
 
+import re
 import socket
 import ssl
 from collections.abc import Iterator
@@ -141,6 +142,7 @@ def test_a_reload_with_an_unreadable_key_keeps_the_old_certificate(
     reply = reload(running, live, tls=admin_tls)
     assert not reply.applied
     assert "missing.key" in reply.message and "\n" not in reply.message
+    assert re.match(r".*kvshare\.toml:\d+: tls: cannot read TLS file", reply.message)
     assert served_certificate(running.address, cas.both, cas.old_client, alpn=True) == der_of(
         cas.old_server
     )
@@ -155,6 +157,7 @@ def test_a_reload_with_a_key_of_another_certificate_keeps_the_old_certificate(
     reply = reload(running, live, tls=admin_tls)
     assert not reply.applied
     assert "do not make a TLS context" in reply.message and "\n" not in reply.message
+    assert re.match(r".*kvshare\.toml:\d+: tls: ", reply.message)
     assert served_certificate(running.address, cas.both, cas.old_client, alpn=True) == der_of(
         cas.old_server
     )

@@ -46,6 +46,9 @@ class AnsweringStore(pb_grpc.BlockStoreServicer):
     def Stats(self, request: Any, context: Any) -> pb.StatsResponse:
         return pb.StatsResponse()
 
+    def Reload(self, request: Any, context: Any) -> pb.ReloadResponse:
+        return pb.ReloadResponse()
+
 
 class FakeStore(AnsweringStore):
     """Answers every Get and bulk GET with one block of `size` bytes (announced)."""

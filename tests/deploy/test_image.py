@@ -4,8 +4,11 @@ read-only root file system, a data volume, ports published on 127.0.0.1 only.
 A put/get/lookup smoke passes from the host (this repository's client) and from a
 second container of the same image (its own client, over the host's loopback), the
 health command answers from both, and a new container on the same volume serves what
-the first stored. Needs root, podman and mmdebstrap (skipped otherwise); the image is
-built once per session, or reused when an image of the same inputs exists (build.sh).
+the first stored. `podman kube play` of the rendered overlays: the single server serves
+the same smoke through the Service's ports, and two scale-out servers over a 3-node
+Redis Cluster (TLS, an ACL user; on the host's loopback) read what the other stored.
+Needs root, podman and mmdebstrap (skipped otherwise); the image is built once per
+session, or reused when an image of the same inputs exists (build.sh).
 
 Run alone: `python -m pytest tests/deploy/test_image.py -m packaging -s` (prints the
 image size and the start times docs/deploy.md records).
@@ -34,6 +37,7 @@ import yaml  # type: ignore[import-untyped]
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
+from kvshare.bench.redis_cluster import ClusterAccess, LocalRedisCluster
 from policy.sealing import BlockSealer, Keyring, new_key_entry
 from replica_agent.client import BlockClient, ClientTls
 from tests.support.certs import TestCA
@@ -384,6 +388,19 @@ def playable(
             if port["name"] in by_port_name and by_port_name[port["name"]] in host_ports:
                 port["hostIP"] = "127.0.0.1"
                 port["hostPort"] = host_ports[by_port_name[port["name"]]]
+    spec["volumes"] = host_volumes(statefulset, spec, secrets_dir, data_dir, empty_dirs)
+    return [configmap, pod_of(statefulset, pod_name, spec)]
+
+
+def host_volumes(
+    statefulset: dict[str, Any],
+    spec: dict[str, Any],
+    secrets_dir: Path,
+    data_dir: Path,
+    empty_dirs: Path,
+) -> list[dict[str, Any]]:
+    """The pod's volumes as host directories owned by the server's user: the Secrets'
+    projected volume, the emptyDirs (one directory each), and the volume claim `data`."""
     volumes = []
     for volume in spec["volumes"]:
         if "projected" in volume or "secret" in volume:
@@ -397,8 +414,11 @@ def playable(
     claims = [c["metadata"]["name"] for c in statefulset["spec"]["volumeClaimTemplates"]]
     assert claims == ["data"]
     volumes.append({"name": "data", "hostPath": {"path": str(data_dir)}})
-    spec["volumes"] = volumes
-    pod = {
+    return volumes
+
+
+def pod_of(statefulset: dict[str, Any], pod_name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    return {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {
@@ -410,7 +430,6 @@ def playable(
         },
         "spec": spec,
     }
-    return [configmap, pod]
 
 
 def test_kube_play_of_the_single_overlay_serves_through_the_service_ports(
@@ -497,3 +516,178 @@ def test_kube_play_of_the_single_overlay_serves_through_the_service_ports(
     finally:
         podman("kube", "down", str(manifest), check=False, timeout_s=300)
         podman("pod", "rm", "-f", pod, check=False)
+
+
+def scale_out_pods(
+    objects: list[dict[str, Any]],
+    *,
+    image: str,
+    tmp_path: Path,
+    secrets_dir: Path,
+    names: list[str],
+    ports: list[int],
+    edit_toml: Callable[[str], str],
+) -> list[dict[str, Any]]:
+    """The scale-out overlay's servers as host-network pods, one per entry of `names`,
+    each on its own loopback ports (`ports[i]` for gRPC, the next for bulk): the Redis
+    Cluster runs on the host's loopback, which a pod on a bridge network cannot reach.
+    Beyond `playable`'s transform, each pod gets its own copy of the ConfigMap with
+    `listen`, `[bulk] listen` and `metrics_listen` on 127.0.0.1 and its bulk port
+    announced (the overlay announces its pod's DNS name), and the probes ask its port."""
+    statefulset = next(o for o in objects if o["kind"] == "StatefulSet")
+    base = next(o for o in objects if o["kind"] == "ConfigMap")
+    played: list[dict[str, Any]] = []
+    for index, (name, port) in enumerate(zip(names, ports, strict=True)):
+        configmap = copy.deepcopy(base)
+        configmap["metadata"]["name"] = f"{name}-config"
+        toml = edit_toml(configmap["data"]["kvshare.toml"])
+        toml = toml.replace('"0.0.0.0:50051"', f'"127.0.0.1:{port}"')
+        toml = toml.replace('"0.0.0.0:50052"', f'"127.0.0.1:{port + 1}"')
+        toml = re.sub(r'(?m)^metrics_listen = "[^"]*"', 'metrics_listen = ""', toml)
+        configmap["data"]["kvshare.toml"] = toml
+        spec = copy.deepcopy(statefulset["spec"]["template"]["spec"])
+        spec["hostNetwork"] = True
+        for volume in spec["volumes"]:
+            if "configMap" in volume:
+                volume["configMap"]["name"] = configmap["metadata"]["name"]
+        for container in spec.get("initContainers", []) + spec["containers"]:
+            container["image"] = image
+            container.pop("ports", None)
+            container.pop("env", None)
+            for limits in container.get("resources", {}).values():
+                limits.pop("cpu", None)
+        server = next(c for c in spec["containers"] if c["name"] == "kvshare")
+        command = server["command"]
+        assert command[command.index("--bulk-advertise") + 1].startswith("$(POD_NAME).")
+        server["command"] = [
+            *command[: command.index("--bulk-advertise")],
+            "--bulk-advertise",
+            f"127.0.0.1:{port + 1}",
+        ]
+        probes = json.dumps({k: server[k] for k in server if k.endswith("Probe")})
+        server.update(json.loads(probes.replace("127.0.0.1:50051", f"127.0.0.1:{port}")))
+        spec["volumes"] = host_volumes(
+            statefulset,
+            spec,
+            secrets_dir,
+            owned_dir(tmp_path / f"data{index}"),
+            tmp_path / f"emptydir{index}",
+        )
+        played += [configmap, pod_of(statefulset, name, spec)]
+    return played
+
+
+def owned_dir(path: Path) -> Path:
+    path.mkdir(parents=True)
+    os.chown(path, UID, UID)
+    return path
+
+
+def wait_serving(podman: Podman, container: str) -> None:
+    logs = ""
+    while "serving on" not in logs:
+        state = podman("inspect", "--format", "{{.State.Status}}", container).strip()
+        assert state == "running", podman("logs", container, check=False)
+        logs = subprocess.run(
+            ["podman", "logs", container], capture_output=True, text=True, env=podman.env
+        ).stdout
+        time.sleep(0.1)
+
+
+def test_kube_play_of_the_scale_out_overlay_two_servers_share_a_redis_cluster(
+    podman: Podman, image: str, tmp_path: Path
+) -> None:
+    """Two servers of the scale-out overlay over a 3-node Redis Cluster (TLS, password,
+    on the host's loopback): a block put through one is read through the other."""
+    if shutil.which("kubectl") is None or shutil.which("redis-server") is None:
+        pytest.skip("kubectl (kustomize) and redis-server are needed")
+    ca = TestCA(tmp_path / "ca")
+    sans: list[x509.GeneralName] = [
+        x509.DNSName(SERVICE_NAME),
+        x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+    ]
+    server_cert = ca._issue("server", SERVICE_NAME, sans, ExtendedKeyUsageOID.SERVER_AUTH)
+    node_cert = ca.server_cert("redis-node")
+    peer = ca.client_cert("redis-peer", common_name="redis-node")
+    password = secrets.token_urlsafe(16)
+    access = ClusterAccess(
+        ca.cert_path,
+        node_cert.cert,
+        node_cert.key,
+        peer.cert,
+        peer.key,
+        username="kvshare",
+        password=password,
+        key_pattern="kvshare:*",
+    )
+    secrets_dir = tmp_path / "secrets"
+    secrets_dir.mkdir()
+    (secrets_dir / "server.secret").write_bytes(os.urandom(32))  # one naming key: one store
+    shutil.copy(server_cert.cert, secrets_dir / "tls.crt")
+    shutil.copy(server_cert.key, secrets_dir / "tls.key")
+    shutil.copy(ca.cert_path, secrets_dir / "ca.crt")
+    shutil.copy(ca.cert_path, secrets_dir / "redis-ca.crt")  # the Secret kvshare-redis
+    (secrets_dir / "redis.password").write_text(password + "\n")
+    for path in (secrets_dir, *secrets_dir.iterdir()):
+        os.chown(path, UID, UID)
+    token = secrets.token_urlsafe(24)
+    token_sha256 = hashlib.sha256(token.encode()).hexdigest()
+    suffix = secrets.token_hex(4)
+    names = [f"kvshare-test-{suffix}-{i}" for i in range(2)]
+    ports = free_ports(4)
+    ports = [ports[0], ports[2]]
+
+    with LocalRedisCluster(tmp_path / "redis", primaries=3, access=access) as cluster:
+        seeds = json.dumps(cluster.seeds)
+
+        def edit(toml: str) -> str:
+            assert "0" * 64 in toml
+            toml = toml.replace("0" * 64, token_sha256)
+            # The test's cluster authenticates an ACL user confined to kvshare's keys.
+            return re.sub(
+                r"(?m)^nodes = .*$", f'nodes = {seeds}\nusername = "kvshare"', toml, count=1
+            )
+
+        manifest = tmp_path / "play.yaml"
+        objects = scale_out_pods(
+            render("scale-out"),
+            image=image,
+            tmp_path=tmp_path,
+            secrets_dir=secrets_dir,
+            names=names,
+            ports=ports,
+            edit_toml=edit,
+        )
+        manifest.write_text(yaml.safe_dump_all(objects))
+        try:
+            podman("kube", "play", str(manifest), timeout_s=600)
+            for name in names:
+                wait_serving(podman, f"{name}-kvshare")
+            tls = ClientTls(root_ca=ca.cert_path)
+            sealer = BlockSealer(Keyring.parse_toml(new_key_entry("acme", 1), "test"))
+            digests = [os.urandom(32) for _ in range(3)]
+            plain = [os.urandom(256 << 10) for _ in digests]
+            sealed = [sealer.seal("acme", MODEL, d, p) for d, p in zip(digests, plain, strict=True)]
+            first, second = (f"127.0.0.1:{port}" for port in ports)
+            with BlockClient(first, token, tls=tls, same_host=False) as writer:
+                assert writer.put("acme", MODEL, digests, sealed) == [True] * 3
+            # The second server has never seen these blocks: it finds them in the cluster
+            # (shared behind the put's acknowledgement: wait until they are there).
+            with BlockClient(second, token, tls=tls, same_host=False) as reader:
+                for _ in range(600):  # up to about 2 minutes on a loaded host
+                    if reader.lookup("acme", MODEL, digests) == 3:
+                        break
+                    time.sleep(0.2)
+                got = reader.get("acme", MODEL, digests)
+            opened = [sealer.open("acme", MODEL, d, g) for d, g in zip(digests, got, strict=True)]
+            assert opened == plain
+            health = podman.run(
+                "--network", "host", "--read-only", "-v", f"{ca.cert_path}:/run/ca.crt:ro",
+                image, "kvshare", "health", "--address", second, "--service", "kvshare.cluster",
+                "--tls-ca", "/run/ca.crt", "--tls-server-name", SERVICE_NAME,
+            )  # fmt: skip
+            assert health.returncode == 0, health.stderr
+        finally:
+            podman("kube", "down", str(manifest), check=False, timeout_s=300)
+            for name in names:
+                podman("pod", "rm", "-f", name, check=False)

@@ -4,7 +4,11 @@ GET >= 1.0x redis-cluster; no figure is asserted beyond being positive)."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.e2e.test_bench_cli import _assert_contract, _by_system, _json_run
+
+pytestmark = pytest.mark.slow  # every test here takes seconds
 
 
 def test_the_cluster_systems_run_side_by_side_and_report_their_targets() -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 from cacheserver.tiers import Capability, SharedTier
 from cacheserver.tiers.cluster.accounting import Tenant
 from cacheserver.tiers.cluster.config import RedisClusterConfig
@@ -15,6 +17,8 @@ from kvshare.bench.redis_cluster import LocalRedisCluster
 from policy.shared_values import ValueMac
 from policy.types import StorageKey
 from tests.support.tier_contract import TENANT, FakeLocalCopies, check_tier_contract, pending_write
+
+pytestmark = pytest.mark.slow  # every test here takes seconds
 
 MiB = 1 << 20
 

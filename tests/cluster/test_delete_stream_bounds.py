@@ -12,9 +12,13 @@ from __future__ import annotations
 import tracemalloc
 from collections.abc import Callable
 
+import pytest
+
 from kvshare.bench.redis_cluster import LocalRedisCluster
 from policy.types import TenantId
 from tests.cluster.conftest import MODEL, Servers, blocks, direct, eventually, tier_of
+
+pytestmark = pytest.mark.slow  # every test here takes seconds
 
 ALPHA = TenantId("alpha")
 MiB = 1 << 20

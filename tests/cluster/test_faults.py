@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from cacheserver.config import TelemetryConfig
 from kvshare.bench.redis_cluster import LocalRedisCluster
 from policy.types import BlockDigest, ModelName, TenantId
@@ -29,6 +31,8 @@ from tests.cluster.conftest import (
 )
 from tests.conftest import TRANSPORT_OPTIONS, ServerProcess, launch, write_config
 from tests.support.scrape import parse, scrape_text, value
+
+pytestmark = pytest.mark.slow  # every test here takes seconds
 
 ALPHA = TenantId("alpha")
 METRICS = TelemetryConfig(metrics_listen="127.0.0.1:0", health_interval_ms=200)

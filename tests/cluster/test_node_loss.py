@@ -40,6 +40,8 @@ from replica_agent.client import BlockClient
 from tests.cluster.conftest import MODEL, KiB, Servers, blocks, make_cluster, tier_of
 from tests.conftest import TRANSPORTS, Running, launch
 
+pytestmark = pytest.mark.slow  # every test here takes seconds
+
 ALPHA = TenantId("alpha")
 EVERY_CALL_MEETS_IT = "retry_after_ms = 0\nlocal_copies = false"
 ROUNDS_AFTER = 3  # rounds each background reader completes after the node died

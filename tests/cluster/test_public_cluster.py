@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from kvshare.bench.redis_cluster import LocalRedisCluster
 from policy.types import PUBLIC, TenantId
 from tests.cluster.conftest import (
@@ -26,6 +28,8 @@ from tests.cluster.conftest import (
     tier_of,
 )
 from tests.conftest import Tenancy, launch, write_config
+
+pytestmark = pytest.mark.slow  # every test here takes seconds
 
 PRINCIPALS = {
     "a": (["alpha"], ["read", "write"]),

@@ -13,11 +13,15 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
+import pytest
+
 from cacheserver.tiers.cluster.accounting import QuotaListing
 from cacheserver.tiers.cluster.layout import HEADER_BYTES, unpack_header
 from kvshare.bench.redis_cluster import LocalRedisCluster
 from policy.types import StorageKey, TenantId
 from tests.cluster.conftest import MODEL, KiB, Servers, blocks, direct, primaries, tier_of
+
+pytestmark = pytest.mark.slow  # every test here takes seconds
 
 ALPHA = TenantId("alpha")
 BLOCK_BYTES = 64 * KiB

@@ -19,6 +19,8 @@ from kvshare.bench.redis_cluster import LocalRedisCluster
 from policy.types import BlockDigest, ModelName, TenantId
 from tests.cluster.conftest import MODEL, KiB, Servers, blocks, tier_of
 
+pytestmark = pytest.mark.slow  # every test here takes seconds
+
 ALPHA = TenantId("alpha")
 MiB = 1024 * KiB
 

@@ -11,6 +11,8 @@ import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import pytest
+
 from cacheserver.config import StorageConfig
 from cacheserver.tiers.cluster.layout import unpack_header
 from kvshare.bench.redis_cluster import LocalRedisCluster
@@ -25,6 +27,8 @@ from tests.cluster.conftest import (
     tier_of,
 )
 from tests.conftest import launch, write_config
+
+pytestmark = pytest.mark.slow  # every test here takes seconds
 
 ALPHA = TenantId("alpha")
 

@@ -9,6 +9,8 @@ import secrets
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from kvshare.bench.redis_cluster import ClusterAccess, LocalRedisCluster
 from tests.cluster.conftest import (
     MODEL,
@@ -21,6 +23,8 @@ from tests.cluster.conftest import (
     make_cluster,
 )
 from tests.support.certs import Certs
+
+pytestmark = pytest.mark.slow  # every test here takes seconds
 
 
 def _secured(tmp_path: Path, certs: Certs, password: str) -> LocalRedisCluster:

@@ -22,6 +22,8 @@ from policy.sealing import BlockSealer, Keyring, SealError, TenantKeys
 from policy.types import BlockDigest, ModelName, StorageKey, TenantId
 from tests.cluster.conftest import MODEL, Servers, blocks, cluster_contents, direct, tier_of
 
+pytestmark = pytest.mark.slow  # every test here takes seconds
+
 SEALER = BlockSealer(Keyring({"alpha": TenantKeys({1: os.urandom(32)})}))
 
 

@@ -46,6 +46,7 @@ def put(cluster: LocalRedisCluster, values: dict[bytes, bytes]) -> None:
         client.close()
 
 
+@pytest.mark.slow
 def test_values_of_every_size_come_back_byte_exact_in_the_order_asked(
     cluster: LocalRedisCluster, nodes: ClusterNodes
 ) -> None:
@@ -59,6 +60,7 @@ def test_values_of_every_size_come_back_byte_exact_in_the_order_asked(
     assert nodes.get(names, LIMIT) == got  # the pooled connections were left clean
 
 
+@pytest.mark.slow
 def test_an_error_reply_is_a_miss_and_the_connection_stays_usable(
     cluster: LocalRedisCluster, nodes: ClusterNodes
 ) -> None:
@@ -72,6 +74,7 @@ def test_an_error_reply_is_a_miss_and_the_connection_stays_usable(
     assert nodes.get([b"{t}value"], LIMIT) == [b"v" * 100]
 
 
+@pytest.mark.slow
 def test_a_value_over_the_limit_is_a_miss_read_past_not_taken_in(
     cluster: LocalRedisCluster, nodes: ClusterNodes
 ) -> None:
@@ -84,6 +87,7 @@ def test_a_value_over_the_limit_is_a_miss_read_past_not_taken_in(
     assert nodes.get([b"{t}big"], LIMIT + 1) == [b"b" * (LIMIT + 1)]  # positive control
 
 
+@pytest.mark.slow
 def test_a_stopped_cluster_gives_failed_results_not_exceptions(
     cluster: LocalRedisCluster,
 ) -> None:

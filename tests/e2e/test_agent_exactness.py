@@ -25,6 +25,8 @@ from tests.conftest import Running, launch, write_config
 from tests.support.agent_writer import build
 from tests.support.repo import REPO
 
+pytestmark = pytest.mark.slow  # every test here takes seconds
+
 BLOCK_TOKENS = 16
 SUFFIXES = [1, 5, 11]
 

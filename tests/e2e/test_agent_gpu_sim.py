@@ -135,6 +135,7 @@ def test_a_block_produced_on_a_side_stream_is_saved_as_produced(
     agent.close()
 
 
+@pytest.mark.slow
 def test_a_slow_store_keeps_device_memory_held_by_saves_under_its_bound(
     tmp_path: Path, sim: SimCuda
 ) -> None:

@@ -104,6 +104,7 @@ def test_cache_from_blocks_puts_each_layer_on_its_device(model: LlamaForCausalLM
         cache_from_blocks(blocks, spec, model.config, devices=devices[:1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_gpu_checks_adapter_scenario_passes_on_the_cpu(dtype: str) -> None:
     """The scenario scripts/gpu_check.py runs on a GPU, proven here on the CPU."""

@@ -63,6 +63,7 @@ def _assert_server_cpu(row: dict[str, Any]) -> None:
     assert cpu is not None and cpu > 0 and math.isfinite(cpu), row
 
 
+@pytest.mark.slow
 def test_json_contract_for_the_tcp_ceiling() -> None:
     document = _json_run("--systems", "tcp")
     rows = _by_system(document)
@@ -78,6 +79,7 @@ def test_json_contract_for_the_tcp_ceiling() -> None:
     assert document["failed"] == {}
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")
 def test_redis_runs_beside_tcp_with_ratios() -> None:
     document = _json_run("--systems", "tcp,redis", "--clients", "2")
@@ -91,6 +93,7 @@ def test_redis_runs_beside_tcp_with_ratios() -> None:
     assert rows[("redis", "lookup")]["ratio_to_tcp"] > 0  # EXISTS beside the ceiling's
 
 
+@pytest.mark.slow
 def test_kvshare_its_transports_and_security_variants() -> None:
     document = _json_run("--systems", "tcp,kvshare,kvshare-tcp,kvshare-tls-sealed")
     assert document["failed"] == {} and document["skipped"] == {}
@@ -107,6 +110,7 @@ def test_kvshare_its_transports_and_security_variants() -> None:
     assert {"cost of TLS and sealing", "TCP instead of the same-host arena"} <= notes
 
 
+@pytest.mark.slow
 def test_more_clients_than_the_default_arena_cap_use_the_bulk_channel() -> None:
     """9 client processes: past the server's default 8 same-host arenas per principal.
     The run fails if a cell fell back to gRPC or a client was refused an arena."""
@@ -171,6 +175,7 @@ def test_table_on_stdout_and_progress_on_stderr() -> None:
     assert "tcp-batch" not in result.stdout
 
 
+@pytest.mark.slow
 def test_kvshare_cells_that_fell_back_to_grpc_fail_the_run(tmp_path: Path) -> None:
     system = KvshareSystem(same_host=False)
     spec = system.start(tmp_path)

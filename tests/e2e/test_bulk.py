@@ -184,6 +184,7 @@ def test_the_rate_limit_counts_every_bulk_request(tmp_path: object, same_host: b
                 client.get("alpha", MODEL, [b"k" * 32])
 
 
+@pytest.mark.slow
 def test_an_unauthenticated_peer_cannot_hold_a_connection(dev_server: Running) -> None:
     response = open_bulk(dev_server, "dev", "dev")
     host, _, port = response.address.rpartition(":")

@@ -94,6 +94,7 @@ def test_the_default_bulk_port_is_the_grpc_port_plus_one(tmp_path: Path) -> None
         assert calls(samples, "kvshare.v1.BlockStore/Get") == 0
 
 
+@pytest.mark.slow
 def test_a_wildcard_advertise_sends_clients_to_the_host_they_dialed(tmp_path: Path) -> None:
     port = free_port()
     args = ("--listen", "127.0.0.1:0", "--bulk-listen", f"127.0.0.1:{port}",
@@ -106,6 +107,7 @@ def test_a_wildcard_advertise_sends_clients_to_the_host_they_dialed(tmp_path: Pa
         assert calls(samples, "kvshare.v1.BlockStore/Get") == 0
 
 
+@pytest.mark.slow
 def test_clients_go_where_advertise_says_and_fall_back_to_grpc_when_it_is_wrong(
     tmp_path: Path,
 ) -> None:
@@ -138,6 +140,7 @@ def stale_journal(tmp_path: Path) -> Iterator[Path]:
     remove_journal(journal.path)
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("stale_journal")
 @pytest.mark.parametrize("flag", ["--bulk-listen", "default"])
 def test_a_bulk_port_in_use_is_a_one_line_error(tmp_path: Path, flag: str) -> None:
@@ -157,6 +160,7 @@ def test_a_bulk_port_in_use_is_a_one_line_error(tmp_path: Path, flag: str) -> No
     assert "--bulk-listen" in line
 
 
+@pytest.mark.slow
 def test_bad_bulk_addresses_and_plaintext_off_loopback_are_one_line_errors(
     tmp_path: Path,
 ) -> None:

@@ -118,6 +118,7 @@ def strangers(address: str, count: int) -> Iterator[list[socket.socket]]:
             sock.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flooded", ["tcp", "same-host"])
 def test_a_flood_of_strangers_leaves_real_clients_their_slots(
     dev_server: Running, flooded: str

@@ -113,6 +113,7 @@ def test_reads_are_served_by_the_worker_and_writes_handed_back(two: Running) -> 
     assert alpha.lookups >= 5
 
 
+@pytest.mark.slow
 def test_another_tenant_misses_on_the_worker_while_the_owner_hits(two: Running) -> None:
     digests = [os.urandom(32) for _ in range(3)]
     payloads = [os.urandom(BLOCK) for _ in digests]
@@ -149,6 +150,7 @@ def test_a_delete_is_seen_by_the_worker_at_once(two: Running) -> None:
         assert worker.get("alpha", MODEL, digests) == []
 
 
+@pytest.mark.slow
 def test_one_rate_holds_across_the_server_and_its_worker(
     start_server: Callable[..., Running],
 ) -> None:
@@ -170,6 +172,7 @@ def test_one_rate_holds_across_the_server_and_its_worker(
     assert served <= 10 + 10 * elapsed + 2, (served, elapsed)
 
 
+@pytest.mark.slow
 def test_a_killed_worker_is_replaced_and_its_clients_reconnect(two: Running) -> None:
     digests = [os.urandom(32) for _ in range(2)]
     payloads = [os.urandom(BLOCK) for _ in digests]
@@ -262,6 +265,7 @@ def test_a_connection_given_back_goes_to_a_worker_again_once_it_reads(two: Runni
         assert worker.transport_stats.bulk_fallbacks == 0
 
 
+@pytest.mark.slow
 def test_puts_reach_lmdb_while_busy_once_the_worker_hands_a_read_back(two: Running) -> None:
     """Puts alone wait for a pause, as without workers (draining them while they
     arrive costs the server CPU that no worker asked for); once the worker hands back

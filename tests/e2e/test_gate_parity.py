@@ -296,6 +296,7 @@ def assert_failed_alike(
     ] * len(ENGINES)
 
 
+@pytest.mark.slow
 def test_a_store_that_stops_answering_times_out_into_misses(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 from cacheserver.tiers.lmdb.tier import LmdbTier
 from replica_agent.client import BlockClient
 from tests.conftest import ServerProcess, write_config
@@ -30,6 +32,7 @@ def _serve(config: Path) -> ServerProcess:
     return ServerProcess("--config", str(config))
 
 
+@pytest.mark.slow
 def test_acknowledged_blocks_only_in_the_journal_survive_kill_9(tmp_path: Path) -> None:
     tenancy = write_config(tmp_path, extra=HOLD_BACK)
     digests = [os.urandom(32) for _ in range(24)]
@@ -56,6 +59,7 @@ def test_acknowledged_blocks_only_in_the_journal_survive_kill_9(tmp_path: Path) 
     assert _blocks_in_lmdb(tmp_path / "data") == 24  # replayed into LMDB, then stopped cleanly
 
 
+@pytest.mark.slow
 def test_a_deleted_block_stays_deleted_after_kill_9(tmp_path: Path) -> None:
     tenancy = write_config(tmp_path, extra=HOLD_BACK)
     digests = [os.urandom(32) for _ in range(4)]

@@ -13,9 +13,13 @@ import os
 import stat
 from pathlib import Path
 
+import pytest
+
 from replica_agent.client import BlockClient
 from tests.conftest import ServerProcess, run_cli, write_config
 from tests.e2e.test_serve_cli import one_line_error
+
+pytestmark = pytest.mark.slow  # every test here takes seconds
 
 MODEL = "journal-files;fp32"
 SHM = Path("/dev/shm")

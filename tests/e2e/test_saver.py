@@ -11,6 +11,8 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
+
 from replica_agent.breaker import BreakerState, CircuitBreaker
 from replica_agent.client import BlockClient
 from replica_agent.gate import StoreGate, StoreStats
@@ -70,6 +72,7 @@ def test_a_dead_store_drops_saves_and_the_open_breaker_skips_the_call() -> None:
     s.close()
 
 
+@pytest.mark.slow
 def test_close_gives_up_on_a_stopped_store_within_its_time_limit(tmp_path: Path) -> None:
     server = ServerProcess("--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "data"))
     token = (tmp_path / "data" / "dev.token").read_text().strip()

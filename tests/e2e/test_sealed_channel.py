@@ -177,6 +177,7 @@ def _broken(*args: object, **kwargs: object) -> NoReturn:
 # -- the hello ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_hello_with_a_wrong_proof_is_refused_and_its_ticket_is_not_spent(
     store: Running, mitm: Mitm, blocks: list[Sealed]
 ) -> None:

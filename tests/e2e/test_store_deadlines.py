@@ -176,6 +176,7 @@ def assert_ended_at_its_deadline(client: BlockClient, action: Callable[[], objec
     assert bulk is None or bulk._all == []  # its stream position is unknown: closed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", list(TRANSPORTS))
 def test_a_dripped_reply_ends_the_call_at_its_deadline(dripping: str, transport: str) -> None:
     for streamed in (False, True):  # a client each: after a stall the next calls use

@@ -164,6 +164,7 @@ def workers_server(
     )
 
 
+@pytest.mark.slow
 def test_readers_stalled_on_a_worker_leave_other_tenants_reads_alone(
     start_server: Callable[..., Running], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -192,6 +193,7 @@ def test_readers_stalled_on_a_worker_leave_other_tenants_reads_alone(
     assert served_by_workers(running, before)
 
 
+@pytest.mark.slow
 def test_a_full_reader_table_fails_a_read_as_unavailable(
     start_server: Callable[..., Running], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -218,6 +220,7 @@ def test_a_full_reader_table_fails_a_read_as_unavailable(
         assert a.get("alpha", MODEL, digests) == payloads
 
 
+@pytest.mark.slow
 def test_a_worker_killed_mid_read_leaves_no_reader_slot_and_lmdb_stops_growing(
     start_server: Callable[..., Running],
 ) -> None:

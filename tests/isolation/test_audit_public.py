@@ -103,6 +103,7 @@ def cluster(tmp_path: Path) -> Iterator[LocalRedisCluster]:
         yield started
 
 
+@pytest.mark.slow
 def test_the_check_reads_through_every_server_after_settling_with_the_page_cache_evicted(
     tmp_path: Path, cluster: LocalRedisCluster
 ) -> None:

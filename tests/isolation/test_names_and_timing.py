@@ -30,6 +30,7 @@ SECRET = bytes(range(32))
 KS_ALPHA = 0.01
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(
     tenants=st.lists(TENANT_IDS, min_size=2, max_size=2, unique=True),
@@ -51,6 +52,7 @@ def test_two_tenants_never_share_a_storage_name(
     assert again.storage_key(first, ModelName(model), BlockDigest(digest)) == name_1
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(
     key=st.binary(min_size=1, max_size=200),

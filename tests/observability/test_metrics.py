@@ -91,6 +91,7 @@ def serving_metrics(tmp_path: Path) -> tuple[ServerProcess, str]:
     return server, found[0]
 
 
+@pytest.mark.slow
 def test_scraped_counters_equal_the_workload_over_grpc_and_bulk(tmp_path: Path) -> None:
     server, metrics = serving_metrics(tmp_path)
     try:
@@ -187,6 +188,7 @@ def test_no_exporter_by_default() -> None:
     telemetry.shutdown()
 
 
+@pytest.mark.slow
 def test_idle_connections_to_the_metrics_port_hold_no_threads(tmp_path: Path) -> None:
     """The metrics port answers without authentication: idle connections are let go
     after a few seconds and at most a few are served at once, so a flood of them

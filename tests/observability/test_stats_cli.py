@@ -6,7 +6,11 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import launch, run_cli, write_config
+
+pytestmark = pytest.mark.slow  # every test here takes seconds
 
 MODEL = "obs/model@r1;fp32;L2;H2;D8;B4;tp0/1"
 

@@ -10,7 +10,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from benchmarks.reliability.harness import REPO
+
+pytestmark = pytest.mark.slow  # every test here takes seconds
 
 SCENARIOS = "kill9,lmdb_map_full,corrupt_files,server_paused,clock_jumps"
 # scenario -> the bug that fails it, and its xfail test in test_found_bugs.py. Empty:

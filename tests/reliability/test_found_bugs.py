@@ -47,6 +47,7 @@ def test_one_put_call_over_the_quota_leaves_the_tenant_within_it(serve: Serve) -
         assert _usage(client) == (3, QUOTA)
 
 
+@pytest.mark.slow
 def test_replay_after_kill_9_keeps_the_tenant_within_its_quota(serve: Serve) -> None:
     """The journal replay after kill -9 commits its records as one batch: a record a
     later one of the batch evicts must not be stored (the same fix as above)."""
@@ -66,6 +67,7 @@ def test_replay_after_kill_9_keeps_the_tenant_within_its_quota(serve: Serve) -> 
 # -- found by benchmarks/fuzz.py ----------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("authenticated", [True, False], ids=["token", "no-token"])
 def test_a_malformed_request_gets_a_contract_status_and_no_traceback(
     serve: Serve, authenticated: bool
@@ -149,6 +151,7 @@ BOTH = [
 ]
 
 
+@pytest.mark.slow
 def test_blocks_acknowledged_while_the_lmdb_map_is_full_survive_kill_9(
     serve: Serve, journal_dir: Path
 ) -> None:
@@ -209,6 +212,7 @@ def test_a_corrupt_journal_record_is_counted(serve: Serve, journal_dir: Path) ->
         assert admin.stats().integrity_failures == 1
 
 
+@pytest.mark.slow
 def test_a_stalled_bulk_get_does_not_stop_another_tenants_puts(serve: Serve) -> None:
     """A bulk GET left unread does not keep the journal from wrapping
     (transfer deadlines): another tenant's puts go on."""
@@ -234,6 +238,7 @@ def test_a_stalled_bulk_get_does_not_stop_another_tenants_puts(serve: Serve) -> 
         stalled.wait(30)
 
 
+@pytest.mark.slow
 def test_a_put_refused_for_a_full_map_says_what_to_change(serve: Serve) -> None:
     """With the journal on, a put refused because LMDB cannot take more (its map is
     full) names the map, not the journal: more journal space would only postpone it."""

@@ -12,7 +12,11 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from benchmarks.reliability.harness import REPO
+
+pytestmark = pytest.mark.slow  # every test here takes seconds
 
 CASES = 3500
 # finding pattern -> the bug it is (and its xfail test in test_found_bugs.py). Empty:

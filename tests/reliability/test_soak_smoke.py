@@ -7,7 +7,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from benchmarks.reliability.harness import REPO
+
+pytestmark = pytest.mark.slow  # every test here takes seconds
 
 KEYS = [
     "requests",

@@ -6,9 +6,12 @@ then checks the same few; a violation prints its shrunk sequence to reproduce.""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 from benchmarks.reliability import store_machine
+
+pytestmark = pytest.mark.slow  # every test here takes seconds
 
 
 def test_store_matches_its_model_under_every_sequence_of_operations() -> None:

@@ -17,6 +17,8 @@ from kvshare.bench import netns
 from tests.support.repo import REPO
 from tests.twohost.test_netns import namespaces
 
+pytestmark = pytest.mark.slow  # every test here takes seconds
+
 
 def test_every_row_ran_across_the_veth_and_the_rig_is_gone() -> None:
     reason = netns.unavailable_reason()

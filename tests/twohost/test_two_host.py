@@ -14,6 +14,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from kvshare.bench.netns import TwoHosts
 from policy.sealing import new_key_entry
 from tests.conftest import write_config
@@ -21,6 +23,8 @@ from tests.support.certs import TestCA
 from tests.support.repo import REPO
 from tests.support.scrape import Samples, value
 from tests.twohost.conftest import RemoteServer, replica_command, run_in
+
+pytestmark = pytest.mark.slow  # every test here takes seconds
 
 BLOCK_TOKENS = 16
 GRPC_PORT = 50051

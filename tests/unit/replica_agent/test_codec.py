@@ -285,6 +285,7 @@ def test_a_block_with_a_non_finite_value_is_refused_before_it_is_copied(
     assert not out.any()  # nothing was copied
 
 
+@pytest.mark.slow
 def test_the_finite_check_covers_every_piece(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(codec, "FINITE_CHECK_ELEMENTS", 5)  # blocks of many pieces
     spec = ModelSpec("m", "r", num_layers=1, num_kv_heads=1, head_dim=8, dtype="float32")

@@ -92,6 +92,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow
 def test_min_across_ranks_gives_every_rank_the_smallest_count(tmp_path: Path) -> None:
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1"}
     ranks = [

@@ -52,6 +52,7 @@ def test_kolmogorov_sf_is_the_kolmogorov_distribution() -> None:
     assert stats.kolmogorov_sf(0.0) == 1.0
 
 
+@pytest.mark.slow
 def test_near_the_threshold_the_p_values_agree() -> None:
     rng = random.Random(5)
     checked = 0

@@ -38,6 +38,7 @@ def sim() -> Iterator[SimCuda]:
     engine.close()
 
 
+@pytest.mark.slow
 def test_without_cuda_it_says_so_and_exits_cleanly(tmp_path: Path) -> None:
     out = tmp_path / "gpu.json"
     done = subprocess.run(
@@ -53,6 +54,7 @@ def test_without_cuda_it_says_so_and_exits_cleanly(tmp_path: Path) -> None:
     assert json.loads(out.read_text()) == result
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name", ["exactness", "negative_control", "concurrency", "side_stream_save"]
 )

@@ -24,6 +24,10 @@ from replica_agent.adapters.hf_weights import weights_fingerprint
 from replica_agent.codec import decode_block, encode_block
 from replica_agent.spec import ModelSpec
 
+# A real (tiny) Llama: each test loads or runs it, one in a child process that pays the
+# transformers import (~5 s).
+pytestmark = pytest.mark.slow
+
 BLOCK = 16
 NEW_TOKENS = 6
 
@@ -170,7 +174,6 @@ def test_spec_for_reads_the_config(fp32_model: LlamaForCausalLM) -> None:
     assert spec_for(bf16, model_id="m", revision="r", block_tokens=BLOCK).dtype == "bfloat16"
 
 
-@pytest.mark.slow  # a child process pays the transformers import (~5 s)
 def test_tiny_llama_is_deterministic_across_processes(fp32_model: LlamaForCausalLM) -> None:
     state = torch.random.get_rng_state()
     tiny_llama(1, num_layers=1)

@@ -117,6 +117,11 @@ class Server:
             drain_within_s=_drain_within_s(config, processes),
         )
         self.telemetry.watch(self.store.tier_usage, self._tenant_usage)
+        self.telemetry.watch_backlog(
+            self.store.journal_usage,
+            self.store.writer_backlog,
+            lambda: sorted(self.policy.quotas_bytes),
+        )
         self.tickets = TicketBook()
         # The config file read again on SIGHUP and the admin RPC (cacheserver.reloader).
         self.reloader = Reloader(

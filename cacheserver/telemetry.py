@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import context as otel_context
@@ -138,6 +139,13 @@ class ServerTelemetry:
             "kvshare.integrity.failures", "{block}", "stored blocks that failed their checksum"
         )
         self._meter = meter
+        version = {"version": _package_version()}
+        meter.create_observable_gauge(
+            "kvshare.build_info",
+            [lambda _: [Observation(1, version)]],
+            "1",
+            "1, labelled with the server's package version",
+        )
 
     def watch(
         self,
@@ -174,6 +182,64 @@ class ServerTelemetry:
                 [lambda _: [Observation(q, {"tenant": t}) for t, (_, q) in tenant_usage().items()]],
                 "By",
                 "quota per tenant (0: none)",
+            )
+
+    def watch_backlog(
+        self,
+        journal: Callable[[], tuple[int, int]],
+        writer: Callable[[], tuple[int, int, int, Mapping[TenantId, int]]],
+        tenants: Callable[[], Iterable[TenantId]],
+    ) -> None:
+        """Gauges of what waits for the disk, read at collection time from the store's
+        own figures (nothing is counted per request for them).
+
+        `journal()`: (bytes the put journal's records may take, bytes of records not
+        yet drained into LMDB), (0, 0) without a journal; `writer()`: (blocks, bytes,
+        bound on bytes, bytes by tenant) waiting for the disk writer; `tenants()`: the
+        configured tenants, each given a series (0 when it has nothing waiting) with
+        `per_tenant_labels`."""
+        gauge = self._meter.create_observable_gauge
+        gauge(
+            "kvshare.journal.capacity.bytes",
+            [lambda _: [Observation(journal()[0])]],
+            "By",
+            "bytes the put journal's records may take (0: no journal)",
+        )
+        gauge(
+            "kvshare.journal.undrained.bytes",
+            [lambda _: [Observation(journal()[1])]],
+            "By",
+            "put journal bytes of acknowledged records not yet drained into LMDB",
+        )
+        gauge(
+            "kvshare.writer.backlog.blocks",
+            [lambda _: [Observation(writer()[0])]],
+            "{block}",
+            "blocks waiting for the disk writer",
+        )
+        gauge(
+            "kvshare.writer.backlog.bytes",
+            [lambda _: [Observation(writer()[1])]],
+            "By",
+            "payload bytes waiting for the disk writer (held against max_pending_write_bytes)",
+        )
+        gauge(
+            "kvshare.writer.backlog.limit.bytes",
+            [lambda _: [Observation(writer()[2])]],
+            "By",
+            "max_pending_write_bytes: past it puts wait, then are refused",
+        )
+        if self.config.per_tenant_labels:
+
+            def by_tenant(_: CallbackOptions) -> Iterable[Observation]:
+                waiting = writer()[3]
+                return [Observation(waiting.get(t, 0), {"tenant": t}) for t in tenants()]
+
+            gauge(
+                "kvshare.tenant.backlog.bytes",
+                [by_tenant],
+                "By",
+                "payload bytes per tenant waiting for the disk writer",
             )
 
     def watch_cluster(self, counts: Callable[[], Mapping[str, int]]) -> None:
@@ -395,3 +461,12 @@ class ObservedRpc:
         self._telemetry._finish_rpc(self._method, status, time.perf_counter() - self._started)
         if self._token is not None and self._restore:
             otel_context.detach(self._token)
+
+
+def _package_version() -> str:
+    """The installed kvshare distribution's version ("unknown" when run from a tree
+    that was never installed)."""
+    try:
+        return metadata.version("kvshare")
+    except metadata.PackageNotFoundError:
+        return "unknown"

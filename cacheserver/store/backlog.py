@@ -93,6 +93,12 @@ class WriteBacklog:
             self._by_tenant[tenant] += nbytes
             self._arriving[tenant] += nbytes
 
+    def pending_bytes(self) -> tuple[int, dict[TenantId, int]]:
+        """The bytes counted against the bound now, in total and by tenant (tenants
+        with none left out): read at a metrics scrape."""
+        with self._room:
+            return self._bytes, dict(self._by_tenant)
+
     @property
     def has_waiters(self) -> bool:
         """Whether a put is waiting for room (one tenant's share or the total): then

@@ -345,6 +345,19 @@ class BlockStore:
         """Journaled (acknowledged) blocks not yet committed to LMDB."""
         return self._tiers.undrained_blocks
 
+    def journal_usage(self) -> tuple[int, int]:
+        """(bytes the put journal's records may take, bytes of records not yet drained
+        into LMDB); (0, 0) without a journal."""
+        journal = self._journal
+        return (0, 0) if journal is None else (journal.ring_bytes, journal.undrained_bytes)
+
+    def writer_backlog(self) -> tuple[int, int, int, dict[TenantId, int]]:
+        """What waits for the disk writer: (blocks, bytes, max_pending_write_bytes,
+        bytes by tenant with any)."""
+        writer = self._writer
+        nbytes, by_tenant = writer.backlog.pending_bytes()
+        return writer.waiting_blocks, nbytes, writer.backlog.max_bytes, by_tenant
+
     @property
     def integrity_failures(self) -> int:
         """Corrupt blocks dropped: read from LMDB, or found in the journal at replay."""

@@ -82,6 +82,7 @@ class Writer:
         self.backlog = WriteBacklog(
             max_pending_bytes, events, self._drain_now.set, max_pending_tenant_bytes
         )
+        self._in_hand = 0  # put jobs of the batch the writer holds (written by its thread)
         self._thread = threading.Thread(target=self._loop, name="kvshare-writer", daemon=True)
 
     def use_journal(self, journaled: JournaledPuts) -> None:
@@ -158,6 +159,14 @@ class Writer:
             with self._barriers_lock:
                 self._barriers -= 1
 
+    @property
+    def waiting_blocks(self) -> int:
+        """Blocks handed to the writer and not yet committed (journaled ones: not yet
+        drained) or passed over: queued, or in the batch it holds (a delete's barrier or
+        a reclaim still queued counts as one too). Read for a metric: two reads without
+        a lock, so it may be off by one batch for the moment the writer takes one."""
+        return self._queue.qsize() + self._in_hand
+
     # -- the thread ------------------------------------------------------------------
 
     def _loop(self) -> None:
@@ -168,15 +177,18 @@ class Writer:
             first = self._queue.get()
             if first is None:
                 return
+            self._in_hand = 1 if isinstance(first, PutJob) else 0
             if isinstance(first, PutJob) and first.record is not None:
                 self._wait_for_quiet(time.monotonic())
             batch = self._gather(first)
             jobs = [j for j in batch if isinstance(j, PutJob)]
+            self._in_hand = len(jobs)
             if jobs and jobs[0].record is not None:
                 self._drain(jobs)
             elif jobs:
                 self._tiers.commit(jobs)
             waiting += [b for b in batch if isinstance(b, Barrier)]
+            self._in_hand = 0
             self._reclaim()
             self._settle(waiting)
 

@@ -153,6 +153,18 @@ class Journal:
             return self._seq
 
     @property
+    def ring_bytes(self) -> int:
+        """The bytes records may take: the file less its superblock."""
+        return self.capacity - DATA_START
+
+    @property
+    def undrained_bytes(self) -> int:
+        """Ring bytes of records not yet drained into LMDB (or given up), wrap waste
+        included: what fills the ring when the disk falls behind (a metric)."""
+        with self._lock:
+            return self._ledger.undrained_bytes
+
+    @property
     def drained_seq(self) -> int:
         """Every record up to this one is in LMDB (or was given up), as LMDB records."""
         with self._lock:

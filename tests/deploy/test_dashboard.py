@@ -260,6 +260,13 @@ def test_the_dashboard_and_rules_cover_what_operators_watch() -> None:
         "kvshare_cluster_events_total",  # the cluster's write queue
         "kvshare_health_serving",
         "kvshare_cluster_reachable",
+        "kvshare_journal_undrained_bytes",  # the journal and writer backlog
+        "kvshare_journal_capacity_bytes",
+        "kvshare_writer_backlog_bytes",
+        "kvshare_writer_backlog_blocks",
+        "kvshare_writer_backlog_limit_bytes",
+        "kvshare_tenant_backlog_bytes",
+        "kvshare_build_info",
     ):
         assert metric in named, metric
     dashboard = json.loads(DASHBOARD.read_text())
@@ -420,7 +427,10 @@ def test_every_query_names_a_metric_a_real_server_exports(tmp_path: Path) -> Non
         "kvshare_cluster_reachable",
         "kvshare_tenant_quota_bytes",
         "kvshare_evictions_total",
+        "kvshare_journal_undrained_bytes",
+        "kvshare_tenant_backlog_bytes",
     ):
         assert name in exported, name
     assert {"tenant", "tier"} <= exported["kvshare_integrity_failures_total"]
+    assert exported["kvshare_build_info"] == {"version"}
     assert problems(all_queries(), exported) == []

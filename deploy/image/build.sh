@@ -4,6 +4,7 @@
 #   deploy/image/build.sh            # prints the reference, localhost/kvshare:VERSION, last
 #   KVSHARE_IMAGE_REBUILD=1 deploy/image/build.sh   # rebuild even if an image of the
 #                                                    # same inputs is there
+#   KVSHARE_IMAGE_KEEP=1 deploy/image/build.sh      # keep the work directory (debugging)
 #
 # Needs root (mmdebstrap's root mode, chroot), podman, mmdebstrap, and the network to a
 # Debian mirror (KVSHARE_DEBIAN_MIRROR) and to the Python package index pip is set up
@@ -93,6 +94,7 @@ chroot "$work/builder" /usr/bin/python3 -m compileall -q -j 0 /opt/kvshare/lib >
 log "3/3 the final root file system, SBOM, import"
 "$python" "$here/assemble.py" rootfs "$repo" "$work/builder" "$work/rootfs" >&2
 revision="$(git -C "$repo" rev-parse HEAD 2>/dev/null || echo unknown)"
+previous="$(podman image inspect --format '{{ .Id }}' "$ref" 2>/dev/null || true)"
 created="$(date -u +%Y-%m-%dT%H:%M:%SZ)"
 tar -C "$work/rootfs" --numeric-owner -cf - . | podman import --quiet \
     --change 'USER 10001:10001' \
@@ -115,6 +117,10 @@ tar -C "$work/rootfs" --numeric-owner -cf - . | podman import --quiet \
     --change "LABEL dev.kvshare.sbom=/usr/share/kvshare/sbom.cdx.json" \
     --change "LABEL dev.kvshare.inputs=$inputs" \
     - "$ref" >&2
+# The image this one replaces under the same reference, unless a container still uses it.
+if [ -n "$previous" ] && [ "$previous" != "$(podman image inspect --format '{{ .Id }}' "$ref")" ]; then
+    podman rmi "$previous" >/dev/null 2>&1 || true
+fi
 size="$(podman image inspect --format '{{ .Size }}' "$ref")"
 log "built $ref in $((SECONDS - started)) s: $((size / 1024 / 1024)) MiB"
 echo "$ref"

@@ -516,6 +516,9 @@ def test_kube_play_of_the_single_overlay_serves_through_the_service_ports(
     finally:
         podman("kube", "down", str(manifest), check=False, timeout_s=300)
         podman("pod", "rm", "-f", pod, check=False)
+        for played in objects:  # kube play keeps a volume per ConfigMap
+            if played["kind"] == "ConfigMap":
+                podman("volume", "rm", "-f", played["metadata"]["name"], check=False)
 
 
 def scale_out_pods(
@@ -691,3 +694,6 @@ def test_kube_play_of_the_scale_out_overlay_two_servers_share_a_redis_cluster(
             podman("kube", "down", str(manifest), check=False, timeout_s=300)
             for name in names:
                 podman("pod", "rm", "-f", name, check=False)
+            for played in objects:  # kube play keeps a volume per ConfigMap
+                if played["kind"] == "ConfigMap":
+                    podman("volume", "rm", "-f", played["metadata"]["name"], check=False)

@@ -116,8 +116,8 @@ class Server:
             fixed_order=frozenset({PUBLIC}) if access.public is not None else frozenset(),
             drain_within_s=_drain_within_s(config, processes),
         )
-        self.telemetry.watch(self.store.tier_usage, self._tenant_usage)
-        self.telemetry.watch_backlog(
+        self.telemetry.gauges.watch(self.store.tier_usage, self._tenant_usage)
+        self.telemetry.gauges.watch_backlog(
             self.store.journal_usage,
             self.store.writer_backlog,
             lambda: sorted(self.policy.quotas_bytes),
@@ -128,7 +128,9 @@ class Server:
             source, config, tls, self._certificate, self.policy, self.store, self.tickets
         )
         state = self.reloader.state
-        self.telemetry.watch_reloads(lambda: (state.generation, state.last_at_s, state.last_ok))
+        self.telemetry.gauges.watch_reloads(
+            lambda: (state.generation, state.last_at_s, state.last_ok)
+        )
         if self.store.reclaimed_at_start:
             self.policy.record_admin(
                 None, "reclaim_retired_epochs", blocks=self.store.reclaimed_at_start
@@ -139,11 +141,11 @@ class Server:
             ("", SERVICE_NAME),
             self.store.probe,
             config.telemetry.health_interval_ms / 1000,
-            on_change=lambda serving: setattr(self.telemetry, "serving", serving),
+            on_change=lambda serving: setattr(self.telemetry.gauges, "serving", serving),
         )
         self.bulk_health: HealthMonitor | None = None
         for tier in self.tier_stack.shared:  # the store started it (Tier.start)
-            self.telemetry.watch_cluster(tier.counts)
+            self.telemetry.gauges.watch_cluster(tier.counts)
         # A tier the server serves without has a health service of its own
         # (Capability.OWN_HEALTH): the local tiers keep serving while it is unreachable.
         self.tier_health = [self._watch_tier(watch) for watch in self.tier_stack.health]
@@ -162,7 +164,7 @@ class Server:
     def _watch_tier(self, watch: HealthWatch) -> HealthMonitor:
         def on_change(up: bool) -> None:
             if watch.is_shared:
-                self.telemetry.cluster_reachable = up
+                self.telemetry.gauges.cluster_reachable = up
 
         return HealthMonitor(
             self.health,
@@ -210,7 +212,7 @@ class Server:
             ready_loop=not self.tier_stack.reads_wait_on_network,
         )
         self.bulk_announced = bulk_announced_address(self.config, bulk.address)
-        self.telemetry.watch_bulk(lambda: bulk.arenas)
+        self.telemetry.gauges.watch_bulk(lambda: bulk.arenas)
         # A listener out of descriptors keeps retrying; its state has a health service
         # of its own, as the cluster's has: gRPC still serves meanwhile.
         self.bulk_health = HealthMonitor(

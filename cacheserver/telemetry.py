@@ -1,5 +1,6 @@
 """The server's metrics and traces: with telemetry_sums.py (the counters and histogram
-it sums in the process), telemetry_calls.py (one call and the status it ends with) and
+it sums in the process), telemetry_calls.py (one call and the status it ends with),
+telemetry_gauges.py (the figures read from their owners at collection) and
 telemetry_export.py (where they go), the one home of the OpenTelemetry SDK on this side.
 
 Nothing leaves the process unless the operator asks (`[telemetry]` or flags): a
@@ -22,13 +23,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from importlib import metadata
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import metrics, trace
-from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import MetricReader
 from opentelemetry.sdk.resources import Resource
@@ -39,6 +38,7 @@ from cacheserver import telemetry_export as export
 from cacheserver.config import TelemetryConfig
 from cacheserver.events import EvictReason, PutOutcome, Tier
 from cacheserver.telemetry_calls import RpcCall, end_span, status_of
+from cacheserver.telemetry_gauges import ServerGauges
 from cacheserver.telemetry_sums import NO_TALLY, Labels, SdkTimings, SummedTimings, Tally
 from kvcommon.logs import bind_request_id
 from policy.types import TenantId
@@ -71,8 +71,6 @@ class ServerTelemetry:
     ) -> None:
         self.config = config or TelemetryConfig()
         self.metrics_address = ""
-        self.serving = True  # kept by cacheserver.health
-        self.cluster_reachable = True  # kept by the cluster's health monitor
         self._http: WSGIServer | None = None
         self._registry: Any = None
         self._label_sets: dict[tuple[str | None, ...], Labels] = {}
@@ -103,11 +101,10 @@ class ServerTelemetry:
         self._records_spans = bool(processors)  # else the tracer is the API's no-op
         # Prometheus alone (the usual deployment): latencies are summed here (SummedTimings).
         local_timings = self._registry is not None and len(readers) == 1
-        self._make_instruments(
-            self._meter_provider.get_meter(SCOPE),
-            enabled=bool(readers),
-            local_timings=local_timings,
-        )
+        meter = self._meter_provider.get_meter(SCOPE)
+        self._make_instruments(meter, enabled=bool(readers), local_timings=local_timings)
+        # Figures read from their owners at collection (cacheserver.telemetry_gauges).
+        self.gauges = ServerGauges(meter, per_tenant_labels=self.config.per_tenant_labels)
 
     def _make_instruments(
         self, meter: metrics.Meter, *, enabled: bool, local_timings: bool
@@ -137,159 +134,6 @@ class ServerTelemetry:
         )
         self._integrity_failures = count(
             "kvshare.integrity.failures", "{block}", "stored blocks that failed their checksum"
-        )
-        self._meter = meter
-        version = {"version": _package_version()}
-        meter.create_observable_gauge(
-            "kvshare.build_info",
-            [lambda _: [Observation(1, version)]],
-            "1",
-            "1, labelled with the server's package version",
-        )
-
-    def watch(
-        self,
-        tier_usage: Callable[[], Mapping[str, tuple[int, int, int]]],
-        tenant_usage: Callable[[], Mapping[TenantId, tuple[int, int]]],
-    ) -> None:
-        """Gauges read at collection time: tier sizes, health; per tenant if enabled.
-
-        `tier_usage()`: tier -> (blocks, bytes, budget); `tenant_usage()`: tenant ->
-        (bytes, quota_bytes)."""
-
-        def tiers(index: int) -> Callable[[CallbackOptions], Iterable[Observation]]:
-            return lambda _: [Observation(v[index], {"tier": t}) for t, v in tier_usage().items()]
-
-        gauge = self._meter.create_observable_gauge
-        gauge("kvshare.tier.blocks", [tiers(0)], "{block}", "blocks held per tier")
-        gauge("kvshare.tier.bytes", [tiers(1)], "By", "bytes held per tier")
-        gauge("kvshare.tier.budget.bytes", [tiers(2)], "By", "byte budget per tier")
-        gauge(
-            "kvshare.health.serving",
-            [lambda _: [Observation(1 if self.serving else 0)]],
-            "1",
-            "1 while the health check answers SERVING",
-        )
-        if self.config.per_tenant_labels:
-            gauge(
-                "kvshare.tenant.bytes",
-                [lambda _: [Observation(b, {"tenant": t}) for t, (b, _) in tenant_usage().items()]],
-                "By",
-                "bytes held per tenant",
-            )
-            gauge(
-                "kvshare.tenant.quota.bytes",
-                [lambda _: [Observation(q, {"tenant": t}) for t, (_, q) in tenant_usage().items()]],
-                "By",
-                "quota per tenant (0: none)",
-            )
-
-    def watch_backlog(
-        self,
-        journal: Callable[[], tuple[int, int]],
-        writer: Callable[[], tuple[int, int, int, Mapping[TenantId, int]]],
-        tenants: Callable[[], Iterable[TenantId]],
-    ) -> None:
-        """Gauges of what waits for the disk, read at collection time from the store's
-        own figures (nothing is counted per request for them).
-
-        `journal()`: (bytes the put journal's records may take, bytes of records not
-        yet drained into LMDB), (0, 0) without a journal; `writer()`: (blocks, bytes,
-        bound on bytes, bytes by tenant) waiting for the disk writer; `tenants()`: the
-        configured tenants, each given a series (0 when it has nothing waiting) with
-        `per_tenant_labels`."""
-        gauge = self._meter.create_observable_gauge
-        gauge(
-            "kvshare.journal.capacity.bytes",
-            [lambda _: [Observation(journal()[0])]],
-            "By",
-            "bytes the put journal's records may take (0: no journal)",
-        )
-        gauge(
-            "kvshare.journal.undrained.bytes",
-            [lambda _: [Observation(journal()[1])]],
-            "By",
-            "put journal bytes of acknowledged records not yet drained into LMDB",
-        )
-        gauge(
-            "kvshare.writer.backlog.blocks",
-            [lambda _: [Observation(writer()[0])]],
-            "{block}",
-            "blocks waiting for the disk writer",
-        )
-        gauge(
-            "kvshare.writer.backlog.bytes",
-            [lambda _: [Observation(writer()[1])]],
-            "By",
-            "payload bytes waiting for the disk writer (held against max_pending_write_bytes)",
-        )
-        gauge(
-            "kvshare.writer.backlog.limit.bytes",
-            [lambda _: [Observation(writer()[2])]],
-            "By",
-            "max_pending_write_bytes: past it puts wait, then are refused",
-        )
-        if self.config.per_tenant_labels:
-
-            def by_tenant(_: CallbackOptions) -> Iterable[Observation]:
-                waiting = writer()[3]
-                return [Observation(waiting.get(t, 0), {"tenant": t}) for t in tenants()]
-
-            gauge(
-                "kvshare.tenant.backlog.bytes",
-                [by_tenant],
-                "By",
-                "payload bytes per tenant waiting for the disk writer",
-            )
-
-    def watch_cluster(self, counts: Callable[[], Mapping[str, int]]) -> None:
-        """The Redis Cluster tier (cacheserver.tiers.cluster): what it did, by event (hits,
-        misses, failures, writes, drops, evictions, ...), and whether it answers."""
-        self._meter.create_observable_counter(
-            "kvshare.cluster.events",
-            [lambda _: [Observation(v, {"event": e}) for e, v in counts().items()]],
-            "{event}",
-            "Redis Cluster tier events since start, by kind",
-        )
-        self._meter.create_observable_gauge(
-            "kvshare.cluster.reachable",
-            [lambda _: [Observation(1 if self.cluster_reachable else 0)]],
-            "1",
-            "1 while every Redis Cluster node answers (the kvshare.cluster health service)",
-        )
-
-    def watch_bulk(self, arenas: Callable[[], int]) -> None:
-        """A gauge of the bulk channel's same-host arenas open (`arenas()`), read at
-        collection time: each may hold up to [bulk] arena_bytes of memory."""
-        self._meter.create_observable_gauge(
-            "kvshare.bulk.arenas",
-            [lambda _: [Observation(arenas())]],
-            "{arena}",
-            "same-host bulk connections holding a shared-memory arena",
-        )
-
-    def watch_reloads(self, figures: Callable[[], tuple[int, float, bool]]) -> None:
-        """The config's live reloads (cacheserver.reload): `figures()` gives the
-        generation serving, the last reload's time (Unix seconds; 0: none yet) and
-        whether it was applied."""
-        gauge = self._meter.create_observable_gauge
-        gauge(
-            "kvshare.config.generation",
-            [lambda _: [Observation(figures()[0])]],
-            "{generation}",
-            "the config generation serving (1: the one started with; each applied reload adds 1)",
-        )
-        gauge(
-            "kvshare.config.last_reload_timestamp",
-            [lambda _: [Observation(figures()[1])]],
-            "s",
-            "when the last reload was tried (Unix time; 0: none yet)",
-        )
-        gauge(
-            "kvshare.config.last_reload_success",
-            [lambda _: [Observation(1 if figures()[2] else 0)]],
-            "1",
-            "1 when the last reload was applied (or none was tried), 0 when it was refused",
         )
 
     # -- exporters ------------------------------------------------------------------
@@ -461,12 +305,3 @@ class ObservedRpc:
         self._telemetry._finish_rpc(self._method, status, time.perf_counter() - self._started)
         if self._token is not None and self._restore:
             otel_context.detach(self._token)
-
-
-def _package_version() -> str:
-    """The installed kvshare distribution's version ("unknown" when run from a tree
-    that was never installed)."""
-    try:
-        return metadata.version("kvshare")
-    except metadata.PackageNotFoundError:
-        return "unknown"

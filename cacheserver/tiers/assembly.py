@@ -10,7 +10,7 @@ is what the opened tier declares (`Capability`), never a branch on which kind it
   of its own (the kind's `health_service`), never the store's.
 - `SHARED`: other servers use it too. The store asks it on an index miss, so a read may
   wait on the network: such reads stay off the bulk channel's ready loop. Its `counts`
-  and reachability are the `kvshare.cluster.*` metrics (`ServerTelemetry.watch_cluster`:
+  and reachability are the `kvshare.cluster.*` metrics (`ServerGauges.watch_cluster`:
   the Redis Cluster is the one shared tier today).
 
 A kind's client library is imported when its section is present, never before: a

@@ -10,13 +10,16 @@ the line and the key, and the running config keeps serving; nothing is dropped.
 What changes live: tenants (added; removed: their blocks are deleted, as a start-up
 without them reclaims them), quotas (a tenant over a lowered one is evicted down to it
 at once), principals (tokens, certificates, tenants, actions, rates),
-`[limits]` requests_per_s and request_burst_s, read_public, require_sealed, the public
-scope's quota and require_sealed, and the TLS certificate, key and client CA (new
-handshakes use them; open connections keep theirs). Everything else sizes or binds
-something at start-up (listen addresses, data_dir, the naming secret, budgets and files
-of `[storage]`, `[bulk]`, `[telemetry]`, the cluster tier, a tenant's epoch, whether
-there is a public scope or TLS or mTLS at all; with a cluster tier, which tenants there
-are and their quotas, which that tier takes once) and needs a restart.
+`[limits]` (requests_per_s, request_burst_s, max_digests_per_call, max_block_bytes,
+get_frame_bytes: each transport's next request is checked against the new ones, a bulk
+worker's connections' too), read_public, require_sealed, the public scope's quota and
+require_sealed, and the TLS certificate, key and client CA (new handshakes use them;
+open connections keep theirs). Everything else sizes or binds something at start-up
+(listen addresses, data_dir, the naming secret, budgets and files of `[storage]`,
+`[bulk]`, `[telemetry]`, the cluster tier, a tenant's epoch, whether there is a public
+scope or TLS or mTLS at all; `[limits] max_message_bytes`, which gRPC's message size
+limits are built with; with a cluster tier, which tenants there are and their quotas,
+and max_block_bytes, which that tier takes once) and needs a restart.
 `cacheserver.reloader` applies a checked file to the running server.
 
 Once applied, a principal that was removed, whose credential changed or that lost
@@ -78,6 +81,7 @@ def check_live(old: ServerConfig, new: ServerConfig, text: ConfigText) -> None:
     for path, before, after in _restart_keys(old, new):
         if before != after:
             raise text.error(path, f"changed; {RESTART}")
+    _check_limits(old, new, text)
     _check_tls_shape(old.tls, new.tls, text)
     _check_tenants(old, new, text)
 
@@ -91,14 +95,24 @@ def _restart_keys(
         before, after = getattr(old, table), getattr(new, table)
         for spec in fields(before):
             yield (table, spec.name), getattr(before, spec.name), getattr(after, spec.name)
-    for spec in fields(old.limits):
-        if spec.name not in ("requests_per_s", "request_burst_s"):
-            yield (
-                ("limits", spec.name),
-                getattr(old.limits, spec.name),
-                getattr(new.limits, spec.name),
-            )
     yield ("redis_cluster",), old.redis_cluster, new.redis_cluster
+
+
+def _check_limits(old: ServerConfig, new: ServerConfig, text: ConfigText) -> None:
+    """`[limits]` apply live (cacheserver.reloader), but for what a resource built at
+    start-up holds fixed."""
+    if old.limits.max_message_bytes != new.limits.max_message_bytes:
+        raise text.error(
+            ("limits", "max_message_bytes"),
+            "changed; gRPC's largest message is fixed when its server is built at start-up, "
+            f"so this {RESTART}",
+        )
+    if old.redis_cluster is not None and (old.limits.max_block_bytes != new.limits.max_block_bytes):
+        raise text.error(
+            ("limits", "max_block_bytes"),
+            "changed; with [redis_cluster], the shared tier sizes its values by it at "
+            f"start-up, so this {RESTART}",
+        )
 
 
 def _check_tls_shape(old: TlsFiles | None, new: TlsFiles | None, text: ConfigText) -> None:

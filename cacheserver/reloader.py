@@ -8,7 +8,9 @@ mix of the two configs to a principal the new one cuts off:
 1. the policy takes the new access rules (each principal's next request is judged by
    its new entry: policy.access.AccessPolicy.current);
 2. what the old rules opened for a principal cut off is closed: its tickets, its gRPC
-   calls in flight, its bulk connections on every path;
+   calls in flight, its bulk connections on every path; `[limits]` hold from each
+   transport's next request (the request core's), and bulk workers get the config's
+   limits, public scope and rate slots for the connections they already serve;
 3. new TLS handshakes use the new certificate, key and client CA;
 4. quotas: a tenant over a lowered one leaves the index and memory at once; what is no
    longer served (those blocks, a removed tenant's) leaves the disk behind the reload,
@@ -23,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cacheserver.config import ServerConfig, TlsFiles
+from cacheserver.core.requests import RequestCore
 from cacheserver.reload import (
     ConfigSource,
     ReloadOutcome,
@@ -34,6 +37,7 @@ from cacheserver.reload import (
 from cacheserver.startup import check_tls
 from cacheserver.store import BlockStore
 from cacheserver.transport.bulk import BulkServer
+from cacheserver.transport.bulk.readworkers import WorkerAssembly
 from cacheserver.transport.grpc.credentials import RotatingCertificate, bulk_tls, read_tls
 from cacheserver.transport.grpc.open_calls import OpenCalls
 from kvcommon.errors import ConfigError, KvshareError
@@ -66,13 +70,23 @@ class Reloader:
         self._tickets = tickets
         self._calls: OpenCalls | None = None
         self._bulk: BulkServer | None = None
+        self._core: RequestCore | None = None
+        self._workers: WorkerAssembly | None = None
         self.state = ReloadState()
         self._lock = asyncio.Lock()
         self._cleanups: set[asyncio.Task[None]] = set()  # a reload's deletes, running
 
-    def attach(self, calls: OpenCalls, bulk: BulkServer | None) -> None:
-        """The started server's gRPC calls in flight and bulk listener."""
+    def attach(
+        self,
+        calls: OpenCalls,
+        bulk: BulkServer | None,
+        core: RequestCore | None = None,
+        workers: WorkerAssembly | None = None,
+    ) -> None:
+        """The started server's gRPC calls in flight, bulk listener, request core (every
+        transport's: its limits) and bulk workers."""
         self._calls, self._bulk = calls, bulk
+        self._core, self._workers = core, workers
 
     async def reload_for(self, principal: Principal) -> ReloadOutcome:
         """The admin RPC Reload: an `admin` principal's reload (PermissionDenied else)."""
@@ -131,6 +145,10 @@ class Reloader:
         closed = self._bulk.close_principals(cut) if self._bulk is not None else 0
         for name, reason in cut.items():
             self._policy.audit.record("revoked", principal=name, reason=reason)
+        if self._core is not None:
+            self._core.set_limits(config.limits)
+        if self._workers is not None:  # the generation this reload makes
+            self._workers.update(self.state.generation + 1, config)
         if material is not None and self._certificate is not None:
             self._certificate.rotate(material)
             if self._bulk is not None and bulk_context is not None:

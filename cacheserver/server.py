@@ -231,7 +231,7 @@ class Server:
             bulk.local_namespace,
             bulk.local_uid,
         )
-        self.reloader.attach(self._interceptor.calls, bulk)
+        self.reloader.attach(self._interceptor.calls, bulk, core, self.workers)
         self._service = BlockStoreService(core, self.config.limits, reload=self.reloader.reload_for)
         kvshare_pb2_grpc.add_BlockStoreServicer_to_server(self._service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)

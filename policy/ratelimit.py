@@ -8,23 +8,27 @@ With bulk read workers (cacheserver.transport.bulk.readworker), the server and i
 worker processes draw from the same buckets: `SharedBuckets` keeps one bucket per
 principal in shared memory (a memfd the workers inherit), updated under a record lock on
 its bytes, so a principal's rate holds across every process that serves it.
-CLOCK_MONOTONIC is one clock for every process on the host.
+CLOCK_MONOTONIC is one clock for every process on the host. The table has spare slots:
+a live reload gives each principal it adds one (`SharedBuckets.assign`) and sends the
+workers the new names, so an added principal's rate holds across processes too.
 """
 
 from __future__ import annotations
 
 import fcntl
+import logging
 import mmap
 import os
 import struct
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvcommon.errors import ResourceExhausted
 from policy.identity import Principal
 
+log = logging.getLogger(__name__)
 DEFAULT_REQUESTS_PER_S = 5000
 DEFAULT_BURST_S = 2
 
@@ -52,20 +56,65 @@ class TokenBucket:
 _SLOT = struct.Struct("<ddBB6x")
 
 
+# Spare slots a live reload gives to the principals it adds: at least this many, or as
+# many as the config started with (24 bytes each).
+SPARE_SLOTS = 1024
+
+
 class SharedBuckets:
     """One token bucket per principal in memory that several processes map: the server
-    makes it (`names`: the principals, in the order their slots take) and passes its
-    descriptor (`fd`) to each bulk worker, which maps it with `attach`. Each draw locks
-    its bucket's bytes (fcntl record locks: between processes) and a thread lock (record
-    locks do not exclude threads of one process)."""
+    makes it (`names`: the principals, in the order their slots take, and room for
+    `spare` more) and passes its descriptor (`fd`) to each bulk worker, which maps it
+    with `attach`. Each draw locks its bucket's bytes (fcntl record locks: between
+    processes) and a thread lock (record locks do not exclude threads of one process).
+    `slots` (name -> slot) is replaced whole, never changed in place (`assign`)."""
 
-    def __init__(self, names: Sequence[str]) -> None:
+    def __init__(self, names: Sequence[str], spare: int | None = None) -> None:
         self.slots = {name: index for index, name in enumerate(sorted(set(names)))}
+        self.capacity = len(self.slots) + (
+            max(SPARE_SLOTS, len(self.slots)) if spare is None else spare
+        )
         self.fd = os.memfd_create("kvshare-rate-buckets", os.MFD_CLOEXEC)
-        size = max(1, len(self.slots)) * _SLOT.size
+        size = max(1, self.capacity) * _SLOT.size
         os.ftruncate(self.fd, size)
         self._map = mmap.mmap(self.fd, size)
         self._lock = threading.Lock()
+
+    def assign(self, names: Iterable[str]) -> dict[str, int]:
+        """The slots for the principals a live reload leaves (the server's side): each
+        name kept keeps its slot (and its bucket), a removed one's slot is free, and each
+        added one takes a free slot, emptied first (its bucket starts full). A name past
+        the spare slots keeps a bucket per process (logged). Returns the new table, for
+        the workers (`slots` is replaced whole)."""
+        wanted = sorted(set(names))
+        kept = {name: slot for name, slot in self.slots.items() if name in set(wanted)}
+        free = sorted(set(range(self.capacity)) - set(kept.values()), reverse=True)
+        slots = dict(kept)
+        for name in wanted:
+            if name in slots:
+                continue
+            if not free:
+                log.warning(
+                    "the shared rate table is full (%d slots): principal %r gets a rate "
+                    "bucket per serving process until a restart",
+                    self.capacity,
+                    name,
+                )
+                continue
+            slot = free.pop()
+            self._empty(slot)
+            slots[name] = slot
+        self.slots = slots
+        return dict(slots)
+
+    def _empty(self, slot: int) -> None:
+        offset = slot * _SLOT.size
+        with self._lock:
+            fcntl.lockf(self.fd, fcntl.LOCK_EX, _SLOT.size, offset)
+            try:
+                _SLOT.pack_into(self._map, offset, 0.0, 0.0, 0, 0)
+            finally:
+                fcntl.lockf(self.fd, fcntl.LOCK_UN, _SLOT.size, offset)
 
     @classmethod
     def attach(cls, fd: int, slots: dict[str, int]) -> SharedBuckets:
@@ -73,7 +122,9 @@ class SharedBuckets:
         buckets = cls.__new__(cls)
         buckets.slots = dict(slots)
         buckets.fd = fd
-        buckets._map = mmap.mmap(fd, os.fstat(fd).st_size)
+        size = os.fstat(fd).st_size
+        buckets.capacity = size // _SLOT.size
+        buckets._map = mmap.mmap(fd, size)
         buckets._lock = threading.Lock()
         return buckets
 
@@ -90,7 +141,21 @@ class SharedBuckets:
         last draw was taken: the first refusal of an episode), None (refused again).
         `note_refusal=False`: a refusal leaves the episode as it was, for whoever answers
         the request to note (and audit)."""
-        offset = self.slots[name] * _SLOT.size
+        return self.take_slot(
+            self.slots[name], rate_per_s, capacity, now_s, note_refusal=note_refusal
+        )
+
+    def take_slot(
+        self,
+        slot: int,
+        rate_per_s: float,
+        capacity: float,
+        now_s: float,
+        *,
+        note_refusal: bool = True,
+    ) -> bool | None:
+        """`take` from the bucket in `slot`."""
+        offset = slot * _SLOT.size
         with self._lock:
             fcntl.lockf(self.fd, fcntl.LOCK_EX, _SLOT.size, offset)
             try:
@@ -161,11 +226,10 @@ class RequestRateLimiter:
             return True
         now = self._clock()
         shared = self.shared
-        if shared is not None and principal.name in shared.slots:
+        slot = shared.slots.get(principal.name) if shared is not None else None
+        if shared is not None and slot is not None:
             capacity = self._capacity(rate)
-            return shared.take(
-                principal.name, float(rate), capacity, now, note_refusal=note_refusal
-            )
+            return shared.take_slot(slot, float(rate), capacity, now, note_refusal=note_refusal)
         with self._lock:
             bucket = self._buckets.get(principal.name)
             if bucket is None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from cacheserver.config import LimitsConfig
-from cacheserver.core.checks import RequestChecks
+from cacheserver.core.checks import LiveLimits, RequestChecks
 from cacheserver.core.values import Admitted, Announced, Begun, PutNamespace, Verb
 from cacheserver.events import NoEvents
 from cacheserver.store.backlog import WriteBacklog
@@ -51,8 +51,8 @@ class Admission:
         while the blocks arrive (a gRPC Put stream assembles each block from chunks),
         over all tenants; one tenant: half."""
         self._policy = policy
-        self._limits = limits
-        self._checks = RequestChecks(policy, limits)
+        self.limits = LiveLimits(limits)  # a live reload replaces `current`
+        self._checks = RequestChecks(policy, self.limits)
         self._check_room = check_room
         self._receiving = WriteBacklog(receive_bytes, NoEvents(), hurry=lambda: None)
 
@@ -88,9 +88,10 @@ class Admission:
     ) -> Announced:
         """Steps 3 and 5-8 for block `index` of `put`. `hold`: the transport keeps the
         block's bytes in memory until `handed_over`."""
-        self._limits.check_digest_count(index + 1)
+        limits = self.limits.current
+        limits.check_digest_count(index + 1)
         key = self._policy.storage_key(put.tenant, put.model, parse_digest(digest, index))
-        self._limits.check_block_bytes(index, size)
+        limits.check_block_bytes(index, size)
         self._check_room(put.tenant, key, size)
         if hold:
             self._receiving.reserve(put.tenant, size, 0.0)

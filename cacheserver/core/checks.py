@@ -43,10 +43,20 @@ class RequestPolicy(Protocol):
     ) -> list[StorageKey]: ...
 
 
+class LiveLimits:
+    """`[limits]` as the config serving now has them: each check reads `current`, which
+    a live reload replaces whole (cacheserver.reloader; in a bulk worker, the server's
+    update: cacheserver.transport.bulk.readworker), so a lowered limit holds from the
+    next request on."""
+
+    def __init__(self, limits: LimitsConfig) -> None:
+        self.current = limits
+
+
 class RequestChecks:
-    def __init__(self, policy: RequestPolicy, limits: LimitsConfig) -> None:
+    def __init__(self, policy: RequestPolicy, limits: LiveLimits) -> None:
         self._policy = policy
-        self._limits = limits
+        self.limits = limits
 
     def begin(
         self, principal: Principal, verb: Verb, tenant: str, count: int, *, rate_drawn: bool = False
@@ -57,7 +67,7 @@ class RequestChecks:
         if not rate_drawn:
             self._policy.check_rate(principal)
         tenant_id = self._policy.admit(principal, tenant, verb.action)
-        self._limits.check_digest_count(count)
+        self.limits.current.check_digest_count(count)
         return Begun(principal, verb, tenant_id, count)
 
     def name(self, begun: Begun, model: str, digests: Sequence[bytes]) -> Admitted:

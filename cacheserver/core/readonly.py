@@ -4,8 +4,12 @@
 A worker holds no audit log, store, index, put journal or server secret. With each
 connection the server delegates data, not decisions (`Grants`): the principal as its
 config has it (tenants, actions, rate), the connection's tenant and that tenant's
-naming key, the limits, and the public scope. From them the worker builds a policy
-(`DelegatedPolicy`) and runs the core's own admission with it (`RequestChecks`: rate,
+naming key, the limits, and the public scope. The last three (`Defaults`) are the
+config's, not the connection's: the worker keeps one copy for all its connections and
+takes a newer generation's whenever the server sends one (a live reload's update, or
+a later delegation), so a reload changes them on connections delegated before it.
+From them the worker builds a policy (`DelegatedPolicy`) and runs the core's own
+admission with it (`RequestChecks`: rate,
 tenant and action, digest count, model and digests, naming; the permission rule is
 policy.permissions', the server's), reads LMDB through the tier's read-only view (the
 same records and verification: cacheserver.tiers.lmdb), and counts what it served in
@@ -22,13 +26,14 @@ server answers them.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 from cacheserver.config import LimitsConfig
-from cacheserver.core.checks import RequestChecks
+from cacheserver.core.checks import LiveLimits, RequestChecks
 from cacheserver.core.values import Begun, Verb
 from cacheserver.events import StoreEvents
 from cacheserver.tiers.lmdb.environment import MAX_READERS
@@ -55,6 +60,51 @@ class Grants:
     default_requests_per_s: int  # [limits]: for a principal with no rate of its own
     burst_s: int
     max_digests_per_call: int
+    generation: int = 0  # the config generation of the four above (Defaults)
+
+    def defaults(self) -> Defaults:
+        return Defaults(
+            self.generation,
+            self.public,
+            self.default_requests_per_s,
+            self.burst_s,
+            self.max_digests_per_call,
+        )
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """The config's part of a delegation, the same for every connection: the public
+    scope and `[limits]`, of config generation `generation` (a newer one replaces them)."""
+
+    generation: int
+    public: PublicScope
+    default_requests_per_s: int
+    burst_s: int
+    max_digests_per_call: int
+
+
+class WorkerDefaults:
+    """A worker's one copy of `Defaults`, read by each of its connections' requests: the
+    public scope, the rate limiter (its default rate and burst) and the limits."""
+
+    def __init__(self, buckets: SharedBuckets) -> None:
+        self.generation = -1  # none taken yet
+        self.public = PublicScope(configured=False, reader_tenants=frozenset())
+        self.limiter = RequestRateLimiter(0, shared=buckets)
+        self.limits = LiveLimits(LimitsConfig())
+        self._lock = threading.Lock()
+
+    def take(self, defaults: Defaults) -> bool:
+        """Use `defaults` if they are newer than those in use; whether they were."""
+        with self._lock:
+            if defaults.generation <= self.generation:
+                return False
+            self.limiter.set_defaults(defaults.default_requests_per_s, defaults.burst_s)
+            self.limits.current = LimitsConfig(max_digests_per_call=defaults.max_digests_per_call)
+            self.public = defaults.public
+            self.generation = defaults.generation
+            return True
 
 
 class ServedEvents(StoreEvents, Protocol):
@@ -70,22 +120,19 @@ class DelegatedPolicy:
     tenant's names. Refusals are not audited here (the server audits them when it
     answers the request handed back)."""
 
-    def __init__(self, grants: Grants, buckets: SharedBuckets) -> None:
-        self._public = grants.public
+    def __init__(self, grants: Grants, defaults: WorkerDefaults) -> None:
+        self._defaults = defaults  # the worker's: public scope, rate defaults
         self._namer = TenantNamer(grants.tenant, grants.naming_key)
-        self._limiter = RequestRateLimiter(
-            grants.default_requests_per_s, grants.burst_s, shared=buckets
-        )
 
     def check_rate(self, principal: Principal) -> None:
         # A refusal is not noted in the shared bucket: the server's draw notes (and
         # audits) the episode's first.
-        if not self._limiter.try_admit(principal):
+        if not self._defaults.limiter.try_admit(principal):
             raise ResourceExhausted(_HANDED_BACK)
 
     def admit(self, principal: Principal, tenant: str, action: Action) -> TenantId:
         checked = permissions.tenant_id(principal, tenant)
-        if not permissions.allows(principal, checked, action, self._public):
+        if not permissions.allows(principal, checked, action, self._defaults.public):
             raise PermissionDenied(_HANDED_BACK)
         return checked
 
@@ -119,16 +166,25 @@ class ReadOnlyCore:
         self._reader = LmdbReader(lmdb_path, map_bytes)
         self._buckets = buckets
         self._served = served
+        self.defaults = WorkerDefaults(buckets)
 
     def close(self) -> None:
         self._reader.close()
 
+    def update(self, defaults: Defaults, slots: dict[str, int] | None = None) -> bool:
+        """The server's update after a live reload: the config's defaults for every
+        connection (if newer than those in use: a delegation made after the reload may
+        have brought them first), and the shared rate table's slots (`slots`: the whole
+        table, replacing the one in use; only updates carry it, in reload order)."""
+        taken = self.defaults.take(defaults)
+        if slots is not None and defaults.generation >= self.defaults.generation:
+            self._buckets.slots = dict(slots)
+        return taken
+
     def bind(self, grants: Grants) -> BoundCore:
-        """The core for one delegated connection."""
-        checks = RequestChecks(
-            DelegatedPolicy(grants, self._buckets),
-            LimitsConfig(max_digests_per_call=grants.max_digests_per_call),
-        )
+        """The core for one delegated connection (its grants' defaults taken, if newer)."""
+        self.defaults.take(grants.defaults())
+        checks = RequestChecks(DelegatedPolicy(grants, self.defaults), self.defaults.limits)
         return BoundCore(grants.principal, grants.tenant, checks, self._reader, self._served)
 
 

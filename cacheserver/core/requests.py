@@ -73,6 +73,16 @@ class RequestCore:
         self.bulk = bulk
 
     @property
+    def limits(self) -> LimitsConfig:
+        """`[limits]` as the config serving now has them."""
+        return self._admission.limits.current
+
+    def set_limits(self, limits: LimitsConfig) -> None:
+        """New `[limits]` (a live reload): every transport's next request is checked
+        against them (the gRPC service sizes Get frames by them too)."""
+        self._admission.limits.current = limits
+
+    @property
     def lookup_blocks(self) -> bool:
         """Whether `lookup` may block (it asks a shared tier on an index miss): then a
         transport on an event loop calls it from a thread."""

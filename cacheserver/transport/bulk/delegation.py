@@ -7,6 +7,11 @@ Messages, each one SOCK_SEQPACKET datagram:
 - server -> worker, on the worker's control socket: a `Delegation` (JSON) with two
   descriptors, the connection (already past its hello: authenticated, bound to one
   principal and tenant) and the worker's end of that connection's hand-back pair;
+- server -> worker, on the control socket, after a live reload: an `Update` (SETTINGS
+  and JSON, no descriptor): the config's defaults for every connection the worker
+  serves (the public scope, `[limits]`, tagged with the config generation; the worker
+  keeps the newest it was sent, by an update or a delegation) and the shared rate
+  table's slots, which the reload may have given to principals it added;
 - worker -> server, on a connection's hand-back pair: `HAND_BACK` (+ whether the
   request's rate was already drawn): "serve the request at the head of the socket";
   the server answers `SERVED_ON` or `CLOSED` once its reply went out. `GIVE_BACK`:
@@ -32,7 +37,7 @@ import struct
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
-from cacheserver.core.readonly import Grants
+from cacheserver.core.readonly import Defaults, Grants
 from cacheserver.core.served import TenantReport
 from policy import Action, Principal
 from policy.permissions import PublicScope
@@ -48,6 +53,7 @@ REDELEGATE_AFTER_READS = 8
 RATE_DRAWN = b"R"  # follows HAND_BACK: the worker drew the request's rate already
 SERVED_ON = b"D"  # the server served the request; the worker reads the next one
 CLOSED = b"C"  # the server refused the request and closed the connection
+SETTINGS = b"S"  # heads an Update on the control socket (a Delegation is JSON: "{")
 REPORT_INTERVAL_S = 0.2
 STORAGE_KEY_BYTES = 32
 # A report datagram stays well below the socket's send buffer.
@@ -75,6 +81,7 @@ class Delegation:
     public_readers: list[str]  # tenants whose readers may read it (read_public)
     idle_s: float
     min_transfer_bytes_per_s: int
+    generation: int = 0  # the config generation of the public scope and limits
 
     @classmethod
     def of(cls, grants: Grants, idle_s: float, min_transfer_bytes_per_s: int) -> Delegation:
@@ -93,6 +100,7 @@ class Delegation:
             public_readers=sorted(grants.public.reader_tenants),
             idle_s=idle_s,
             min_transfer_bytes_per_s=min_transfer_bytes_per_s,
+            generation=grants.generation,
         )
 
     def grants(self) -> Grants:
@@ -111,6 +119,7 @@ class Delegation:
             self.default_requests_per_s,
             self.burst_s,
             self.max_digests,
+            self.generation,
         )
 
     def encode(self) -> bytes:
@@ -126,6 +135,48 @@ class Delegation:
         if len(delegation.naming_key) != 32 or delegation.max_digests < 1:
             raise ValueError("a delegation with a malformed naming key or limit")
         return delegation
+
+
+@dataclass(frozen=True)
+class Update:
+    """What a live reload changes on every connection a worker serves: the config's
+    `Defaults`, and the shared rate table's slots (name -> slot, the whole table)."""
+
+    defaults: Defaults
+    slots: dict[str, int]
+
+    def encode(self) -> bytes:
+        defaults = self.defaults
+        fields = {
+            "generation": defaults.generation,
+            "public": defaults.public.configured,
+            "public_readers": sorted(defaults.public.reader_tenants),
+            "default_requests_per_s": defaults.default_requests_per_s,
+            "burst_s": defaults.burst_s,
+            "max_digests": defaults.max_digests_per_call,
+            "slots": self.slots,
+        }
+        return SETTINGS + json.dumps(fields).encode("utf-8")
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Update:
+        if not raw.startswith(SETTINGS):
+            raise ValueError("not an update")
+        fields = json.loads(raw[len(SETTINGS) :].decode("utf-8"))
+        public = PublicScope(
+            bool(fields["public"]), frozenset(TenantId(t) for t in fields["public_readers"])
+        )
+        defaults = Defaults(
+            int(fields["generation"]),
+            public,
+            int(fields["default_requests_per_s"]),
+            int(fields["burst_s"]),
+            int(fields["max_digests"]),
+        )
+        slots = {str(name): int(slot) for name, slot in fields["slots"].items()}
+        if defaults.max_digests_per_call < 1 or any(slot < 0 for slot in slots.values()):
+            raise ValueError("an update with a malformed limit or slot")
+        return cls(defaults, slots)
 
 
 def encode_reports(reports: dict[TenantId, TenantReport]) -> Iterator[bytes]:

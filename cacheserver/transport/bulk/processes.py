@@ -194,6 +194,23 @@ class WorkerProcesses:
             theirs.close()
         return ours
 
+    def update(self, update: d.Update) -> int:
+        """Send `update` (a live reload's) to every live worker; how many took it. A
+        worker started later gets the rate slots as they are then (`--slots`) and the
+        defaults with its first delegation."""
+        raw = update.encode()
+        with self._lock:
+            procs = [p for p in self._procs if p is not None]
+        sent = 0
+        for proc in procs:
+            try:
+                with proc.lock:
+                    proc.control.sendall(raw)
+                sent += 1
+            except OSError as error:  # it is ending (the one in its place starts new)
+                log.error("bulk worker not updated after a reload: %s", error)
+        return sent
+
     def pids(self) -> list[int]:
         """The live workers' process ids, in slot order (for operators and tests)."""
         with self._lock:

@@ -82,6 +82,9 @@ MAX_PEEK_BYTES = 32 << 10
 # tier (a worker's first read of LMDB pages faults each one in, and it checksums every
 # byte), and large transfers are few calls, where one process is not the limit.
 MAX_GET_BYTES = 1 << 20
+# A datagram from the server: a delegation, or an update whose rate slots name every
+# principal (some tens of bytes each).
+MAX_CONTROL_BYTES = 1 << 20
 # What a worker answers: reads. Everything else (puts, traced requests) is the server's.
 ANSWERED = (Verb.LOOKUP, Verb.GET)
 # Plain ints: or-ing socket's flag enums costs microseconds a call.
@@ -227,10 +230,13 @@ class Worker:
         ).start()
         try:
             while True:
-                message, fds, _flags, _addr = socket.recv_fds(self._control, 64 << 10, 2)
+                message, fds, _flags, _addr = socket.recv_fds(self._control, MAX_CONTROL_BYTES, 2)
                 if not message:
                     return  # the server closed our control socket: it stopped or died
-                self._start_connection(message, fds)
+                if message.startswith(d.SETTINGS):
+                    self._update(message, fds)
+                else:
+                    self._start_connection(message, fds)
         except OSError:
             return
         finally:
@@ -250,6 +256,18 @@ class Worker:
         pace = Pace(delegation.min_transfer_bytes_per_s, delegation.idle_s)
         served = Connection(conn, handback, self._core.bind(grants), pace)
         self._loop.adopt(conn, served, served.close)
+
+    def _update(self, message: bytes, fds: list[int]) -> None:
+        """A live reload's defaults and rate slots: every connection's next request
+        is admitted with them."""
+        for fd in fds:  # an update carries none
+            socket.socket(fileno=fd).close()
+        try:
+            update = d.Update.decode(message)
+        except (ValueError, TypeError, KeyError, UnicodeDecodeError):
+            log.error("a malformed update from the server; ignored")
+            return
+        self._core.update(update.defaults, update.slots)
 
     def _report_loop(self) -> None:
         while not self._stopped.wait(d.REPORT_INTERVAL_S):

@@ -9,10 +9,10 @@ from __future__ import annotations
 import socket
 
 from cacheserver.config import ServerConfig
-from cacheserver.core.readonly import Grants, check_reader_table
+from cacheserver.core.readonly import Defaults, Grants, check_reader_table
 from cacheserver.core.served import ServingStore, TenantReport, replay
 from cacheserver.telemetry import ServerTelemetry
-from cacheserver.transport.bulk.delegation import Delegation
+from cacheserver.transport.bulk.delegation import Delegation, Update
 from cacheserver.transport.bulk.handler import OPS
 from cacheserver.transport.bulk.listener import IDLE_TIMEOUT_S
 from cacheserver.transport.bulk.processes import WorkerProcesses, WorkerSpec
@@ -54,12 +54,16 @@ def lmdb_readers_needed(config: ServerConfig) -> int:
 
 
 def delegation_for(
-    grant: Grant, policy: AccessPolicy, limiter: RequestRateLimiter, config: ServerConfig
+    grant: Grant,
+    policy: AccessPolicy,
+    limiter: RequestRateLimiter,
+    config: ServerConfig,
+    generation: int = 0,
 ) -> Delegation:
     """What a worker gets with a connection: data, not decisions. The grant's principal
     as the config has it, its tenant and that tenant's naming key, the limits and the
-    public scope; the worker decides from them with the request core's own admission
-    (cacheserver.core.readonly)."""
+    public scope (of config generation `generation`); the worker decides from them with
+    the request core's own admission (cacheserver.core.readonly)."""
     grants = Grants(
         principal=grant.principal,
         tenant=grant.tenant,
@@ -68,13 +72,14 @@ def delegation_for(
         default_requests_per_s=limiter.default_requests_per_s,
         burst_s=limiter.burst_s,
         max_digests_per_call=config.limits.max_digests_per_call,
+        generation=generation,
     )
     return Delegation.of(grants, IDLE_TIMEOUT_S, config.bulk.min_transfer_bytes_per_s)
 
 
 class WorkerAssembly:
     """Starts the workers (`processes` - 1 of them), hands them connections, applies
-    their reports."""
+    their reports, and tells them what a live reload changed (`update`)."""
 
     def __init__(
         self,
@@ -87,7 +92,9 @@ class WorkerAssembly:
     ) -> None:
         assert limiter.shared is not None, "workers draw from the server's shared buckets"
         check_reader_table(lmdb_readers_needed(config), processes)
-        self._config = config
+        # The config delegations are made from, and its generation (one pair: a
+        # reload replaces it whole).
+        self._serving: tuple[int, ServerConfig] = (1, config)
         self._policy = policy
         self._limiter = limiter
         self._store = store
@@ -111,8 +118,27 @@ class WorkerAssembly:
     ) -> socket.socket | None:
         """BulkServer's `delegate_to`: the connection to the next worker in turn (or, with
         `to_a_worker`, skipping the server's own), or None."""
-        delegation = delegation_for(grant, self._policy, self._limiter, self._config)
+        generation, config = self._serving
+        delegation = delegation_for(grant, self._policy, self._limiter, config, generation)
         return self.processes.delegate(conn, delegation, to_a_worker)
+
+    def update(self, generation: int, config: ServerConfig) -> int:
+        """After a live reload to `config` (generation `generation`; the policy and the
+        rate limiter have taken it already): the principals it adds get slots in the
+        shared rate table, and every worker gets the new table and the config's public
+        scope and limits, which the next request on each of its connections is admitted
+        with (delegated before the reload or after). How many workers were told."""
+        assert config.access is not None and self._limiter.shared is not None
+        slots = self._limiter.shared.assign(p.name for p in config.access.principals())
+        self._serving = (generation, config)
+        defaults = Defaults(
+            generation,
+            self._policy.public_scope,
+            self._limiter.default_requests_per_s,
+            self._limiter.burst_s,
+            config.limits.max_digests_per_call,
+        )
+        return self.processes.update(Update(defaults, slots))
 
     def apply_report(self, tenant: TenantId, report: TenantReport) -> None:
         """What a worker served: recently used in the index, the store events its reads

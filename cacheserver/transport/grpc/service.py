@@ -41,7 +41,8 @@ class BlockStoreService(pb_grpc.BlockStoreServicer):
     def __init__(
         self, core: RequestCore, limits: LimitsConfig, *, reload: Reload | None = None
     ) -> None:
-        """`limits`: how big Get frames may be (get_frame_bytes, max_message_bytes).
+        """`limits`: the ones the gRPC server was built with: its max_message_bytes
+        bounds every Get frame (get_frame_bytes is the core's, live: `RequestCore.limits`).
         `reload`: the server's live reload for an admin (cacheserver.server.Server
         .reload_for); None: Reload is refused."""
         self._core = core
@@ -93,7 +94,7 @@ class BlockStoreService(pb_grpc.BlockStoreServicer):
     async def Get(self, request: pb.GetRequest, context: Context) -> AsyncIterator[pb.GetFrame]:
         begun = self._begin(Verb.GET, request.tenant, len(request.digests))
         frame_bytes = min(
-            request.max_frame_bytes or self._limits.get_frame_bytes,
+            request.max_frame_bytes or self._core.limits.get_frame_bytes,
             self._limits.max_message_bytes - FRAME_SLACK_BYTES,
         )
         framer = _Framer(frame_bytes)

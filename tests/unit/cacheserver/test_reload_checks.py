@@ -52,8 +52,13 @@ def check(tmp_path: Path, old: str, new: str) -> None:
         lambda t: t.replace(
             '[[tenants]]\nid = "alpha"', '[[tenants]]\nid = "alpha"\nrequire_sealed = true'
         ),
+        lambda t: t.replace(
+            "_s = 100\n",
+            "_s = 100\nmax_digests_per_call = 4\nmax_block_bytes = 1048576\n"
+            "get_frame_bytes = 65536\n",
+        ),
     ],
-    ids=["quota", "rates", "tenant-added", "actions", "token", "require-sealed"],
+    ids=["quota", "rates", "tenant-added", "actions", "token", "require-sealed", "limits"],
 )
 def test_what_applies_live_passes(tmp_path: Path, edit: object) -> None:
     check(tmp_path, BASE, edit(BASE))  # type: ignore[operator]
@@ -63,9 +68,9 @@ RESTART_EDITS = {  # name: (edit, where the refusal points)
     "listen": (lambda t: t.replace(":0", ":1", 1), r":1: listen:"),
     "data-dir": (lambda t: t.replace('"data"', '"other"'), r":2: data_dir:"),
     "storage": (lambda t: t + "[storage]\nmemory_budget_bytes = 1048576\n", r"storage\."),
-    "sizing-limit": (
-        lambda t: t.replace("_s = 100\n", "_s = 100\nmax_block_bytes = 1048576\n"),
-        r":6: limits\.max_block_bytes:",
+    "grpc-message-size": (
+        lambda t: t.replace("_s = 100\n", "_s = 100\nmax_message_bytes = 2097152\n"),
+        r":6: limits\.max_message_bytes: changed; gRPC's largest message is fixed",
     ),
     "bulk": (lambda t: t + "[bulk]\nworkers = 3\n", r": bulk\.workers:"),
     "epoch": (
@@ -109,3 +114,10 @@ def test_with_a_cluster_tier_tenants_and_quotas_need_a_restart(tmp_path: Path) -
     with pytest.raises(ConfigError, match=r"tenants: with \[redis_cluster\]"):
         check(tmp_path, BASE + cluster, BASE + '[[tenants]]\nid = "beta"\n' + cluster)
     check(tmp_path, BASE + cluster, (BASE + cluster).replace('["read", "write"]', '["read"]'))
+    # The shared tier sizes its values by max_block_bytes at start-up.
+    with pytest.raises(ConfigError, match=r"limits\.max_block_bytes: changed; with \[redis_"):
+        check(
+            tmp_path,
+            BASE + cluster,
+            (BASE + cluster).replace("_s = 100\n", "_s = 100\nmax_block_bytes = 1048576\n"),
+        )

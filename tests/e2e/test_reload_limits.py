@@ -169,3 +169,25 @@ def test_a_principal_added_by_a_reload_has_one_rate_across_the_server_and_its_wo
     # One bucket of 10 (burst 1 s) refilling at 10/s; a bucket per process would serve
     # about twice as many before the first refusal.
     assert served <= 10 + 10 * elapsed + 2, (served, elapsed)
+
+
+def test_a_lowered_max_block_bytes_refuses_a_larger_put_on_every_transport(
+    running: Running, live: LiveConfig
+) -> None:
+    big = bytes(8192)
+    transports = ("grpc", "bulk-tcp", "bulk-same-host")
+    for index, transport in enumerate(transports):  # positive control: 8 KiB stored
+        with running.client("a", transport=transport, timeout_s=10) as client:
+            assert client.put("alpha", MODEL, [digest("big", index)], [big]) == [True]
+    live.extra = f"{WORKERS}[limits]\nmax_block_bytes = 4096\n"
+    live.write()
+    reply = reload(running, live)
+    assert reply.applied, reply.message
+    for index, transport in enumerate(transports, start=len(transports)):
+        with (
+            running.client("a", transport=transport, timeout_s=10) as client,
+            pytest.raises(InvalidArgument, match="over max_block_bytes 4096"),
+        ):
+            client.put("alpha", MODEL, [digest("big", index)], [big])
+        with running.client("a", transport=transport, timeout_s=10) as client:
+            assert client.put("alpha", MODEL, [digest("small", index)], [bytes(4096)]) == [True]

@@ -16,9 +16,10 @@ Invariants (each module states its own in detail):
 Modules, in the order to read them:
 - `facade`: `BlockStore`, what the request core and the transports call;
 - `tiering`: `IndexedTiers`, the index and the in-process state under one lock, and
-  the verbs the rest of the store uses: admission (`plan`), the commit of new blocks,
-  reads, puts' checks, deletes, figures; it knows the journaled puts only as `HeldPuts`
-  (`held`);
+  the verbs the rest of the store uses: admission (`plan`), reads, puts' checks,
+  deletes, figures; it knows the journaled puts only as `HeldPuts` (`held`);
+- `commit`: `commit_batch`, the LMDB commit of new blocks (write-through puts, the
+  journal's replay), then their entry in the index;
 - `lineup`: `Lineup`, the tiers as one ordered list, sorted once by what each declares
   (`cacheserver.tiers.Capability`), and the verbs across them;
 - `journaled`: `JournaledPuts`, the journal as the store's own tier: records reserved,
@@ -46,7 +47,7 @@ section: `BlockStore(..., lower_tiers=[tier])`. From then on (`Lineup`):
 - Reads fall through to it (`Lineup.read_below`): a key the index lists that neither
   the journal nor LMDB can return (a local copy found corrupt, say) is read from it,
   served and promoted to memory like an LMDB read.
-- Writes reach it after the local commit, on the writer thread: `IndexedTiers.commit`
+- Writes reach it after the local commit, on the writer thread: `commit.commit_batch`
   (write-through puts, the replay at start-up) and `Writer._drain` (journaled puts)
   hand `Lineup.write_behind` the blocks LMDB has just committed. Written behind: a
   failure there fails no put (each is acknowledged already); it is logged, and the

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from cacheserver.config import StorageConfig
+from cacheserver.store.commit import commit_batch
 from cacheserver.store.jobs import PutJob, was_stored
 from cacheserver.store.journal import (
     Journal,
@@ -127,7 +128,7 @@ def replay_journal(
     last = position
 
     def commit() -> int:
-        failure = tiers.commit(batch, drained=(last, path))
+        failure = commit_batch(tiers, batch, drained=(last, path))
         if failure is not None:
             raise JournalNotReplayed(path, failure)
         return sum(1 for job in batch if was_stored(job))

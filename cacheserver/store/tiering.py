@@ -16,27 +16,25 @@ Invariants:
 
 The facade and the local copies (`local`) use the verbs here, never the index or the
 lock: each verb takes the lock itself where it needs it, and says when it blocks. The
-journal's puts (`journaled`), the writer and the recovery at start-up are parts of the
-same machinery under the same lock: they work on the index and the tiers directly.
+journal's puts (`journaled`), the LMDB commit (`commit`), the writer and the recovery at
+start-up are parts of the same machinery under the same lock: they work on the index
+and the tiers directly.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 
 from cacheserver.events import EvictReason, StoreEvents
 from cacheserver.store.held import HeldPuts
-from cacheserver.store.jobs import Evicted, PutJob, PutPlan, commit_error
+from cacheserver.store.jobs import Evicted, PutJob, PutPlan
 from cacheserver.store.lineup import Lineup
-from cacheserver.tiers import JournalCheckpoint, Payload
+from cacheserver.tiers import Payload
 from cacheserver.tiers.index import BlockIndex, NoRoom
-from kvcommon.errors import KvshareError, ResourceExhausted
+from kvcommon.errors import ResourceExhausted
 from policy.types import ModelTag, StorageKey, TenantId
-
-log = logging.getLogger(__name__)
 
 
 class IndexedTiers:
@@ -116,64 +114,7 @@ class IndexedTiers:
         if self.journaled is not None:
             self.journaled.delete(keys)
 
-    # -- commits (the writer thread, and the replay at start-up) ---------------------
-
-    def commit(
-        self, batch: Sequence[PutJob], drained: JournalCheckpoint | None = None
-    ) -> KvshareError | None:
-        """Commit new blocks to LMDB, then make them visible (write-through puts, and
-        the replay of the journal at start-up, which passes the position it reached).
-        Returns why the commit failed (each job's future carries it too), or None."""
-        with self.lock:
-            admitted, evicted, superseded = self.plan(batch)
-            self.memory.delete([key for key, _, _ in evicted])
-            # Entries are in the index for planning only; hide them until committed.
-            for job in admitted:
-                self.index.remove(job.key)
-        if not admitted and not evicted and not superseded and drained is None:
-            return None
-        writes = [job.as_write() for job in admitted]
-        try:
-            stored = self.disk.write(writes, [k for k, _, _ in evicted], drained)
-        except Exception as error:  # the batch failed as a whole: nothing was written
-            return self._commit_failed(error, [*admitted, *(job for job, _ in superseded)], evicted)
-        with self.lock:
-            for _, entry, reason in evicted:
-                self.events.evicted("lmdb", reason, entry.size)
-            for job, reason in superseded:
-                self.events.put_outcome(job.tenant, "stored", len(job.payload))
-                self.events.evicted("lmdb", reason, len(job.payload))
-            for job, fresh in zip(admitted, stored, strict=True):
-                if not fresh:
-                    self.events.put_outcome(job.tenant, "already_present", len(job.payload))
-                    continue
-                self.index.add(
-                    job.key, job.tenant, len(job.payload), clock=job.clock, tag=job.model_tag
-                )
-                self.events.stored(job.tenant, "lmdb", len(job.payload))
-                self.note_stored(job)
-        for job, _ in superseded:
-            job.future.set_result(True)
-        for job, fresh in zip(admitted, stored, strict=True):
-            job.future.set_result(fresh)
-        self.lineup.write_behind([w for w, fresh in zip(writes, stored, strict=True) if fresh])
-        return None
-
-    def _commit_failed(
-        self, error: Exception, admitted: Sequence[PutJob], evicted: Evicted
-    ) -> KvshareError:
-        with self.lock:
-            for key, entry, _ in evicted:
-                self.index.add(key, entry.tenant, entry.size, clock=entry.clock, tag=entry.tag)
-            self.note_commit_failure(error)
-            for job in admitted:
-                self.events.put_outcome(job.tenant, "failed", len(job.payload))
-        if not isinstance(error, KvshareError):
-            log.exception("LMDB commit failed")
-        failure = commit_error(error)
-        for job in admitted:
-            job.future.set_exception(failure)
-        return failure
+    # -- commits (cacheserver.store.commit) ---------------------------------------------
 
     def note_commit_failure(self, error: Exception) -> None:
         """An LMDB commit failed: the next health probe says so (under `lock`)."""

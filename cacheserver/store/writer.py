@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from cacheserver.events import StoreEvents
 from cacheserver.store.backlog import WriteBacklog
+from cacheserver.store.commit import commit_batch
 from cacheserver.store.jobs import Barrier, Message, PutJob, Reclaim
 from cacheserver.store.tiering import IndexedTiers
 from cacheserver.store.upkeep import lower_this_threads_priority
@@ -186,7 +187,7 @@ class Writer:
             if jobs and jobs[0].record is not None:
                 self._drain(jobs)
             elif jobs:
-                self._tiers.commit(jobs)
+                commit_batch(self._tiers, jobs)
             waiting += [b for b in batch if isinstance(b, Barrier)]
             self._in_hand = 0
             self._reclaim()

@@ -1,6 +1,6 @@
-"""`IndexedTiers.commit`, the one commit path of write-through puts and of the journal replay at
-start-up: a batch of puts must end where the same puts one by one would. Real index,
-memory tier and LMDB in a temporary directory; no store threads."""
+"""`commit_batch` over `IndexedTiers`, the one commit path of write-through puts and of
+the journal replay at start-up: a batch of puts must end where the same puts one by one
+would. Real index, memory tier and LMDB in a temporary directory; no store threads."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from cacheserver.events import NoEvents
+from cacheserver.store.commit import commit_batch
 from cacheserver.store.jobs import PutJob
 from cacheserver.store.lineup import Lineup
 from cacheserver.store.tiering import IndexedTiers
@@ -48,7 +49,7 @@ def test_a_batch_whose_later_block_evicts_an_earlier_one_stays_within_the_quota(
     tiers: IndexedTiers,
 ) -> None:
     batch = jobs(A, 5)  # five blocks for a three-block quota, in one commit
-    assert tiers.commit(batch) is None
+    assert commit_batch(tiers, batch) is None
     # Every put succeeded (the first two were stored, then evicted by the call itself).
     assert [job.future.result(0) for job in batch] == [True] * 5
     kept = [job.key for job in batch[2:]]
@@ -63,9 +64,9 @@ def test_a_batch_within_the_quota_stores_every_block_and_other_tenants_are_untou
     tiers: IndexedTiers,
 ) -> None:
     theirs = jobs(B, 2)
-    assert tiers.commit(theirs) is None
+    assert commit_batch(tiers, theirs) is None
     mine = jobs(A, 3)  # positive control: exactly the quota, nothing evicted
-    assert tiers.commit(mine) is None
+    assert commit_batch(tiers, mine) is None
     assert [job.future.result(0) for job in mine + theirs] == [True] * 5
     assert len(list(tiers.disk.scan())) == 5
     assert tiers.index.tenant_blocks(B) == 2
@@ -84,7 +85,7 @@ def test_a_failed_commit_fails_the_whole_batch_superseded_blocks_included(
         batch = [
             PutJob(StorageKey(os.urandom(32)), A, 0, bytes([i]) * 2 * MiB, TAG) for i in (1, 2)
         ]
-        failure = t.commit(batch)
+        failure = commit_batch(t, batch)
         assert isinstance(failure, ResourceExhausted)
         assert "lmdb_map_bytes" in str(failure)
         for job in batch:
@@ -126,7 +127,7 @@ def test_a_read_promotes_a_block_to_memory_unless_its_namespace_keeps_a_fixed_or
     try:
         own, public, newest = jobs(A, 1)[0], jobs(B, 1)[0], jobs(A, 1)[0]
         for job in (own, public, newest):  # each put takes memory from the one before
-            assert tiers.commit([job]) is None
+            assert commit_batch(tiers, [job]) is None
         assert tiers.memory.get(own.key) is None and tiers.memory.get(public.key) is None
         for job in (own, public):
             payloads, _ = tiers.read_through(job.tenant, [job.key], BLOCK)

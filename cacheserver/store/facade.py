@@ -162,7 +162,7 @@ class BlockStore:
         )
         self._tiers.journaled = self._journaled
         writer.use_journal(self._journaled)
-        start_prefaulter(journal, self._closing)
+        start_prefaulter(journal.space, self._closing)
 
     def _integrity_failed(self, tenant: TenantId, blocks: int) -> None:
         self.events.integrity_failure(tenant, blocks)

@@ -12,7 +12,7 @@ import logging
 import os
 import threading
 
-from cacheserver.store.journal import Journal
+from cacheserver.store.journal.space import RingSpace
 from cacheserver.tiers.lmdb.tier import LmdbTier
 
 log = logging.getLogger(__name__)
@@ -44,16 +44,16 @@ def start_syncer(disk: LmdbTier, interval_s: float, closing: threading.Event) ->
     return thread
 
 
-def start_prefaulter(journal: Journal, closing: threading.Event) -> threading.Thread:
-    """Keep the journal's pages made ahead of its use (Journal.prefault), with the CPU
+def start_prefaulter(space: RingSpace, closing: threading.Event) -> threading.Thread:
+    """Keep the journal's pages made ahead of its use (RingSpace.prefault), with the CPU
     that serving leaves (a put that overtakes it makes its own pages)."""
 
     def prefault_loop() -> None:
         lower_this_threads_priority()
         while not closing.is_set():
-            if not journal.prefault():
-                journal.prefault_wanted.wait()
-                journal.prefault_wanted.clear()
+            if not space.prefault():
+                space.prefault_wanted.wait()
+                space.prefault_wanted.clear()
 
     thread = threading.Thread(target=prefault_loop, name="kvshare-prefault", daemon=True)
     thread.start()

@@ -30,7 +30,8 @@ chain goes on past it.
 
 The package, by responsibility:
 - `format`: the bytes on file (superblock, headers, MAC) and the walk recovery replays;
-- `ring`: the live ring (`Journal`): reserve, commit, drain, reclaim, readers, prefault;
+- `ring`: the live ring (`Journal`): reserve, commit, drain, reclaim, readers;
+- `space`: the ring's file space, taken ahead of the records (the prefaulter's pages);
 - `ledger`: which records hold ring space, which are done, how far LMDB covers the chain;
 - `readers`: which released space a reader may still be sending (by generation);
 - `files`: where journal files live, how they are opened safely, orphans, page making.

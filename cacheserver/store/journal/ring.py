@@ -3,9 +3,9 @@
 Invariants (all under `Journal._lock`):
 - Space is written again only once the ledger (`cacheserver.store.journal.ledger`) has
   released it: drained, and covered by the position LMDB records.
-- No record is handed out past the file space taken so far (`_allocated`: pages made,
-  or blocks reserved): touching a page of the mapping that tmpfs cannot back would
-  kill the server with SIGBUS.
+- No record is handed out past the file space taken so far (`space`: pages made, or
+  blocks reserved, `cacheserver.store.journal.space`): touching a page of the mapping
+  that tmpfs cannot back would kill the server with SIGBUS.
 - Released space is not written while a reader that entered before the release may
   still be sending views of it (`enter_read`/`exit_read`, by generation: `readers`).
 
@@ -20,7 +20,6 @@ client (docs/isolation.md).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import mmap
 import os
 import secrets
@@ -32,13 +31,7 @@ from pathlib import Path
 
 import xxhash
 
-from cacheserver.store.journal.files import (
-    fallocate_in_steps,
-    give_back,
-    open_private,
-    populate,
-    remove_journal,
-)
+from cacheserver.store.journal.files import open_private, remove_journal
 from cacheserver.store.journal.format import (
     ALIGN,
     DATA_START,
@@ -54,24 +47,13 @@ from cacheserver.store.journal.format import (
 )
 from cacheserver.store.journal.ledger import Ledger
 from cacheserver.store.journal.readers import ReaderGenerations
+from cacheserver.store.journal.space import RingSpace
 from cacheserver.tiers import NO_MODEL_TAG, Position
 from kvcommon import handoff
 from kvcommon.errors import ConfigError, ResourceExhausted
 from policy.types import ModelTag, StorageKey, TenantId
 
 MIN_CAPACITY = 16 << 20
-# Pages are made a chunk at a time. The kernel holds the process's memory-map lock
-# (for reading) while it makes a chunk, and anything in the process that maps memory
-# meanwhile (the allocator, for one) waits for it, and every page fault behind that;
-# the prefaulter runs at nice 19, so on a busy host it may hold the lock, preempted,
-# for milliseconds. Bursts of 4,096 64 KiB puts from 4 clients (loopback), p50 / p99:
-# 32 MiB chunks ~0.5 / 2.5-3.3 ms, 2 MiB 0.46-0.52 / 1.8-2.2, 1 MiB 0.48-0.53 /
-# 1.6-2.3, 512 KiB 0.53-0.58 / 1.2-1.6, 256 KiB 0.57-0.65 / 1.2-1.6 (the more calls,
-# the more the thread takes the GIL); no prefaulter at all 0.62-0.65 / 1.3-1.5. Two
-# hosts (`kvshare bench`, 2 runs each), PUT p99 / p50 at 1 / 4 / 16 clients: 2 MiB
-# 6.8-7.4x / 3.8-4.1x / 2.9-3.1x, 512 KiB 2.6-2.9x / 3.1-3.6x / 2.4-2.8x.
-PREFAULT_CHUNK_BYTES = 512 << 10
-PREFAULT_AHEAD_BYTES = 128 << 20  # how far ahead of use the ring's pages are made
 
 
 @dataclass(slots=True)
@@ -121,9 +103,9 @@ class Journal:
             os.close(self._fd)
             raise ConfigError(f"cannot create journal {path}: {error.strerror}") from None
         self._view = memoryview(self._map)
-        self._base = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
         self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)  # space released, a reader left
+        # Space released, a reader left, the prefaulter stopped.
+        self._changed = threading.Condition(self._lock)
         self._waiting = 0  # reservations waiting for room
         self.on_full: Callable[[], None] = lambda: None  # asks the drainer to hurry
         self._seq = after_seq
@@ -131,16 +113,8 @@ class Journal:
         self._ledger = Ledger(self.journal_id, after_seq)  # what holds space, what is done
         self._wrapped = False  # space is being written a second time
         self._readers = ReaderGenerations()  # who may still send released space
-        # The file's space is taken up to here (pages made by the prefaulter, or blocks
-        # reserved by fallocate): touching a page of the mapping past what tmpfs can
-        # back would kill the server with SIGBUS, so no record is handed out beyond it
-        # (`_allocate`).
-        self._allocated = DATA_START
-        self._furthest = DATA_START  # the end of the furthest record reserved yet
-        self._prefaulting = False  # `prefault` is making pages (outside the lock)
-        self.prefault_wanted = threading.Event()
-        self.prefault_wanted.set()
-        self._closed = False
+        # The file's space, taken ahead of the records (no record past it: SIGBUS).
+        self.space = RingSpace(self._fd, self._map, DATA_START, capacity, self._changed)
 
     @property
     def start(self) -> Position:
@@ -194,18 +168,19 @@ class Journal:
         with self._lock:
             offset, waste, wrapping = self._wait_for_room(need, deadline)
             end = offset + need
-            if end > self._allocated:
-                self._allocate(end)
+            try:
+                self.space.take(end)
+            except OSError as error:
+                raise JournalFull(
+                    f"no space for the put journal in {self.path.parent} ({error.strerror}): "
+                    "free space there, lower [storage] journal_bytes, or set journal_dir"
+                ) from None
             seq = self._seq + 1
             if waste >= ALIGN:  # an explicit wrap marker at the old head
                 self._write_header(self._head, FLAG_WRAP, seq, b"", "", 0, NO_MODEL_TAG, 0)
             self._write_header(offset, 0, seq, key, tenant, epoch, model_tag, size)
             self._seq = seq
             self._wrapped = wrapping
-            if end > self._furthest:
-                self._furthest = end
-                if self._allocated < min(self.capacity, end + PREFAULT_AHEAD_BYTES):
-                    self.prefault_wanted.set()
             self._head = next_start(end, self.capacity)
             self._ledger.add(seq, waste + need, end)
             view = self._view[offset + ALIGN : offset + ALIGN + size]
@@ -335,72 +310,9 @@ class Journal:
             if self._readers.exit(token) and self._waiting:
                 self._changed.notify_all()
 
-    # -- upkeep -------------------------------------------------------------------
-
-    def _allocate(self, end: int) -> None:
-        """Reserve the file's blocks up to `end` (under `_lock`), or refuse the put.
-        Usually the prefaulter got there first; this covers what it has not."""
-        end = min(self.capacity, end + -end % mmap.PAGESIZE)  # whole pages: see prefault
-        try:
-            os.posix_fallocate(self._fd, self._allocated, end - self._allocated)
-        except OSError as error:
-            raise JournalFull(
-                f"no space for the put journal in {self.path.parent} ({error.strerror}): "
-                "free space there, lower [storage] journal_bytes, or set journal_dir"
-            ) from None
-        self._allocated = end
-
-    def prefault(self, chunk_bytes: int = PREFAULT_CHUNK_BYTES) -> bool:
-        """Reserve and map the next chunk of the ring, while it is less than
-        `PREFAULT_AHEAD_BYTES` ahead of the furthest record yet (a first touch of a page
-        costs ~4x the copy into it), without holding the lock meanwhile (`close` waits
-        for it). Never changes bytes. Returns whether it did work; `prefault_wanted` is
-        set when more is wanted."""
-        with self._lock:
-            limit = min(self.capacity, self._furthest + PREFAULT_AHEAD_BYTES)
-            if self._closed or self._allocated >= limit:
-                return False
-            # Whole chunks from a page boundary (`_allocated` always is one, but for the
-            # first, DATA_START, on a kernel with pages larger than 4 KiB): madvise
-            # refuses a start inside a page.
-            start = self._allocated
-            end = min(self.capacity, start + chunk_bytes)
-            self._prefaulting = True
-        try:
-            return self._make_pages(start, end)
-        finally:
-            with self._lock:
-                self._prefaulting = False
-                self._changed.notify_all()
-
-    def _make_pages(self, start: int, end: int) -> bool:
-        # Pages made ahead take the file system's space as fallocate would, without
-        # the file's lock: fallocate holds it while it works, and a put's header write
-        # (pwrite) waits behind it; with this thread at nice 19 on a busy host that wait
-        # made the puts' tail. Measured with 4 clients of 64 KiB puts on 2 cores, the
-        # same throughput: p50 / p99 0.50-0.53 / 4.5-6.0 ms with fallocate, 0.58-0.62 /
-        # 2.1-2.6 ms with pages made here.
-        page_start = start - start % mmap.PAGESIZE
-        made = populate(self._base + page_start, end - page_start)
-        if made is None:  # a kernel before 5.14: reserve the blocks, pages come on touch
-            try:
-                fallocate_in_steps(self._fd, start, end)
-            except OSError:
-                return False  # tmpfs is full: reserve() refuses what does not fit
-        elif not made:
-            with self._lock:  # tmpfs is full: what was made past the records goes back
-                give_back(self._fd, self._allocated, end - self._allocated)
-            return False  # reserve() refuses what does not fit
-        with self._lock:
-            self._allocated = max(self._allocated, end)
-        return True
-
     def close(self, *, remove: bool) -> None:
         with self._lock:
-            self._closed = True
-            self.prefault_wanted.set()
-            while self._prefaulting:  # it uses the mapping and the descriptor
-                self._changed.wait()
+            self.space.close()  # the prefaulter uses the mapping and the descriptor
             self._view.release()
             with contextlib.suppress(BufferError):  # views still held: unmapped at exit
                 self._map.close()

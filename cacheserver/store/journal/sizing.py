@@ -2,7 +2,7 @@
 goes on.
 
 The journal is a memory-backed file of its full capacity, made page by page ahead of
-use; a page the file system cannot back fails a put with "no space" (`ring._allocate`).
+use; a page the file system cannot back fails a put with "no space" (`space.RingSpace`).
 Where the room is much smaller than the 2 GiB default — a container's /dev/shm is
 64 MiB, a Kubernetes emptyDir of medium Memory has its sizeLimit — a journal of the
 default size would take every byte there and then fail puts. So, at start:

@@ -154,12 +154,12 @@ def test_records_of_any_size_are_written_into_pages_made_ahead(tmp_path: Path) -
     try:
         size = (2 << 20) + 100  # records end inside pages
         payload = os.urandom(size)
-        while journal.prefault():  # as the store's prefaulter does from the start
+        while journal.space.prefault():  # as the store's prefaulter does from the start
             pass
         faults = []
         for n in range(96):  # 192 MiB: well past the first PREFAULT_AHEAD_BYTES
             reservation = journal.reserve(key(n), TenantId("alpha"), 1, TAG, size)
-            while journal.prefault():
+            while journal.space.prefault():
                 pass
             before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
             reservation.view[:] = payload
@@ -271,9 +271,9 @@ def test_the_prefaulter_takes_the_space_it_makes_and_stops_where_tmpfs_is_full(
     journal = Journal(small_tmpfs / "j", 64 << 20)
     try:
         free_before = shutil.disk_usage(small_tmpfs).free
-        assert journal.prefault(chunk_bytes=8 << 20)  # made, and counted by tmpfs
+        assert journal.space.prefault(chunk_bytes=8 << 20)  # made, and counted by tmpfs
         assert free_before - shutil.disk_usage(small_tmpfs).free >= 8 << 20
-        while journal.prefault(chunk_bytes=8 << 20):
+        while journal.space.prefault(chunk_bytes=8 << 20):
             pass  # until the tmpfs is full (its last chunk cannot be made whole)
         # What the failed chunk made past the records went back to tmpfs (others share
         # /dev/shm), and puts still take it, page by page, as they come.

@@ -21,14 +21,13 @@ from kvshare.demo.workload import DemoRequest
 from policy.sealing import BlockSealer, Keyring
 from policy.types import PUBLIC
 from replica_agent.adapters.hf import (
-    TinyLlama,
     blocks_from_cache,
     cache_from_blocks,
     greedy_continue,
     prefill,
     spec_for,
-    tiny_llama,
 )
+from replica_agent.adapters.hf_tiny import TinyLlama, tiny_llama
 from replica_agent.agent import ReplicaAgent
 from replica_agent.hashing import BlockHasher
 from replica_agent.public import ChainPlan, PublicCatalogue, plan_chain

@@ -56,7 +56,7 @@ DEMO_MODEL = {
 
 def write_tiny_llama(directory: Path, seed: int = 0, dims: dict[str, int] = TEST_MODEL) -> Path:
     """A random-weight Llama (fp32 safetensors + config.json) in `directory`."""
-    from replica_agent.adapters.hf import tiny_llama
+    from replica_agent.adapters.hf_tiny import tiny_llama
 
     if not (directory / "config.json").exists():
         model = tiny_llama(

@@ -21,8 +21,8 @@ from replica_agent.adapters.hf import (
     prefill,
     restore_cache,
     spec_for,
-    tiny_llama,
 )
+from replica_agent.adapters.hf_tiny import tiny_llama
 from replica_agent.agent import ReplicaAgent
 
 BLOCK_TOKENS = 16

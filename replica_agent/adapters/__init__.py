@@ -1,6 +1,7 @@
 """Engine adapters: move KV blocks between the codec's canonical layout and an engine's cache.
 
-`hf` serves transformers models (`DynamicCache`); `vllm` is a vLLM v1 KV connector
+`hf` serves transformers models (`DynamicCache`; `hf_weights` fingerprints their weights,
+`hf_tiny` builds the demo's random-weight Llama); `vllm` is a vLLM v1 KV connector
 (`KVShareConnector`, with `vllm_options`, `vllm_plan`, `vllm_metadata`, `vllm_store` and
 `vllm_layout`); `sglang` is an SGLang HiCache storage backend (`KVShareHiCacheStorage`,
 with `sglang_pages`). Only

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from replica_agent.adapters.hf import TinyLlama, blocks_from_cache, prefill, spec_for, tiny_llama
+from replica_agent.adapters.hf import blocks_from_cache, prefill, spec_for
+from replica_agent.adapters.hf_tiny import TinyLlama, tiny_llama
 from replica_agent.agent import PrefixMatch, ReplicaAgent
 from replica_agent.breaker import CircuitBreaker
 from replica_agent.credentials import TokenFile

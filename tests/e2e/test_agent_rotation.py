@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from policy.sealing import new_key_entry
-from replica_agent.adapters.hf import TinyLlama, blocks_from_cache, prefill, spec_for, tiny_llama
+from replica_agent.adapters.hf import blocks_from_cache, prefill, spec_for
+from replica_agent.adapters.hf_tiny import TinyLlama, tiny_llama
 from replica_agent.agent import ReplicaAgent
 from replica_agent.breaker import CircuitBreaker
 from replica_agent.credentials import KeyringFileSealer, TokenFile

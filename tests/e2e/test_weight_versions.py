@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from kvcommon.errors import ConfigError
-from replica_agent.adapters.hf import TinyLlama, blocks_from_cache, prefill, spec_for, tiny_llama
+from replica_agent.adapters.hf import blocks_from_cache, prefill, spec_for
+from replica_agent.adapters.hf_tiny import TinyLlama, tiny_llama
 from replica_agent.adapters.hf_weights import weights_fingerprint
 from replica_agent.adapters.settings import parse_store_settings
 from replica_agent.adapters.sglang_pages import HostPages, PageStore, namespace_spec

@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from policy.sealing import BlockSealer, Keyring
-from replica_agent.adapters.hf import blocks_from_cache, prefill, spec_for, tiny_llama
+from replica_agent.adapters.hf import blocks_from_cache, prefill, spec_for
+from replica_agent.adapters.hf_tiny import tiny_llama
 from replica_agent.agent import ReplicaAgent
 
 SMALL_MODEL = {

@@ -18,8 +18,8 @@ from replica_agent.adapters.hf import (
     greedy_generate,
     prefill,
     spec_for,
-    tiny_llama,
 )
+from replica_agent.adapters.hf_tiny import tiny_llama
 from replica_agent.adapters.hf_weights import weights_fingerprint
 from replica_agent.codec import decode_block, encode_block
 from replica_agent.spec import ModelSpec
@@ -180,7 +180,7 @@ def test_tiny_llama_is_deterministic_across_processes(fp32_model: LlamaForCausal
     assert torch.equal(torch.random.get_rng_state(), state), "must not move the global RNG"
 
     code = (
-        "import torch; from replica_agent.adapters.hf import tiny_llama; "
+        "import torch; from replica_agent.adapters.hf_tiny import tiny_llama; "
         "print(repr(sum(p.double().sum().item() for p in tiny_llama(0).parameters())))"
     )
     other = subprocess.run(

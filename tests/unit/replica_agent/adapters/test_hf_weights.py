@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from replica_agent.adapters.hf import TinyLlama, tiny_llama
+from replica_agent.adapters.hf_tiny import TinyLlama, tiny_llama
 from replica_agent.adapters.hf_weights import FINGERPRINT_PREFIX, weights_fingerprint
 from replica_agent.spec import ModelSpec
 

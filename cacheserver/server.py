@@ -179,6 +179,20 @@ class Server:
         return {t: (self.store.tenant_usage(t)[1], quotas[t]) for t in sorted(quotas)}
 
     async def start(self) -> str:
+        """Listen and serve; the address. A start that fails (the port in use, say)
+        lets go of what the server holds before it raises (`stop`): the store's threads,
+        its journal and LMDB, the data dir's lock. Left running, the threads outlived
+        the error into the interpreter's exit (after `kvshare serve`'s one-line error)."""
+        try:
+            return await self._start()
+        except BaseException:
+            try:
+                await self.stop(grace_s=0)
+            except Exception:  # the start's own error is the one to report
+                log.exception("releasing what a failed start held failed")
+            raise
+
+    async def _start(self) -> str:
         max_message = self.config.limits.max_message_bytes + GRPC_SLACK_BYTES
         self._interceptor = AuthInterceptor(self.policy, self.telemetry)
         server = grpc.aio.server(
@@ -246,11 +260,11 @@ class Server:
         port = self._bind(server)
         self.metrics_address = self.telemetry.start()
         await server.start()
+        self._server = server  # from here on, `stop` stops it
         await self.health_monitor.start()
         for monitor in self.tier_health:
             await monitor.start()
         await self.bulk_health.start()
-        self._server = server
         self.address = f"{host}:{port}"
         return self.address
 

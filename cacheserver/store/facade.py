@@ -116,6 +116,7 @@ class BlockStore:
         self._tiers = IndexedTiers(index, self._lineup, self.events)
         self._journaled: JournaledPuts | None = None
         self._journal: Journal | None = None  # what a read pins (`pin`)
+        self._prefaulter: threading.Thread | None = None
         self._epochs = dict(epochs)
         self._storage, self._fixed_order = storage, fixed_order  # for `set_quotas`
         self._closing = threading.Event()
@@ -162,7 +163,7 @@ class BlockStore:
         )
         self._tiers.journaled = self._journaled
         writer.use_journal(self._journaled)
-        start_prefaulter(journal.space, self._closing)
+        self._prefaulter = start_prefaulter(journal.space, self._closing)
 
     def _integrity_failed(self, tenant: TenantId, blocks: int) -> None:
         self.events.integrity_failure(tenant, blocks)
@@ -373,3 +374,5 @@ class BlockStore:
         if self._syncer is not None:
             self._syncer.join()
         self._tiers.close()
+        if self._prefaulter is not None:  # the journal's close woke it: it ends now
+            self._prefaulter.join()

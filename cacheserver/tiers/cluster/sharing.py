@@ -313,12 +313,16 @@ class Sharing:
         local, tier = self._local, self._tier
         assert local is not None
         tenant, key, model_tag = kept.tenant, kept.key, kept.model_tag
+        stored = True  # still on its way into LMDB after 30 s: kept, all the same
         try:
             future = local.keep_copy(tenant.id, key, model_tag, BytesSource(kept.payload))
             with contextlib.suppress(concurrent.futures.TimeoutError):
-                future.result(timeout=30)
+                stored = future.result(timeout=30)
         except KvshareError:  # no room here (quota, backlog): served, not kept
             return
-        tier.count(promoted=1)
+        # Not stored: held here already (a read of it before this one was kept first,
+        # or a put through this server); counted once, when a copy is made.
+        if stored:
+            tier.count(promoted=1)
         if tier.deletes.deleted_since(kept.generation, tenant.tag, key, model_tag):
             local.forget_local([key])

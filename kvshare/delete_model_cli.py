@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcommon.errors import ConfigError
+from kvshare.client_options import client_tls, half_cert_pair
 from kvshare.reload_cli import add_reload_arguments
 
 ACTION = "delete-model"
@@ -73,12 +74,12 @@ def run_delete_model(args: argparse.Namespace) -> int:
 
 def _delete(args: argparse.Namespace) -> dict[str, Any]:
     from policy.types import is_valid_tenant_id
-    from replica_agent.client import BlockClient, ClientTls
+    from replica_agent.client import BlockClient
     from replica_agent.spec import namespaces_of_version
 
     if not is_valid_tenant_id(args.tenant):
         raise ConfigError("--tenant must match [a-z0-9][a-z0-9._-]{0,62}")
-    if (args.tls_cert is None) != (args.tls_key is None):
+    if half_cert_pair(args):
         raise ConfigError("give both --tls-cert and --tls-key")
     version = args.weight_version
     if version is None:  # the namespace's own version
@@ -89,12 +90,7 @@ def _delete(args: argparse.Namespace) -> dict[str, Any]:
     except ValueError as error:
         raise ConfigError(f"--namespace/--weight-version: {error}") from None
     token = _read_token(args.token_file)
-    use_tls = args.tls_ca or args.tls_cert or args.tls_server_name
-    tls = (
-        ClientTls(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
-        if use_tls
-        else None
-    )
+    tls = client_tls(args)
     deleted = 0
     with BlockClient(args.address, token, tls=tls, timeout_s=args.timeout_s, bulk=False) as client:
         for namespace in namespaces:

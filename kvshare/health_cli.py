@@ -14,15 +14,19 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
-DEFAULT_ADDRESS = "127.0.0.1:50051"
+from kvshare.client_options import (
+    add_address_argument,
+    add_tls_arguments,
+    client_tls,
+    half_cert_pair,
+    open_channel,
+    rpc_failure,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--address", default=DEFAULT_ADDRESS, help=f"server HOST:PORT (default {DEFAULT_ADDRESS})"
-    )
+    add_address_argument(parser)
     parser.add_argument(
         "--service",
         default="",
@@ -30,13 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the health service to ask (default: the server as a whole; "
         "e.g. kvshare.v1.BlockStore)",
     )
-    parser.add_argument("--tls-ca", type=Path, metavar="PEM", help="CA that signed the server")
-    parser.add_argument("--tls-cert", type=Path, metavar="PEM", help="client certificate (mTLS)")
-    parser.add_argument("--tls-key", type=Path, metavar="PEM", help="client private key (mTLS)")
-    parser.add_argument(
-        "--tls-server-name", metavar="NAME", help="name to expect in the server certificate"
-    )
-    parser.add_argument("--timeout-s", type=float, default=5.0, help="RPC timeout (seconds)")
+    add_tls_arguments(parser, timeout_s=5.0)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -46,23 +44,11 @@ def run(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from replica_agent.client import ClientTls
-
-    if (args.tls_cert is None) != (args.tls_key is None):
+    if half_cert_pair(args):
         print("kvshare health: error: give both --tls-cert and --tls-key", file=sys.stderr)
         return 2
-    use_tls = args.tls_ca or args.tls_cert or args.tls_server_name
     try:
-        if use_tls:
-            tls = ClientTls(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
-            options = (
-                [("grpc.ssl_target_name_override", args.tls_server_name)]
-                if args.tls_server_name
-                else []
-            )
-            channel = grpc.secure_channel(args.address, tls.credentials(), options)
-        else:
-            channel = grpc.insecure_channel(args.address)
+        channel = open_channel(args.address, client_tls(args))
     except OSError as error:
         print(f"kvshare health: error: cannot read a TLS file: {error}", file=sys.stderr)
         return 2
@@ -73,11 +59,9 @@ def run(args: argparse.Namespace) -> int:
                 health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout_s
             )
         except grpc.RpcError as error:
-            code = error.code() if isinstance(error, grpc.Call) else None
-            detail = error.details() if isinstance(error, grpc.Call) else str(error)
-            name = code.name if code is not None else "ERROR"
+            name, detail = rpc_failure(error)
             print(
-                f"kvshare health: {args.address}: no answer ({name}: {_one_line(detail)})",
+                f"kvshare health: {args.address}: no answer ({name}: {detail[:300]})",
                 file=sys.stderr,
             )
             return 1
@@ -87,10 +71,6 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print(f"{args.address}: {status}")
     return 0
-
-
-def _one_line(text: str | None) -> str:
-    return " ".join((text or "").split())[:300]
 
 
 if __name__ == "__main__":  # pragma: no cover

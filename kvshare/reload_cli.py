@@ -17,30 +17,29 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvshare.client_options import (
+    add_address_argument,
+    add_tls_arguments,
+    client_tls,
+    half_cert_pair,
+    open_channel,
+    rpc_failure,
+)
+
 if TYPE_CHECKING:
     from kvcommon.v1 import kvshare_pb2 as pb
     from replica_agent.client import ClientTls
 
-DEFAULT_ADDRESS = "127.0.0.1:50051"
-
 
 def add_reload_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--address", default=DEFAULT_ADDRESS, help=f"server HOST:PORT (default {DEFAULT_ADDRESS})"
-    )
+    add_address_argument(parser)
     parser.add_argument(
         "--token-file",
         type=Path,
         metavar="FILE",
         help="file holding an admin principal's bearer token (or use a client certificate)",
     )
-    parser.add_argument("--tls-ca", type=Path, metavar="PEM", help="CA that signed the server")
-    parser.add_argument("--tls-cert", type=Path, metavar="PEM", help="client certificate (mTLS)")
-    parser.add_argument("--tls-key", type=Path, metavar="PEM", help="client private key (mTLS)")
-    parser.add_argument(
-        "--tls-server-name", metavar="NAME", help="name to expect in the server certificate"
-    )
-    parser.add_argument("--timeout-s", type=float, default=60.0, help="RPC timeout (seconds)")
+    add_tls_arguments(parser, timeout_s=60.0)
 
 
 def request_reload(
@@ -48,18 +47,9 @@ def request_reload(
 ) -> pb.ReloadResponse:
     """The server's answer to Reload; grpc.RpcError when it refuses the call itself
     (UNAUTHENTICATED, PERMISSION_DENIED: not an admin) or cannot be reached."""
-    import grpc
-
     from kvcommon.v1 import kvshare_pb2, kvshare_pb2_grpc
 
-    options = []
-    if tls is not None and tls.server_name:
-        options.append(("grpc.ssl_target_name_override", tls.server_name))
-    channel = (
-        grpc.secure_channel(address, tls.credentials(), options)
-        if tls is not None
-        else grpc.insecure_channel(address)
-    )
+    channel = open_channel(address, tls)
     metadata: tuple[tuple[str, str | bytes], ...] = (
         (("authorization", f"Bearer {token}"),) if token else ()
     )
@@ -75,9 +65,7 @@ def run_reload(args: argparse.Namespace) -> int:
     os.environ.setdefault("GRPC_VERBOSITY", "NONE")  # one line of answer, not gRPC's logs
     import grpc
 
-    from replica_agent.client import ClientTls
-
-    if (args.tls_cert is None) != (args.tls_key is None):
+    if half_cert_pair(args):
         print("kvshare admin reload: error: give both --tls-cert and --tls-key", file=sys.stderr)
         return 2
     try:
@@ -88,19 +76,11 @@ def run_reload(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    use_tls = args.tls_ca or args.tls_cert or args.tls_server_name
-    tls = (
-        ClientTls(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
-        if use_tls
-        else None
-    )
     try:
-        reply = request_reload(args.address, token, tls, args.timeout_s)
+        reply = request_reload(args.address, token, client_tls(args), args.timeout_s)
     except grpc.RpcError as error:
-        code = error.code() if isinstance(error, grpc.Call) else None
-        detail = error.details() if isinstance(error, grpc.Call) else str(error)
-        name = code.name if code is not None else "ERROR"
-        print(f"kvshare admin reload: {name}: {' '.join((detail or '').split())}", file=sys.stderr)
+        name, detail = rpc_failure(error)
+        print(f"kvshare admin reload: {name}: {detail}", file=sys.stderr)
         return 1
     except OSError as error:
         print(f"kvshare admin reload: error: cannot read a TLS file: {error}", file=sys.stderr)

@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-DEFAULT_ADDRESS = "127.0.0.1:50051"
+from kvshare.client_options import add_address_argument, add_tls_arguments, client_tls
+
 DEFAULT_TOKEN_FILE = Path("kvshare-data") / "dev.token"
 COLUMNS = (
     ("tenant", "tenant"),
@@ -33,9 +34,7 @@ COLUMNS = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--address", default=DEFAULT_ADDRESS, help=f"server HOST:PORT (default {DEFAULT_ADDRESS})"
-    )
+    add_address_argument(parser)
     token = parser.add_mutually_exclusive_group()
     token.add_argument(
         "--token-file",
@@ -49,19 +48,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="TOKEN",
         help="bearer token, as --token=TOKEN (visible in the process list: prefer a file)",
     )
-    parser.add_argument("--tls-ca", type=Path, metavar="PEM", help="CA that signed the server")
-    parser.add_argument("--tls-cert", type=Path, metavar="PEM", help="client certificate (mTLS)")
-    parser.add_argument("--tls-key", type=Path, metavar="PEM", help="client private key (mTLS)")
-    parser.add_argument(
-        "--tls-server-name", metavar="NAME", help="name to expect in the server certificate"
-    )
-    parser.add_argument("--timeout-s", type=float, default=10.0, help="RPC timeout (seconds)")
+    add_tls_arguments(parser, timeout_s=10.0)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def run(args: argparse.Namespace) -> int:
     from kvcommon.errors import KvshareError
-    from replica_agent.client import BlockClient, ClientTls
+    from replica_agent.client import BlockClient
 
     try:
         token = args.token if args.token is not None else _read_token(args.token_file)
@@ -72,15 +65,9 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    use_tls = args.tls_ca or args.tls_cert or args.tls_server_name
-    tls = (
-        ClientTls(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
-        if use_tls
-        else None
-    )
     try:
         with BlockClient(
-            args.address, token, tls=tls, timeout_s=args.timeout_s, bulk=False
+            args.address, token, tls=client_tls(args), timeout_s=args.timeout_s, bulk=False
         ) as client:
             report = to_report(client.stats())
     except KvshareError as error:

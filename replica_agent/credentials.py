@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Generic, TypeVar
+from typing import Generic, TypedDict, TypeVar, Unpack
 
 from kvcommon.errors import ConfigError
 from policy.sealing import BlockSealer, Keyring
@@ -53,6 +53,15 @@ class _Identity:
 def _identity(path: Path) -> _Identity:
     info = path.stat()  # follows symlinks: a swapped secret-volume link is a change
     return _Identity(info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+
+
+class WatchTimes(TypedDict, total=False):
+    """How a credential file is watched, as TokenFile and KeyringFileSealer take it;
+    each left out is WatchedFile's default."""
+
+    check_interval_s: float
+    settle_s: float
+    clock: Callable[[], float]
 
 
 class WatchedFile(Generic[T]):
@@ -156,21 +165,9 @@ class TokenFile(WatchedFile[str]):
     """A bearer token file (owner-only), re-read when it changes: pass it to
     `BlockClient` (or `ReplicaAgent.connect`) in place of the token."""
 
-    def __init__(
-        self,
-        path: Path,
-        *,
-        check_interval_s: float = DEFAULT_CHECK_INTERVAL_S,
-        settle_s: float = DEFAULT_SETTLE_S,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
+    def __init__(self, path: Path, **watch: Unpack[WatchTimes]) -> None:
         super().__init__(
-            path,
-            lambda p: read_secret_file(p, "token_file"),
-            what="token_file",
-            check_interval_s=check_interval_s,
-            settle_s=settle_s,
-            clock=clock,
+            path, lambda p: read_secret_file(p, "token_file"), what="token_file", **watch
         )
 
     def __call__(self) -> str:
@@ -181,23 +178,9 @@ class KeyringFileSealer(BlockSealer):
     """A `BlockSealer` over a keyring file that is re-read when it changes: each seal
     uses the newest version the file lists now, each open the versions it lists now."""
 
-    def __init__(
-        self,
-        path: Path,
-        *,
-        check_interval_s: float = DEFAULT_CHECK_INTERVAL_S,
-        settle_s: float = DEFAULT_SETTLE_S,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
+    def __init__(self, path: Path, **watch: Unpack[WatchTimes]) -> None:
         # BlockSealer's own attribute is the property below: no super().__init__.
-        self._file = WatchedFile(
-            path,
-            Keyring.from_file,
-            what="keyring_file",
-            check_interval_s=check_interval_s,
-            settle_s=settle_s,
-            clock=clock,
-        )
+        self._file = WatchedFile(path, Keyring.from_file, what="keyring_file", **watch)
 
     @property
     def keyring(self) -> Keyring:

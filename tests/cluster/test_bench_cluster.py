@@ -6,18 +6,18 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.test_bench_cli import _assert_contract, _by_system, _json_run
+from tests.support.bench import assert_contract, by_system, json_run
 
 pytestmark = pytest.mark.slow  # every test here takes seconds
 
 
 def test_the_cluster_systems_run_side_by_side_and_report_their_targets() -> None:
     systems = ("redis-cluster", "kvshare-cluster", "kvshare-cluster-warm")
-    document = _json_run("--systems", ",".join(systems), "--sizes", "2MiB")
-    rows = _by_system(document)
+    document = json_run("--systems", ",".join(systems), "--sizes", "2MiB")
+    rows = by_system(document)
     for system in systems:
         for op in ("get", "put"):
-            _assert_contract(rows[(system, op)])
+            assert_contract(rows[(system, op)])
         assert (f"{system}-batch", "get") in rows
     checks = {c["check"]: c for c in document["checks"]}
     cold = next(c for n, c in checks.items() if n.startswith("kvshare-cluster GET 2 MiB (cold"))

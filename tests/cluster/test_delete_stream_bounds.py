@@ -16,7 +16,7 @@ import pytest
 
 from kvshare.bench.redis_cluster import LocalRedisCluster
 from policy.types import TenantId
-from tests.cluster.conftest import MODEL, Servers, blocks, direct, eventually, tier_of
+from tests.support.cluster import MODEL, Servers, blocks, direct, eventually, tier_of
 
 pytestmark = pytest.mark.slow  # every test here takes seconds
 

@@ -17,7 +17,7 @@ from cacheserver.config import TelemetryConfig
 from kvshare.bench.redis_cluster import LocalRedisCluster
 from policy.types import BlockDigest, ModelName, TenantId
 from replica_agent.client import BlockClient
-from tests.cluster.conftest import (
+from tests.support.cluster import (
     MODEL,
     NOT_SERVING,
     SERVING,
@@ -29,8 +29,8 @@ from tests.cluster.conftest import (
     make_cluster,
     tier_of,
 )
-from tests.conftest import TRANSPORT_OPTIONS, ServerProcess, launch, write_config
 from tests.support.scrape import parse, scrape_text, value
+from tests.support.servers import TRANSPORT_OPTIONS, ServerProcess, launch, write_config
 
 pytestmark = pytest.mark.slow  # every test here takes seconds
 

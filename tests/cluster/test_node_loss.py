@@ -37,8 +37,8 @@ from kvcommon.hostport import HostPort
 from kvshare.bench.redis_cluster import LocalRedisCluster, RedisNode
 from policy.types import BlockDigest, ModelName, TenantId
 from replica_agent.client import BlockClient
-from tests.cluster.conftest import MODEL, KiB, Servers, blocks, make_cluster, tier_of
-from tests.conftest import TRANSPORTS, Running, launch
+from tests.support.cluster import MODEL, KiB, Servers, blocks, make_cluster, tier_of
+from tests.support.servers import TRANSPORTS, Running, launch
 
 pytestmark = pytest.mark.slow  # every test here takes seconds
 

@@ -18,7 +18,7 @@ import pytest
 
 from kvshare.bench.redis_cluster import LocalRedisCluster
 from policy.types import PUBLIC, TenantId
-from tests.cluster.conftest import (
+from tests.support.cluster import (
     MODEL,
     KiB,
     Servers,
@@ -27,7 +27,7 @@ from tests.cluster.conftest import (
     cluster_contents,
     tier_of,
 )
-from tests.conftest import Tenancy, launch, write_config
+from tests.support.servers import Tenancy, launch, write_config
 
 pytestmark = pytest.mark.slow  # every test here takes seconds
 

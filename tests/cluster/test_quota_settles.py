@@ -19,7 +19,7 @@ from cacheserver.tiers.cluster.accounting import QuotaListing
 from cacheserver.tiers.cluster.layout import HEADER_BYTES, unpack_header
 from kvshare.bench.redis_cluster import LocalRedisCluster
 from policy.types import StorageKey, TenantId
-from tests.cluster.conftest import MODEL, KiB, Servers, blocks, direct, primaries, tier_of
+from tests.support.cluster import MODEL, KiB, Servers, blocks, direct, primaries, tier_of
 
 pytestmark = pytest.mark.slow  # every test here takes seconds
 

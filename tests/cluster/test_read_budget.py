@@ -17,7 +17,7 @@ from cacheserver.tiers.cluster.layout import HEADER_BYTES
 from cacheserver.tiers.cluster.replies import Replies
 from kvshare.bench.redis_cluster import LocalRedisCluster
 from policy.types import BlockDigest, ModelName, TenantId
-from tests.cluster.conftest import MODEL, KiB, Servers, blocks, tier_of
+from tests.support.cluster import MODEL, KiB, Servers, blocks, tier_of
 
 pytestmark = pytest.mark.slow  # every test here takes seconds
 

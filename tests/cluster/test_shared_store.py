@@ -17,16 +17,8 @@ from cacheserver.config import StorageConfig
 from cacheserver.tiers.cluster.layout import unpack_header
 from kvshare.bench.redis_cluster import LocalRedisCluster
 from policy.types import BlockDigest, ModelName, StorageKey, TenantId
-from tests.cluster.conftest import (
-    MODEL,
-    KiB,
-    Servers,
-    blocks,
-    cluster_contents,
-    eventually,
-    tier_of,
-)
-from tests.conftest import launch, write_config
+from tests.support.cluster import MODEL, KiB, Servers, blocks, cluster_contents, eventually, tier_of
+from tests.support.servers import launch, write_config
 
 pytestmark = pytest.mark.slow  # every test here takes seconds
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from kvshare.bench.redis_cluster import ClusterAccess, LocalRedisCluster
-from tests.cluster.conftest import (
+from tests.support.certs import Certs
+from tests.support.cluster import (
     MODEL,
     NOT_SERVING,
     SERVING,
@@ -22,7 +23,6 @@ from tests.cluster.conftest import (
     health,
     make_cluster,
 )
-from tests.support.certs import Certs
 
 pytestmark = pytest.mark.slow  # every test here takes seconds
 

@@ -20,7 +20,7 @@ from cacheserver.tiers.cluster.layout import HEADER_BYTES
 from kvshare.bench.redis_cluster import LocalRedisCluster
 from policy.sealing import BlockSealer, Keyring, SealError, TenantKeys
 from policy.types import BlockDigest, ModelName, StorageKey, TenantId
-from tests.cluster.conftest import MODEL, Servers, blocks, cluster_contents, direct, tier_of
+from tests.support.cluster import MODEL, Servers, blocks, cluster_contents, direct, tier_of
 
 pytestmark = pytest.mark.slow  # every test here takes seconds
 

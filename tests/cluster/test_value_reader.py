@@ -23,7 +23,7 @@ from cacheserver.tiers.cluster.nodes import ClusterNodes, Failed
 from cacheserver.tiers.cluster.replies import OVER_BUDGET, ReadBudget, Replies
 from kvcommon.hostport import HostPort
 from kvshare.bench.redis_cluster import LocalRedisCluster
-from tests.cluster.conftest import direct
+from tests.support.cluster import direct
 
 LIMIT = 4 << 20  # the largest value a read may take in
 

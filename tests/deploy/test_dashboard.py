@@ -35,9 +35,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvcommon.errors import KvshareError, ResourceExhausted
 from kvshare.bench.redis_cluster import LocalRedisCluster, unavailable_reason
 from replica_agent.client import BlockClient
-from tests.conftest import ServerProcess, flip_stored_byte
+from tests.support.datafiles import flip_stored_byte
 from tests.support.repo import REPO
 from tests.support.scrape import scrape_text
+from tests.support.servers import ServerProcess
 
 GRAFANA = REPO / "deploy" / "grafana"
 DASHBOARD = GRAFANA / "kvshare-dashboard.json"

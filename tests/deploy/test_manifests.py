@@ -35,9 +35,9 @@ from kvcommon.errors import ConfigError
 from policy.naming import load_or_create_server_secret
 from replica_agent.adapters.settings import parse_store_settings
 from replica_agent.adapters.vllm_options import ENGINE_KEYS, parse_vllm_options
-from tests.conftest import ServerProcess
 from tests.support.certs import TestCA
 from tests.support.repo import REPO
+from tests.support.servers import ServerProcess
 
 K8S = REPO / "deploy" / "k8s"
 OVERLAYS = ("base", "overlays/single", "overlays/scale-out")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Running, launch, write_config
+from tests.support.servers import Running, launch, write_config
 
 
 @pytest.fixture

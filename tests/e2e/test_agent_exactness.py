@@ -21,9 +21,9 @@ import torch
 from policy.sealing import BlockSealer, Keyring, new_key_entry
 from replica_agent.adapters.hf import cache_from_blocks, greedy_continue, prefill
 from replica_agent.agent import ReplicaAgent
-from tests.conftest import Running, launch, write_config
 from tests.support.agent_writer import build
 from tests.support.repo import REPO
+from tests.support.servers import Running, launch, write_config
 
 pytestmark = pytest.mark.slow  # every test here takes seconds
 

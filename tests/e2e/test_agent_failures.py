@@ -9,7 +9,7 @@ import torch
 from replica_agent.agent import ReplicaAgent
 from replica_agent.breaker import BreakerState, CircuitBreaker
 from replica_agent.spec import ModelSpec
-from tests.conftest import Running, free_port
+from tests.support.servers import Running, free_port
 
 SPEC = ModelSpec(
     model_id="t/m",

@@ -27,7 +27,7 @@ from replica_agent.agent import ReplicaAgent
 from replica_agent.client import BlockClient
 from replica_agent.codec import HEADER_BYTES, decode_block, encode_block, torch_dtype
 from replica_agent.spec import ModelSpec
-from tests.conftest import Running, ServerProcess
+from tests.support.servers import Running, ServerProcess
 from tests.support.simcuda import DEVICE, SimCuda
 
 SAVER = "kvshare-saver"

@@ -20,7 +20,7 @@ from replica_agent.adapters.hf import (
 )
 from replica_agent.adapters.hf_tiny import tiny_llama
 from replica_agent.agent import ReplicaAgent
-from tests.conftest import Running
+from tests.support.servers import Running
 
 BLOCK = 8
 

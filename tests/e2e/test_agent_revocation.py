@@ -22,8 +22,8 @@ from replica_agent.adapters.hf_tiny import TinyLlama, tiny_llama
 from replica_agent.agent import PrefixMatch, ReplicaAgent
 from replica_agent.breaker import CircuitBreaker
 from replica_agent.credentials import TokenFile
-from tests.conftest import Running
-from tests.e2e.reload_config import Grant, LiveConfig, reload, seconds_until, start
+from tests.support.reload import Grant, LiveConfig, reload, seconds_until, start
+from tests.support.servers import Running
 
 BLOCK = 8
 RW = ["read", "write"]

@@ -24,7 +24,7 @@ from replica_agent.agent import ReplicaAgent
 from replica_agent.breaker import CircuitBreaker
 from replica_agent.credentials import KeyringFileSealer, TokenFile
 from replica_agent.spec import ModelSpec
-from tests.conftest import Running, launch, write_config
+from tests.support.servers import Running, launch, write_config
 
 BLOCK = 8
 VOCAB = 256

@@ -11,8 +11,8 @@ from google.protobuf import descriptor as _descriptor
 from google.protobuf import message_factory
 
 from kvcommon.v1 import kvshare_pb2
-from tests.conftest import Running
 from tests.support.rpc import invoke
+from tests.support.servers import Running
 
 SERVICE = kvshare_pb2.DESCRIPTOR.services_by_name["BlockStore"]
 

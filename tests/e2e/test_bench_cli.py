@@ -7,11 +7,8 @@ tests: no figure is asserted beyond being positive.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,40 +18,7 @@ from kvshare.bench.peers import kvshare_peer
 from kvshare.bench.peers.base import BenchError
 from kvshare.bench.peers.kvshare_peer import KvshareSystem
 from kvshare.bench.peers.lmcache_peer import find_lmcache_python
-
-CONTRACT_KEYS = {"system", "op", "value_bytes", "clients", "mb_per_s", "p50_ms", "p99_ms"}
-TINY = ["--quick", "--sizes", "16KiB", "--seconds", "0.05", "--batch-blocks", "4"]
-
-
-def _bench(*argv: str, timeout_s: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvshare.cli", "bench", *argv],
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-    )
-
-
-def _json_run(*argv: str) -> dict[str, Any]:
-    result = _bench(*TINY, "--json", *argv)
-    assert result.returncode == 0, result.stderr[-3000:]
-    document: dict[str, Any] = json.loads(result.stdout)  # stdout holds only the JSON
-    return document
-
-
-def _by_system(document: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
-    return {(row["system"], row["op"]): row for row in document["results"]}
-
-
-def _assert_contract(row: dict[str, Any]) -> None:
-    assert set(row) >= CONTRACT_KEYS
-    assert row["op"] in ("get", "put", "lookup")
-    assert 0 < row["p50_ms"] <= row["p99_ms"] and row["calls_per_s"] > 0
-    if row["op"] == "lookup":  # no payload moves: its throughput is in calls/s
-        assert row["throughput_unit"] == "calls_per_s" and row["mb_per_s"] == 0
-        assert row["blocks_per_call"] == 64 and row["value_bytes"] == 64 * 1024
-    else:
-        assert row["throughput_unit"] == "mb_per_s" and row["mb_per_s"] > 0
+from tests.support.bench import TINY, assert_contract, by_system, json_run, run_bench
 
 
 def _assert_server_cpu(row: dict[str, Any]) -> None:
@@ -65,11 +29,11 @@ def _assert_server_cpu(row: dict[str, Any]) -> None:
 
 @pytest.mark.slow
 def test_json_contract_for_the_tcp_ceiling() -> None:
-    document = _json_run("--systems", "tcp")
-    rows = _by_system(document)
+    document = json_run("--systems", "tcp")
+    rows = by_system(document)
     assert set(rows) == {("tcp", "get"), ("tcp", "put"), ("tcp-batch", "get"), ("tcp", "lookup")}
     for row in document["results"]:
-        _assert_contract(row)
+        assert_contract(row)
         _assert_server_cpu(row)
         assert row["value_bytes"] == 16 * 1024 or row["blocks_per_call"] > 1
         assert row["clients"] == 1
@@ -82,11 +46,11 @@ def test_json_contract_for_the_tcp_ceiling() -> None:
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")
 def test_redis_runs_beside_tcp_with_ratios() -> None:
-    document = _json_run("--systems", "tcp,redis", "--clients", "2")
-    rows = _by_system(document)
+    document = json_run("--systems", "tcp,redis", "--clients", "2")
+    rows = by_system(document)
     assert {("redis", "get"), ("redis", "put"), ("redis-batch", "get")} <= set(rows)
     for row in document["results"]:
-        _assert_contract(row)
+        assert_contract(row)
         _assert_server_cpu(row)
         assert row["clients"] == 2
     assert rows[("redis", "get")]["ratio_to_tcp"] > 0
@@ -95,12 +59,12 @@ def test_redis_runs_beside_tcp_with_ratios() -> None:
 
 @pytest.mark.slow
 def test_kvshare_its_transports_and_security_variants() -> None:
-    document = _json_run("--systems", "tcp,kvshare,kvshare-tcp,kvshare-tls-sealed")
+    document = json_run("--systems", "tcp,kvshare,kvshare-tcp,kvshare-tls-sealed")
     assert document["failed"] == {} and document["skipped"] == {}
-    rows = _by_system(document)
+    rows = by_system(document)
     for system in ("kvshare", "kvshare-tcp", "kvshare-tls-sealed"):
         for op in ("get", "put", "lookup"):
-            _assert_contract(rows[(system, op)])
+            assert_contract(rows[(system, op)])
             _assert_server_cpu(rows[(system, op)])
         assert rows[(f"{system}-batch", "get")]["blocks_per_call"] == 4
         _assert_server_cpu(rows[(f"{system}-batch", "get")])
@@ -114,13 +78,13 @@ def test_kvshare_its_transports_and_security_variants() -> None:
 def test_more_clients_than_the_default_arena_cap_use_the_bulk_channel() -> None:
     """9 client processes: past the server's default 8 same-host arenas per principal.
     The run fails if a cell fell back to gRPC or a client was refused an arena."""
-    document = _json_run("--systems", "kvshare", "--clients", "9", "--batch-blocks", "0")
+    document = json_run("--systems", "kvshare", "--clients", "9", "--batch-blocks", "0")
     assert document["failed"] == {}, document["failed"]
-    rows = _by_system(document)
+    rows = by_system(document)
     assert set(rows) == {("kvshare", "get"), ("kvshare", "put"), ("kvshare", "lookup")}
     for row in rows.values():
         assert row["clients"] == 9
-        _assert_contract(row)
+        assert_contract(row)
         _assert_server_cpu(row)
 
 
@@ -147,27 +111,27 @@ def test_a_client_refused_an_arena_fails_its_cell(
 
 @pytest.mark.skipif(find_lmcache_python(None) is None, reason="no LMCache venv (setup_lmcache.sh)")
 def test_lmcache_server_speaks_its_protocol() -> None:
-    document = _json_run("--systems", "lmcache")
+    document = json_run("--systems", "lmcache")
     assert document["failed"] == {}, document["failed"]
-    rows = _by_system(document)
+    rows = by_system(document)
     for op in ("get", "put", "lookup"):
-        _assert_contract(rows[("lmcache", op)])
+        assert_contract(rows[("lmcache", op)])
         _assert_server_cpu(rows[("lmcache", op)])
 
 
 def test_a_missing_peer_is_skipped_with_a_note() -> None:
-    document = _json_run("--systems", "tcp,lmcache", "--lmcache-python", "/nonexistent/python")
+    document = json_run("--systems", "tcp,lmcache", "--lmcache-python", "/nonexistent/python")
     assert "lmcache" in document["skipped"]
     assert {row["system"] for row in document["results"]} == {"tcp", "tcp-batch"}
 
 
 def test_lookup_rows_can_be_left_out() -> None:
-    document = _json_run("--systems", "tcp", "--lookup-blocks", "0", "--batch-blocks", "0")
+    document = json_run("--systems", "tcp", "--lookup-blocks", "0", "--batch-blocks", "0")
     assert {row["op"] for row in document["results"]} == {"get", "put"}
 
 
 def test_table_on_stdout_and_progress_on_stderr() -> None:
-    result = _bench(*TINY, "--systems", "tcp", "--batch-blocks", "0")
+    result = run_bench(*TINY, "--systems", "tcp", "--batch-blocks", "0")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "MB/s" in result.stdout and "x tcp" in result.stdout
     assert "Targets:" in result.stdout

@@ -13,26 +13,15 @@ import pytest
 from kvcommon import bulkio
 from kvcommon import bulkwire as w
 from kvcommon.errors import PermissionDenied, Unauthenticated
-from kvcommon.v1 import kvshare_pb2 as pb
-from kvcommon.v1 import kvshare_pb2_grpc as pb_grpc
 from policy.identity import Action, Principal
 from policy.tickets import Route, TicketBook
 from policy.types import TenantId
 from replica_agent.client import BlockClient, BlockStoreError
-from tests.conftest import Running, free_port
+from tests.support.bulk import MODEL, open_bulk
+from tests.support.servers import Running, free_port
 
-MODEL = "m;fp32;L2"
 # The channel's two transports: a same-host arena, and TCP (the only one across hosts).
 TRANSPORTS = pytest.mark.parametrize("same_host", [True, False], ids=["same-host", "tcp"])
-
-
-def open_bulk(running: Running, who: str, tenant: str) -> pb.OpenBulkResponse:
-    with grpc.insecure_channel(running.address) as channel:
-        return pb_grpc.BlockStoreStub(channel).OpenBulk(
-            pb.OpenBulkRequest(tenant=tenant),
-            timeout=10,
-            metadata=(("authorization", f"Bearer {running.tokens[who]}"),),
-        )
 
 
 def hello(address: str, ticket: bytes) -> int:
@@ -131,7 +120,7 @@ def test_a_read_only_principal_cannot_put_over_the_bulk_channel(
 ) -> None:
     from pathlib import Path
 
-    from tests.conftest import launch, write_config
+    from tests.support.servers import launch, write_config
 
     tenancy = write_config(
         Path(str(tmp_path)),
@@ -172,7 +161,7 @@ def test_the_rate_limit_counts_every_bulk_request(tmp_path: object, same_host: b
     from pathlib import Path
 
     from kvcommon.errors import ResourceExhausted
-    from tests.conftest import launch, write_config
+    from tests.support.servers import launch, write_config
 
     tenancy = write_config(
         Path(str(tmp_path)), extra="[limits]\nrequests_per_s = 5\nrequest_burst_s = 2\n"

@@ -20,10 +20,9 @@ from cacheserver.server import TlsFiles
 from cacheserver.store.journal import MIN_CAPACITY, Journal
 from cacheserver.store.journal.files import JOURNAL_NAME, SHM, remove_journal
 from replica_agent.client import BlockClient, ClientTls
-from tests.conftest import ServerProcess, free_port, run_cli
-from tests.e2e.test_serve_cli import one_line_error
 from tests.support.certs import TestCA
 from tests.support.scrape import Samples, parse, scrape_text, settled, value
+from tests.support.servers import ServerProcess, free_port, one_line_error, run_cli
 
 MODEL = "m"
 BULK_RE = re.compile(r"kvshare bulk on (\S+) \(announced: (\S+)\)")

@@ -21,8 +21,8 @@ from cacheserver.transport.bulk.handler import BulkHandler
 from cacheserver.transport.bulk.readyloop import ReadyLoop
 from kvcommon import bulkio
 from kvcommon import bulkwire as w
-from tests.conftest import TEST_BULK_WORKERS, Running
-from tests.e2e.test_bulk import MODEL, open_bulk
+from tests.support.bulk import MODEL, open_bulk
+from tests.support.servers import TEST_BULK_WORKERS, Running
 
 pytestmark = pytest.mark.skipif(
     TEST_BULK_WORKERS > 1, reason="with bulk workers, connections start on a worker"

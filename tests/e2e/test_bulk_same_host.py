@@ -36,7 +36,7 @@ from replica_agent.bulk_connect import Connection
 from replica_agent.client import BlockClient
 from replica_agent.deadline import CallDeadline
 from replica_agent.grpc_calls import Ticket
-from tests.conftest import Running, launch, write_config
+from tests.support.servers import Running, launch, write_config
 
 MODEL = "m;fp32;L2"
 MiB = 1 << 20

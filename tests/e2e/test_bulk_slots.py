@@ -24,10 +24,10 @@ from cacheserver.transport.bulk.slots import ConnectionSlots
 from kvcommon import bulkio
 from kvcommon import bulkwire as w
 from kvcommon.errors import ResourceExhausted
-from tests.conftest import Running, launch
-from tests.e2e.test_bulk import open_bulk
-from tests.isolation.conftest import isolation_config
+from tests.support.bulk import open_bulk
 from tests.support.certs import Certs
+from tests.support.isolation import isolation_config
+from tests.support.servers import Running, launch
 
 MODEL = "m;fp32;L2"
 

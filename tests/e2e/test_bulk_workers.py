@@ -22,49 +22,11 @@ import pytest
 from cacheserver.config import BulkConfig
 from cacheserver.store.writer import HANDED_BACK_READS_HOLD_S
 from cacheserver.transport.bulk.delegation import REPORT_INTERVAL_S
-from cacheserver.transport.bulk.readworkers import WorkerAssembly
 from kvcommon.errors import PermissionDenied, ResourceExhausted
-from replica_agent.client import BlockClient
-from tests.conftest import Running, run_cli
+from tests.support.bulk_workers import MODEL, assembly, pair, served_by_workers, wait_in_lmdb
+from tests.support.servers import Running, run_cli
 
-MODEL = "workers/model"
 BLOCK = 64 << 10
-
-
-def assembly(running: Running) -> WorkerAssembly:
-    workers = running.server.server.workers if running.server.server else None
-    assert workers is not None, "the server was started with [bulk] workers > 1"
-    return workers
-
-
-def served_by_workers(running: Running, before: int, timeout_s: float = 3.0) -> bool:
-    """Whether a worker reported serving something since `before` reports."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if assembly(running).processes.reports > before:
-            return True
-        time.sleep(0.05)
-    return False
-
-
-def pair(running: Running, who: str) -> tuple[BlockClient, BlockClient]:
-    """Two TCP bulk clients of `who`; the second connection opened is the worker's."""
-    first = running.client(who, transport="bulk-tcp")
-    second = running.client(who, transport="bulk-tcp")
-    tenant = "beta" if who == "b" else "alpha"
-    # A GET opens the connection that every later call of the thread uses (a lookup
-    # first would open a lookup-only one).
-    assert first.get(tenant, MODEL, [os.urandom(32)]) == []
-    assert second.get(tenant, MODEL, [os.urandom(32)]) == []
-    return first, second
-
-
-def wait_in_lmdb(running: Running) -> None:
-    """Journaled puts reach LMDB once the server pauses (sooner while workers hand
-    reads back); wait until none is left."""
-    deadline = time.monotonic() + 10
-    while running.store.undrained_blocks and time.monotonic() < deadline:
-        time.sleep(0.01)
 
 
 def rate_limited(start_server: Callable[..., Running]) -> tuple[Running, bytes]:

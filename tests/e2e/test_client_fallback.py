@@ -28,7 +28,7 @@ import replica_agent.client as client_module
 from cacheserver.config import BulkConfig
 from cacheserver.telemetry import ServerTelemetry
 from replica_agent.client import BlockClient, BlockStoreError
-from tests.conftest import Running, Tenancy, free_port, launch, write_config
+from tests.support.servers import Running, Tenancy, free_port, launch, write_config
 
 MODEL = "m;fp32;L2"
 TENANT = "alpha"

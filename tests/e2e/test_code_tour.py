@@ -39,7 +39,7 @@ import pytest
 
 from cacheserver.transport.bulk.delegation import REDELEGATE_AFTER_READS
 from replica_agent.client import BlockClient
-from tests.conftest import TEST_BULK_WORKERS, TRANSPORTS, Running, launch, write_config
+from tests.support.servers import TEST_BULK_WORKERS, TRANSPORTS, Running, launch, write_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "architecture.md"

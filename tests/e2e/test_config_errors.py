@@ -23,7 +23,7 @@ import pytest
 
 from cacheserver import cli as serve_cli
 from kvcommon.errors import ConfigError
-from tests.conftest import ServerProcess, run_cli
+from tests.support.servers import ServerProcess, run_cli
 
 TOKEN_A = hashlib.sha256(b"a").hexdigest()
 TOKEN_B = hashlib.sha256(b"b").hexdigest()

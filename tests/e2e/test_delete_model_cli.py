@@ -9,7 +9,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.conftest import Running, run_cli
+from tests.support.servers import Running, run_cli
 
 NAMESPACE = "t/tiny@r1;fp32;L2;H2;D8;B4;tp1/2;Wstep-200"  # as a replica of v200 names it
 SHARDS = ["t/tiny@r1;fp32;L2;H2;D8;B4;tp0/2", "t/tiny@r1;fp32;L2;H2;D8;B4;tp1/2"]

@@ -18,8 +18,8 @@ from kvshare.demo.runner import DemoOptions, StoreHandle, run_demo, write_keyrin
 from kvshare.demo.workload import DemoRequest, WorkloadShape, build_workload
 from policy.sealing import BlockSealer, Keyring
 from policy.types import StorageKey, TenantId
-from tests.conftest import ServerProcess
 from tests.support.repo import REPO
+from tests.support.servers import ServerProcess
 
 pytestmark = pytest.mark.slow
 TENANTS = ["tenant-0", "tenant-1", "tenant-2"]

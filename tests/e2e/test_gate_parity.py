@@ -34,7 +34,7 @@ from replica_agent.codec import encode_block
 from replica_agent.gate import OUTCOMES, BreakerEffect, Outcome, StoreGate, StoreStats
 from replica_agent.spec import ModelSpec
 from replica_agent.telemetry import AgentTelemetry
-from tests.conftest import Running, ServerProcess, free_port
+from tests.support.servers import Running, ServerProcess, free_port
 
 LAYERS, HEADS, DIM, BLOCK_TOKENS, CACHE_BLOCKS = 2, 2, 8, 16, 4
 SPEC = ModelSpec("parity/m", "r1", LAYERS, HEADS, DIM, "float32", BLOCK_TOKENS)

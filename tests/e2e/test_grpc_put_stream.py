@@ -12,7 +12,7 @@ import pytest
 
 from kvcommon.v1 import kvshare_pb2 as pb
 from kvcommon.v1 import kvshare_pb2_grpc as pb_grpc
-from tests.conftest import Running
+from tests.support.servers import Running
 
 MODEL = "put-stream;fp32"
 

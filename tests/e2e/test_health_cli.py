@@ -14,7 +14,7 @@ from typing import Any
 from grpc_health.v1 import health_pb2
 
 from cacheserver.config import TlsFiles
-from tests.conftest import Running, launch, write_config
+from tests.support.servers import Running, launch, write_config
 
 REPO = Path(__file__).resolve().parents[2]
 

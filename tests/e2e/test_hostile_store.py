@@ -8,11 +8,9 @@ MemoryError), which would escape into inference.
 
 from __future__ import annotations
 
-import contextlib
 import socket
 import threading
 from collections.abc import Iterator
-from concurrent import futures
 from typing import Any
 
 import grpc
@@ -21,33 +19,13 @@ import pytest
 from kvcommon import bulkio
 from kvcommon import bulkwire as w
 from kvcommon.v1 import kvshare_pb2 as pb
-from kvcommon.v1 import kvshare_pb2_grpc as pb_grpc
 from replica_agent.client import BlockClient
 from replica_agent.errors import BlockStoreError
-from tests.conftest import Running
+from tests.support.fake_store import AnsweringStore, serving
+from tests.support.servers import Running
 
 HOSTILE_SIZES = [2**63 + 5, 2**62, 2**40 + 3, (1 << 30) + 1]
 MODEL = "m;fp32"
-
-
-class AnsweringStore(pb_grpc.BlockStoreServicer):
-    """Says every block is present and takes every write; subclasses choose what a read
-    returns."""
-
-    def Lookup(self, request: Any, context: Any) -> pb.LookupResponse:
-        return pb.LookupResponse(present=len(request.digests))
-
-    def Put(self, request_iterator: Any, context: Any) -> pb.PutResponse:
-        return pb.PutResponse()
-
-    def Delete(self, request: Any, context: Any) -> pb.DeleteResponse:
-        return pb.DeleteResponse()
-
-    def Stats(self, request: Any, context: Any) -> pb.StatsResponse:
-        return pb.StatsResponse()
-
-    def Reload(self, request: Any, context: Any) -> pb.ReloadResponse:
-        return pb.ReloadResponse()
 
 
 class FakeStore(AnsweringStore):
@@ -84,19 +62,6 @@ class FakeStore(AnsweringStore):
                     conn.recv(1)
                 except OSError:
                     pass
-
-
-@contextlib.contextmanager
-def serving(store: pb_grpc.BlockStoreServicer, workers: int = 4) -> Iterator[str]:
-    """`store` as a gRPC server on loopback; its address."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers))
-    pb_grpc.add_BlockStoreServicer_to_server(store, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        server.stop(0)
 
 
 @pytest.fixture(params=HOSTILE_SIZES)

@@ -14,7 +14,7 @@ import pytest
 
 from cacheserver.tiers.lmdb.tier import LmdbTier
 from replica_agent.client import BlockClient
-from tests.conftest import ServerProcess, write_config
+from tests.support.servers import ServerProcess, write_config
 
 MODEL = "tiny-llama@r1;fp32;L4;H4;D64;B256"
 HOLD_BACK = "[storage]\ndrain_idle_ms = 600000\n"

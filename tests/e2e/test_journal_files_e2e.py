@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 
 from replica_agent.client import BlockClient
-from tests.conftest import ServerProcess, run_cli, write_config
-from tests.e2e.test_serve_cli import one_line_error
+from tests.support.servers import ServerProcess, one_line_error, run_cli, write_config
 
 pytestmark = pytest.mark.slow  # every test here takes seconds
 

@@ -17,7 +17,7 @@ import pytest
 
 from cacheserver.config import StorageConfig
 from cacheserver.store.journal import default_journal_path
-from tests.conftest import launch, write_config
+from tests.support.servers import launch, write_config
 
 MiB = 1 << 20
 MODEL = "sizing/model@r1;fp32;L2;H2;D8;B4;tp0/1"

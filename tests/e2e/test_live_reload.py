@@ -17,9 +17,9 @@ import pytest
 from kvcommon.v1 import kvshare_pb2 as pb
 from kvcommon.v1 import kvshare_pb2_grpc as pb_grpc
 from policy.audit import read_records
-from tests.conftest import Running
-from tests.e2e.reload_config import MODEL, Grant, LiveConfig, digest, reload, seconds_until, start
+from tests.support.reload import MODEL, Grant, LiveConfig, digest, reload, seconds_until, start
 from tests.support.scrape import Samples, parse, scrape_text, value
+from tests.support.servers import Running
 
 REVOCATION_WITHIN_S = 1.0  # the bound: refused on every path within a second
 BLOCK = bytes(range(256)) * 64  # 16 KiB

@@ -22,9 +22,9 @@ from replica_agent.adapters.sglang_pages import HostPages
 from replica_agent.adapters.vllm_metadata import LoadPlan
 from replica_agent.agent import ReplicaAgent
 from replica_agent.spec import ModelSpec
-from tests.conftest import Running
-from tests.e2e import test_sglang_page_store as sglang_e2e
-from tests.e2e import test_vllm_store as vllm_e2e
+from tests.support import sglang_pages as sglang_e2e
+from tests.support import vllm_pages as vllm_e2e
+from tests.support.servers import Running
 
 POISONS = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
 

@@ -20,7 +20,7 @@ from policy.types import PUBLIC
 from replica_agent.adapters.hf import blocks_from_cache, prefill
 from replica_agent.agent import ReplicaAgent
 from replica_agent.public import PublicCatalogue, plan_chain
-from tests.conftest import Running, launch, run_cli, write_engine_files, write_public_config
+from tests.support.servers import Running, launch, run_cli, write_engine_files, write_public_config
 
 pytestmark = pytest.mark.slow
 BLOCK_TOKENS = 16

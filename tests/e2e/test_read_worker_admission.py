@@ -20,8 +20,8 @@ from cacheserver.config import BulkConfig
 from cacheserver.transport.bulk.delegation import REPORT_INTERVAL_S
 from kvcommon.errors import PermissionDenied
 from policy.audit import read_records
-from tests.conftest import Running
-from tests.e2e.test_bulk_workers import assembly, pair, served_by_workers, wait_in_lmdb
+from tests.support.bulk_workers import assembly, pair, served_by_workers, wait_in_lmdb
+from tests.support.servers import Running
 
 MODEL = "workers/model"
 PRINCIPALS = {

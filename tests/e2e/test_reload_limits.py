@@ -16,9 +16,9 @@ import pytest
 
 from kvcommon.errors import InvalidArgument, ResourceExhausted
 from replica_agent.client import BlockClient
-from tests.conftest import Running
-from tests.e2e.reload_config import MODEL, Grant, LiveConfig, digest, reload, seconds_until, start
-from tests.e2e.test_bulk_workers import assembly, served_by_workers, wait_in_lmdb
+from tests.support.bulk_workers import assembly, served_by_workers, wait_in_lmdb
+from tests.support.reload import MODEL, Grant, LiveConfig, digest, reload, seconds_until, start
+from tests.support.servers import Running
 
 WITHIN_S = 1.0  # the bound for a reload to hold on every path
 BLOCKS = 8

@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 from replica_agent.client import BlockClient
-from tests.conftest import ServerProcess
-from tests.e2e.reload_config import MODEL, Grant, LiveConfig, digest, seconds_until
+from tests.support.reload import MODEL, Grant, LiveConfig, digest, seconds_until
 from tests.support.repo import REPO
+from tests.support.servers import ServerProcess
 
 
 def three(directory: Path) -> LiveConfig:

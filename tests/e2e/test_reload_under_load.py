@@ -34,9 +34,9 @@ from kvshare.reload_cli import request_reload
 from policy.tickets import Grant as TicketGrant
 from policy.types import TenantId
 from replica_agent.client import BlockClient, ClientTls
-from tests.conftest import Running
-from tests.e2e.reload_config import MODEL, Grant, LiveConfig, digest, start
 from tests.support.certs import CertFiles, TestCA
+from tests.support.reload import MODEL, Grant, LiveConfig, digest, start
+from tests.support.servers import Running
 
 LOAD_S = 30.0
 RELOADS = 20

@@ -19,7 +19,7 @@ from replica_agent.gate import StoreGate, StoreStats
 from replica_agent.saver import JOIN_AFTER_CLOSE_S, SaveJob, Saver
 from replica_agent.spec import ModelSpec
 from replica_agent.telemetry import AgentTelemetry
-from tests.conftest import Running, ServerProcess, free_port
+from tests.support.servers import Running, ServerProcess, free_port
 
 MODEL = ModelSpec("saver/m", "r1", 1, 1, 8, "float32", 4).wire_model()
 BLOCK_BYTES = 1024

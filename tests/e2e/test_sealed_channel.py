@@ -33,10 +33,8 @@ from replica_agent.agent import ReplicaAgent
 from replica_agent.client import BlockClient
 from replica_agent.errors import BlockStoreError
 from replica_agent.grpc_calls import GrpcCalls
-from tests.conftest import Running, Tenancy, launch
-from tests.isolation.conftest import isolation_config
-from tests.isolation.test_tamper import CURRENT, MODEL, SPEC, Sealed, make_blocks
 from tests.support.certs import Certs
+from tests.support.isolation import isolation_config
 from tests.support.mitm import (
     C2S,
     CLIENT_HELLO,
@@ -48,18 +46,13 @@ from tests.support.mitm import (
     flip,
     get_plan,
     put_plan,
+    start_behind,
     untouched,
 )
+from tests.support.sealed_blocks import CURRENT, MODEL, SPEC, Sealed, make_blocks
+from tests.support.servers import Running, launch, require_sealed
 
 TIMEOUT_S = 30.0  # only failures wait on it; generous for a loaded machine
-
-
-def require_sealed(tenancy: Tenancy, tenant: str = "alpha") -> Tenancy:
-    text = tenancy.path.read_text()
-    tenancy.path.write_text(
-        text.replace(f'id = "{tenant}"', f'id = "{tenant}"\nrequire_sealed = true', 1)
-    )
-    return tenancy
 
 
 @pytest.fixture
@@ -67,14 +60,6 @@ def mitm() -> Iterator[Mitm]:
     relay = Mitm()
     yield relay
     relay.close()
-
-
-def start_behind(mitm: Mitm, tenancy: Tenancy, certs: Certs | None) -> Running:
-    """A server that announces the relay as its bulk address; the relay leads to it."""
-    running = launch(tenancy, certs, bulk=BulkConfig(advertise=mitm.address))
-    assert running.server.server is not None and running.server.server.bulk is not None
-    mitm.start(running.server.server.bulk.address)
-    return running
 
 
 @pytest.fixture

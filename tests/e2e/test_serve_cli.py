@@ -14,8 +14,8 @@ import pytest
 
 from cacheserver import cli as serve_cli
 from replica_agent.client import BlockClient
-from tests.conftest import SERVING_RE, ServerProcess, run_cli, write_config
 from tests.support.repo import REPO
+from tests.support.servers import SERVING_RE, ServerProcess, one_line_error, run_cli, write_config
 
 
 def test_dev_mode_defaults(tmp_path: Path) -> None:
@@ -66,13 +66,6 @@ def test_sigterm_drains_and_closes_cleanly(tmp_path: Path) -> None:
     with BlockClient(server.address, token) as client:
         assert client.get("dev", "m", [b"a" * 32]) == [b"x" * 100_000]
     server.terminate()
-
-
-def one_line_error(result: subprocess.CompletedProcess[str]) -> str:
-    assert result.returncode == 2, result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, result.stderr
-    return lines[0]
 
 
 def test_non_loopback_listen_without_tls_is_refused(tmp_path: Path) -> None:
@@ -138,7 +131,7 @@ def test_help_documents_every_flag() -> None:
 def test_the_naming_secret_is_owner_only_and_can_live_outside_the_data_dir(
     tmp_path: Path,
 ) -> None:
-    from tests.conftest import launch
+    from tests.support.servers import launch
 
     secret = tmp_path / "keys" / "kvshare.secret"
     secret.parent.mkdir()

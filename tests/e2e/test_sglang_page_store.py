@@ -16,34 +16,26 @@ import torch
 
 from kvcommon.errors import ConfigError
 from policy.sealing import BlockSealer
-from replica_agent.adapters.sglang_pages import HostPages, PageStore, page_digest, parse_put_bytes
+from replica_agent.adapters.sglang_pages import HostPages, PageStore, parse_put_bytes
 from replica_agent.breaker import BreakerState, CircuitBreaker
-from replica_agent.client import BlockClient
 from replica_agent.gate import StoreGate, StoreStats
 from replica_agent.spec import ModelSpec
 from replica_agent.telemetry import AgentTelemetry
-from tests.conftest import Running, read_allocated
+from tests.support.datafiles import read_allocated
+from tests.support.servers import Running
+from tests.support.sglang_pages import (
+    DIGESTS,
+    DIM,
+    HEADS,
+    LAYERS,
+    PAGE,
+    SPEC,
+    TOKENS,
+    pool,
+    replica,
+)
 
-LAYERS, HEADS, DIM, PAGE, TOKENS = 2, 2, 8, 16, 128
-SPEC = ModelSpec("sglang/test", "sglang:mha:pp0/1:cp0/1", LAYERS, HEADS, DIM, "float32", PAGE)
 SPEC_BYTES = SPEC.block_payload_bytes
-DIGESTS = [page_digest(hashlib.sha256(f"page {i}".encode()).hexdigest()) for i in range(4)]
-
-
-def pool(fill: bool) -> HostPages:
-    """An SGLang page_first host buffer [2, tokens, layers, heads, dim]."""
-    make = torch.randn if fill else torch.zeros
-    return HostPages(make(2, TOKENS, LAYERS, HEADS, DIM), "page_first", SPEC)
-
-
-def replica(
-    client: BlockClient,
-    tenant: str = "alpha",
-    sealer: BlockSealer | None = None,
-    spec: ModelSpec = SPEC,
-) -> PageStore:
-    gate = StoreGate(CircuitBreaker(failure_threshold=2), AgentTelemetry(), StoreStats())
-    return PageStore(client, spec, tenant, sealer=sealer, gate=gate)
 
 
 def test_pages_saved_by_one_replica_fill_another_replicas_pool(

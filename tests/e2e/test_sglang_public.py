@@ -28,15 +28,8 @@ from replica_agent.gate import StoreGate, StoreStats
 from replica_agent.public import CATALOGUE_DIGEST, PUBLIC_SCOPE, PublicCatalogue, write_catalogue
 from replica_agent.spec import ModelSpec
 from replica_agent.telemetry import AgentTelemetry
-from tests.conftest import (
-    Calls,
-    Running,
-    launch,
-    puts,
-    record_calls,
-    sent_to,
-    write_public_config,
-)
+from tests.support.calls import Calls, puts, record_calls, sent_to
+from tests.support.servers import Running, launch, write_public_config
 
 LAYERS, HEADS, DIM, PAGE, TOKENS = 2, 2, 8, 16, 256
 SPEC = ModelSpec("sglang/test", "sglang:mha:pp0/1:cp0/1", LAYERS, HEADS, DIM, "float32", PAGE)

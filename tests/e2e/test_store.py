@@ -18,7 +18,8 @@ from cacheserver.config import StorageConfig
 from cacheserver.tiers.lmdb.tier import LmdbTier
 from kvcommon.errors import InvalidArgument, PermissionDenied, ResourceExhausted
 from replica_agent.client import BlockStoreError
-from tests.conftest import Running, ServerProcess, flip_stored_byte, launch, write_config
+from tests.support.datafiles import flip_stored_byte
+from tests.support.servers import Running, ServerProcess, launch, write_config
 
 MiB = 1 << 20
 MODEL = "tiny-llama@r1;fp32;L4;H4;D64;B256"

@@ -34,14 +34,13 @@ from replica_agent.breaker import BreakerState, CircuitBreaker
 from replica_agent.client import BlockClient
 from replica_agent.errors import BlockStoreError
 from replica_agent.spec import ModelSpec
-from tests.conftest import Running
-from tests.e2e.test_hostile_store import AnsweringStore, serving
-from tests.e2e.test_sealed_channel import require_sealed, start_behind
-from tests.isolation.conftest import isolation_config
-from tests.isolation.test_tamper import MODEL as SEALED_MODEL
-from tests.isolation.test_tamper import make_blocks
 from tests.support.certs import Certs
-from tests.support.mitm import Mitm
+from tests.support.fake_store import AnsweringStore, serving
+from tests.support.isolation import isolation_config
+from tests.support.mitm import Mitm, start_behind
+from tests.support.sealed_blocks import MODEL as SEALED_MODEL
+from tests.support.sealed_blocks import make_blocks
+from tests.support.servers import Running, require_sealed
 
 TIMEOUT_S = 1.0
 DRIP_S = 0.5

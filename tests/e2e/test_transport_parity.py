@@ -35,7 +35,7 @@ from kvcommon.errors import (
 from kvcommon.v1 import kvshare_pb2 as pb
 from kvcommon.v1 import kvshare_pb2_grpc as pb_grpc
 from replica_agent.errors import BlockStoreError
-from tests.conftest import Running, launch, write_config
+from tests.support.servers import Running, launch, write_config
 
 MODEL = "parity/model;fp32"
 OK = 0

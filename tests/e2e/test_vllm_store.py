@@ -9,7 +9,6 @@ engines in tests/vllm/.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,31 +16,20 @@ import pytest
 import torch
 
 from policy.sealing import BlockSealer
-from replica_agent.adapters.vllm_layout import ConcatLastDim
 from replica_agent.adapters.vllm_metadata import LoadPlan, SavePlan
-from replica_agent.adapters.vllm_store import PagedCache, WorkerStore
-from replica_agent.breaker import CircuitBreaker
+from replica_agent.adapters.vllm_store import PagedCache
 from replica_agent.client import BlockClient
-from replica_agent.gate import StoreGate, StoreStats
-from replica_agent.spec import ModelSpec
-from replica_agent.telemetry import AgentTelemetry
-from tests.conftest import Running, free_port, launch, write_config
+from tests.support.servers import Running, free_port, launch, write_config
+from tests.support.vllm_pages import (
+    DIGESTS,
+    LOADED_INTO,
+    SPEC,
+    paged_cache,
+    pages,
+    worker,
+)
 
-LAYERS, HEADS, DIM, VLLM_BLOCK, CACHE_BLOCKS = 2, 2, 8, 16, 12
-SPEC = ModelSpec("vllm/test", "r1", LAYERS, HEADS, DIM, "float32", block_tokens=32)
-DIGESTS = (os.urandom(32), os.urandom(32))
 SAVED_FROM = (3, 4, 8, 9)  # vLLM blocks of store blocks 0 and 1 in the saving engine
-LOADED_INTO = (0, 1, 5, 6)  # and where the loading engine puts them
-
-
-def paged_cache(fill: bool) -> PagedCache:
-    make = torch.randn if fill else torch.zeros
-    layers = tuple(make(CACHE_BLOCKS, HEADS, VLLM_BLOCK, 2 * DIM) for _ in range(LAYERS))
-    return PagedCache(layers, ConcatLastDim(VLLM_BLOCK, HEADS, DIM), VLLM_BLOCK)
-
-
-def pages(cache: PagedCache, ids: tuple[int, ...]) -> list[torch.Tensor]:
-    return [kv[list(ids)] for kv in cache.layers]
 
 
 @pytest.fixture
@@ -52,13 +40,6 @@ def store_server(tmp_path: Path) -> Iterator[Running]:
     )
     with launch(tenancy) as running:
         yield running
-
-
-def worker(
-    client: BlockClient, sealer: BlockSealer | None, *, queue_bytes: int = 1 << 30
-) -> WorkerStore:
-    gate = StoreGate(CircuitBreaker(failure_threshold=2), AgentTelemetry(), StoreStats())
-    return WorkerStore(client, SPEC, sealer=sealer, gate=gate, save_queue_bytes=queue_bytes)
 
 
 def save_from_engine_a(server: Running, sealer: BlockSealer | None) -> PagedCache:

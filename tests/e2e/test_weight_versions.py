@@ -33,7 +33,7 @@ from replica_agent.breaker import CircuitBreaker
 from replica_agent.gate import StoreGate, StoreStats
 from replica_agent.spec import ModelSpec
 from replica_agent.telemetry import AgentTelemetry
-from tests.conftest import Running
+from tests.support.servers import Running
 
 BLOCK = 8
 VOCAB = 256

@@ -33,9 +33,9 @@ from cacheserver.config import BulkConfig, StorageConfig
 from kvcommon import bulkio
 from kvcommon import bulkwire as w
 from kvcommon.errors import Unavailable
-from tests.conftest import Running
-from tests.e2e.test_bulk import open_bulk
-from tests.e2e.test_bulk_workers import assembly, pair, served_by_workers, wait_in_lmdb
+from tests.support.bulk import open_bulk
+from tests.support.bulk_workers import assembly, pair, served_by_workers, wait_in_lmdb
+from tests.support.servers import Running
 
 MODEL = "workers/model"
 KiB, MiB = 1 << 10, 1 << 20

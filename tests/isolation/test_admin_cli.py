@@ -14,7 +14,7 @@ from cacheserver.embedded import EmbeddedServer
 from kvshare.cli import main
 from policy.sealing import BlockSealer, Keyring
 from replica_agent.client import BlockClient
-from tests.isolation.conftest import MODEL
+from tests.support.isolation import MODEL
 
 
 def admin(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:

@@ -16,8 +16,8 @@ from kvcommon.errors import PermissionDenied, Unauthenticated
 from kvcommon.v1 import kvshare_pb2 as pb
 from policy.audit import AuditLog, read_records
 from replica_agent.client import BlockClient
-from tests.conftest import flip_stored_byte
-from tests.isolation.conftest import MODEL, Served, isolation_config, serve
+from tests.support.datafiles import flip_stored_byte
+from tests.support.isolation import MODEL, Served, isolation_config, serve
 from tests.support.repo import REPO
 from tests.support.rpc import METHODS, bearer, invoke
 

@@ -26,8 +26,8 @@ from kvshare.audit.public import audit_public, public_report, summarize_public
 from kvshare.audit.setup import Party, Planted, Setup
 from kvshare.audit.verdicts import CHANNEL, INCONCLUSIVE, PASS
 from kvshare.bench.redis_cluster import LocalRedisCluster
-from tests.cluster.conftest import make_cluster
-from tests.conftest import Running, ServerProcess, launch, run_cli, write_public_config
+from tests.support.cluster import make_cluster
+from tests.support.servers import Running, ServerProcess, launch, run_cli, write_public_config
 
 MiB = 1 << 20
 PRINCIPALS = {

@@ -18,8 +18,8 @@ import pytest
 from kvshare.audit.cli import format_report
 from kvshare.audit.public import audit_public
 from kvshare.audit.setup import Party, Planted, Setup
-from tests.conftest import run_cli, write_public_config
-from tests.isolation.conftest import Served, serve
+from tests.support.isolation import Served, serve
+from tests.support.servers import run_cli, write_public_config
 
 PRINCIPALS = {
     "a": (["alpha"], ["read", "write"]),

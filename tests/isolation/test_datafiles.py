@@ -20,8 +20,8 @@ from policy.sealing import BlockSealer, Keyring, TenantKeys
 from replica_agent import codec
 from replica_agent.client import BlockClient
 from replica_agent.spec import ModelSpec
-from tests.conftest import read_allocated
-from tests.isolation.conftest import isolation_config, serve
+from tests.support.datafiles import read_allocated
+from tests.support.isolation import isolation_config, serve
 
 SPEC = ModelSpec(
     "iso/secret-model",

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from policy.audit import read_records
-from tests.isolation.conftest import MODEL, isolation_config, serve
+from tests.support.isolation import MODEL, isolation_config, serve
 
 BLOCK = 32 << 10
 

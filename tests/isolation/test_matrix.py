@@ -19,8 +19,8 @@ from google.protobuf import descriptor as _descriptor
 
 from kvcommon.v1 import kvshare_pb2 as pb
 from replica_agent.client import BlockClient, ClientTls
-from tests.isolation.conftest import MODEL, Served, isolation_config, serve
 from tests.support.certs import Certs
+from tests.support.isolation import MODEL, Served, isolation_config, serve
 from tests.support.rpc import METHODS, bearer, invoke
 
 

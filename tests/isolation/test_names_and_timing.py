@@ -23,7 +23,7 @@ from policy.audit import read_records
 from policy.naming import BlockNamer, derive_user_salt
 from policy.types import BlockDigest, ModelName, TenantId
 from replica_agent.hashing import BlockHasher
-from tests.isolation.conftest import MODEL, Served
+from tests.support.isolation import MODEL, Served
 
 TENANT_IDS = st.from_regex(r"[a-z0-9][a-z0-9._-]{0,62}", fullmatch=True)
 SECRET = bytes(range(32))

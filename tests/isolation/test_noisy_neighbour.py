@@ -39,8 +39,8 @@ from kvcommon import bulkwire as w
 from kvcommon.v1 import kvshare_pb2 as pb
 from kvcommon.v1 import kvshare_pb2_grpc as pb_grpc
 from replica_agent.client import BlockClient
-from tests.conftest import write_config
 from tests.support.repo import REPO
+from tests.support.servers import write_config
 
 MiB = 1 << 20
 MODEL = "noisy;fp32"

@@ -19,8 +19,8 @@ import pytest
 from kvcommon.errors import InvalidArgument, PermissionDenied
 from policy.sealing import BlockSealer, Keyring, new_key_entry
 from policy.types import PUBLIC
-from tests.conftest import TRANSPORTS, launch, write_config, write_public_config
-from tests.isolation.conftest import MODEL, Served, serve
+from tests.support.isolation import MODEL, Served, serve
+from tests.support.servers import TRANSPORTS, launch, write_config, write_public_config
 
 KiB = 1024
 PUBLIC_QUOTA = 64 * KiB

@@ -28,9 +28,9 @@ import pytest
 from cacheserver.config import StorageConfig, load_config
 from kvcommon.errors import ConfigError
 from policy.types import PUBLIC, BlockDigest, ModelName, TenantId
-from tests.conftest import Running, launch, write_public_config
-from tests.isolation.conftest import MODEL
+from tests.support.isolation import MODEL
 from tests.support.repo import REPO
+from tests.support.servers import Running, launch, write_public_config
 
 KiB, MiB = 1 << 10, 1 << 20
 PRINCIPALS = {

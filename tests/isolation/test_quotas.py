@@ -11,7 +11,7 @@ from cacheserver.config import StorageConfig
 from kvcommon.errors import ResourceExhausted
 from policy.types import BlockDigest, ModelName, TenantId
 from replica_agent.client import BlockClient
-from tests.isolation.conftest import MODEL, Served, isolation_config, serve
+from tests.support.isolation import MODEL, Served, isolation_config, serve
 
 KiB = 1 << 10
 MiB = 1 << 20

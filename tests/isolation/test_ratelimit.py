@@ -15,7 +15,7 @@ from policy.audit import read_records
 from policy.identity import Principal
 from policy.ratelimit import RateLimited, RequestRateLimiter
 from policy.types import TenantId
-from tests.isolation.conftest import MODEL, isolation_config, serve
+from tests.support.isolation import MODEL, isolation_config, serve
 
 
 class FakeClock:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import random
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import lmdb
@@ -22,55 +21,26 @@ import torch
 
 from cacheserver.tiers import PendingWrite
 from cacheserver.tiers.lmdb.records import checksum, pack_meta, unpack_meta
-from policy.sealing import BlockSealer, Keyring, SealError, TenantKeys
+from policy.sealing import BlockSealer, SealError
 from policy.types import BlockDigest, ModelName, TenantId
 from replica_agent import codec, device
 from replica_agent.agent import ReplicaAgent
-from replica_agent.spec import ModelSpec
-from tests.isolation.conftest import Served
-
-SPEC = ModelSpec(
-    "iso/model", "r1", num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", block_tokens=4
+from tests.support.isolation import Served
+from tests.support.sealed_blocks import (
+    CURRENT,
+    KEYS,
+    MODEL,
+    SPEC,
+    Sealed,
+    keyring,
+    make_blocks,
 )
-MODEL = SPEC.wire_model()
+
 TRIALS_PER_KIND = 1500
-KEYS = {name: os.urandom(32) for name in ("alpha1", "alpha2", "beta1")}
 
 
-def keyring(**tenants: dict[int, bytes]) -> Keyring:
-    return Keyring({t: TenantKeys(v) for t, v in tenants.items()})
-
-
-CURRENT = keyring(alpha={1: KEYS["alpha1"], 2: KEYS["alpha2"]}, beta={1: KEYS["beta1"]})
-V1_ONLY = keyring(alpha={1: KEYS["alpha1"]})
 RETIRED_V1 = keyring(alpha={2: KEYS["alpha2"]}, beta={1: KEYS["beta1"]})  # v1 retired
 SAME_KEY_BYTES = keyring(alpha={2: KEYS["alpha2"]}, beta={2: KEYS["alpha2"]})  # misconfigured
-
-
-@dataclass(frozen=True)
-class Sealed:
-    digest: bytes
-    tensor: torch.Tensor
-    sealed: bytes  # under alpha's primary key (v2)
-    sealed_v1: bytes  # under alpha's retired key v1
-
-
-def make_blocks(count: int, seed: int) -> list[Sealed]:
-    generator = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(count):
-        tensor = torch.randn(SPEC.block_shape, generator=generator)
-        plaintext = codec.encode_block(SPEC, tensor)
-        digest = os.urandom(32)
-        out.append(
-            Sealed(
-                digest,
-                tensor,
-                BlockSealer(CURRENT).seal("alpha", MODEL, digest, plaintext),
-                BlockSealer(V1_ONLY).seal("alpha", MODEL, digest, plaintext),
-            )
-        )
-    return out
 
 
 class DecodeCounter:
@@ -248,7 +218,7 @@ def test_a_block_rewritten_on_disk_with_a_fixed_checksum_is_still_rejected(
 ) -> None:
     """An attacker who can write the data dir rewrites a block *and* its checksum: the
     server serves it, the agent's AEAD refuses it."""
-    from tests.isolation.conftest import isolation_config, serve
+    from tests.support.isolation import isolation_config, serve
 
     tenancy = isolation_config(tmp_path)
     victim, control = make_blocks(2, seed=3)

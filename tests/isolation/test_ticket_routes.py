@@ -21,9 +21,9 @@ from kvcommon import bulkwire as w
 from kvcommon.errors import Unauthenticated
 from replica_agent.client import ClientTls
 from replica_agent.grpc_calls import GrpcCalls, Ticket
-from tests.conftest import Running, launch
-from tests.isolation.conftest import MODEL, isolation_config
 from tests.support.certs import Certs
+from tests.support.isolation import MODEL, isolation_config
+from tests.support.servers import Running, launch
 
 TIMEOUT_S = 30.0  # only failures wait on it
 

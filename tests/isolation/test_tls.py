@@ -12,9 +12,9 @@ from cacheserver.config import load_config
 from cacheserver.server import Server
 from kvcommon.errors import ConfigError
 from replica_agent.client import BlockClient, BlockStoreError, ClientTls
-from tests.conftest import ServerProcess
-from tests.isolation.conftest import MODEL, isolation_config, serve
 from tests.support.certs import Certs
+from tests.support.isolation import MODEL, isolation_config, serve
+from tests.support.servers import ServerProcess
 
 
 def _unavailable(client: BlockClient) -> None:

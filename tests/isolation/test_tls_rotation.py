@@ -17,9 +17,9 @@ from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 
 from replica_agent.client import BlockClient, ClientTls
-from tests.conftest import Running
-from tests.e2e.reload_config import MODEL, Grant, LiveConfig, digest, reload, start
 from tests.support.certs import SPIFFE, CertFiles, TestCA
+from tests.support.reload import MODEL, Grant, LiveConfig, digest, reload, start
+from tests.support.servers import Running
 
 BLOCK = b"k" * 4096
 

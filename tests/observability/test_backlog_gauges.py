@@ -12,8 +12,8 @@ from pathlib import Path
 
 from cacheserver.config import StorageConfig, TelemetryConfig
 from cacheserver.store.journal import DATA_START, MIN_CAPACITY
-from tests.conftest import Running, launch, write_config
 from tests.support.scrape import Samples, parse, scrape_text, value
+from tests.support.servers import Running, launch, write_config
 
 MODEL = "obs/model@r1;fp32;L2;H2;D8;B4;tp0/1"
 BLOCK_BYTES = 64 << 10

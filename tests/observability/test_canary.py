@@ -30,8 +30,8 @@ from replica_agent.agent import ReplicaAgent
 from replica_agent.client import BlockClient
 from replica_agent.spec import ModelSpec
 from replica_agent.telemetry import AgentTelemetry
-from tests.conftest import write_config
 from tests.support.scrape import scrape_text
+from tests.support.servers import write_config
 
 SPEC = ModelSpec(
     model_id="t/canary-model-id", revision="r", num_layers=2, num_kv_heads=2, head_dim=8,

@@ -22,7 +22,7 @@ from cacheserver.config import StorageConfig, TelemetryConfig
 from cacheserver.server import SERVICE_NAME
 from cacheserver.store.journal import sizing
 from kvcommon.errors import KvshareError
-from tests.conftest import launch, write_config
+from tests.support.servers import launch, write_config
 
 MODEL = "obs/model@r1;fp32;L2;H2;D8;B4;tp0/1"
 SERVING = health_pb2.HealthCheckResponse.SERVING

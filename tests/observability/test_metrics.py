@@ -16,8 +16,9 @@ from cacheserver.telemetry import ServerTelemetry
 from cacheserver.telemetry_export import MAX_METRICS_CONNECTIONS, METRICS_CONNECTION_TIMEOUT_S
 from kvcommon.errors import ResourceExhausted
 from replica_agent.client import BlockClient
-from tests.conftest import ServerProcess, flip_stored_byte, launch, write_config
+from tests.support.datafiles import flip_stored_byte
 from tests.support.scrape import Samples, Series, parse, scrape_text, settled, value
+from tests.support.servers import ServerProcess, launch, write_config
 
 MODEL = "obs/model@r1;fp32;L2;H2;D8;B4;tp0/1"
 SIZES = (1000, 2000, 3000, 4000)  # 10000 payload bytes per workload

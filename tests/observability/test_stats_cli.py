@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import launch, run_cli, write_config
+from tests.support.servers import launch, run_cli, write_config
 
 pytestmark = pytest.mark.slow  # every test here takes seconds
 

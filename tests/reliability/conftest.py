@@ -4,7 +4,7 @@ written here, their put journal in a private tmpfs directory removed afterwards.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -17,9 +17,7 @@ from benchmarks.reliability.harness import (
     private_journal_dir,
     write_tenancy,
 )
-
-Storage = Mapping[str, int | bool | str]
-Serve = Callable[..., tuple[ServerProc, Tenancy]]
+from tests.support.reliability import Serve, Storage
 
 
 @pytest.fixture

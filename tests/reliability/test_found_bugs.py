@@ -14,7 +14,7 @@ import pytest
 
 from benchmarks.reliability.harness import PrincipalSpec, TenantSpec
 from replica_agent.client import BlockClient
-from tests.reliability.conftest import Serve
+from tests.support.reliability import Serve
 
 MODEL = "rel/bugs@r1;L2"
 BLOCK = 6 << 10

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.sglang.conftest import (
+from tests.support.sglang_hicache import (
     PAGE,
     Store,
     attach,

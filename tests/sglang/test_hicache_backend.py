@@ -19,8 +19,9 @@ import torch
 from kvcommon.errors import ConfigError
 from replica_agent.adapters.sglang import KVShareHiCacheStorage
 from replica_agent.client import BlockClient
-from tests.conftest import ServerProcess, write_engine_files
-from tests.sglang.conftest import (
+from tests.support.repo import REPO
+from tests.support.servers import ServerProcess, write_engine_files
+from tests.support.sglang_hicache import (
     PAGE,
     Store,
     attach,
@@ -31,7 +32,6 @@ from tests.sglang.conftest import (
     page_keys,
     store_config,
 )
-from tests.support.repo import REPO
 
 PROMPT = list(range(1000, 1000 + 4 * PAGE))  # four pages of tokens
 

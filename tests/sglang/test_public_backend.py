@@ -22,15 +22,9 @@ from sglang.srt.mem_cache.utils import storage_namespace_seed
 from kvcommon.errors import ConfigError
 from policy.sealing import new_key_entry
 from replica_agent.public import CATALOGUE_DIGEST, PUBLIC_SCOPE
-from tests.conftest import (
-    launch,
-    puts,
-    record_calls,
-    sent_to,
-    write_engine_files,
-    write_public_config,
-)
-from tests.sglang.conftest import (
+from tests.support.calls import puts, record_calls, sent_to
+from tests.support.servers import launch, write_engine_files, write_public_config
+from tests.support.sglang_hicache import (
     PAGE,
     Store,
     attach,

@@ -19,7 +19,7 @@ import torch
 
 from policy.sealing import new_key_entry
 from replica_agent.client import BlockClient
-from tests.sglang.conftest import (
+from tests.support.sglang_hicache import (
     PAGE,
     Store,
     attach,

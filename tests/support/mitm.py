@@ -22,8 +22,11 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from cacheserver.config import BulkConfig
 from kvcommon import bulkio
 from kvcommon import bulkwire as w
+from tests.support.certs import Certs
+from tests.support.servers import Running, Tenancy, launch
 
 FRAME = "frame"  # a plan item: one frame (u32 length, then that many bytes)
 C2S, S2C = "c2s", "s2c"
@@ -186,3 +189,11 @@ def flip(segment: bytes, position: int) -> bytes:
     changed = bytearray(segment)
     changed[position] ^= 0x01
     return bytes(changed)
+
+
+def start_behind(mitm: Mitm, tenancy: Tenancy, certs: Certs | None) -> Running:
+    """A server that announces the relay as its bulk address; the relay leads to it."""
+    running = launch(tenancy, certs, bulk=BulkConfig(advertise=mitm.address))
+    assert running.server.server is not None and running.server.server.bulk is not None
+    mitm.start(running.server.server.bulk.address)
+    return running

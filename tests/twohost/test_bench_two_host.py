@@ -15,7 +15,7 @@ import pytest
 
 from kvshare.bench import netns
 from tests.support.repo import REPO
-from tests.twohost.test_netns import namespaces
+from tests.support.twohost import namespaces
 
 pytestmark = pytest.mark.slow  # every test here takes seconds
 

@@ -15,6 +15,7 @@ import pytest
 from kvshare.bench import netns
 from kvshare.bench.netns import RigError, TwoHosts
 from tests.support.repo import REPO
+from tests.support.twohost import namespaces
 
 ECHO_SERVER = (
     "import socket; s = socket.socket(); s.bind(('0.0.0.0', 7000)); s.listen(); "
@@ -29,11 +30,6 @@ HOLD_A_RIG = (
     "with netns.two_hosts() as rig:\n"
     "    print(rig.server.namespace, rig.client.namespace, flush=True); time.sleep(600)\n"
 )
-
-
-def namespaces() -> set[str]:
-    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True)
-    return {line.split()[0] for line in listing.stdout.splitlines() if line.strip()}
 
 
 def test_the_client_reaches_the_server_over_the_veth_and_nothing_else(rig: TwoHosts) -> None:

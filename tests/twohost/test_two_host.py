@@ -18,11 +18,11 @@ import pytest
 
 from kvshare.bench.netns import TwoHosts
 from policy.sealing import new_key_entry
-from tests.conftest import write_config
 from tests.support.certs import TestCA
 from tests.support.repo import REPO
 from tests.support.scrape import Samples, value
-from tests.twohost.conftest import RemoteServer, replica_command, run_in
+from tests.support.servers import write_config
+from tests.support.twohost import RemoteServer, replica_command, run_in
 
 pytestmark = pytest.mark.slow  # every test here takes seconds
 

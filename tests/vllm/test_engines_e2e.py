@@ -32,7 +32,7 @@ from replica_agent.client import BlockClient
 from replica_agent.codec import decode_block
 from replica_agent.hashing import BlockHasher
 from replica_agent.spec import ModelSpec
-from tests.vllm.conftest import Store, start_store
+from tests.support.vllm_store import Store, start_store
 
 pytestmark = pytest.mark.timeout(900)
 BLOCK = 256  # store block tokens: two of vLLM's 128-token CPU blocks

@@ -32,7 +32,7 @@ from policy.sealing import BlockSealer, Keyring, new_key_entry
 from replica_agent.client import BlockClient
 from replica_agent.hashing import BlockHasher
 from replica_agent.public import PUBLIC_SCOPE, plan_chain, write_catalogue
-from tests.conftest import write_engine_files, write_public_config
+from tests.support.servers import write_engine_files, write_public_config
 
 pytestmark = pytest.mark.timeout(900)
 BLOCK = 256  # store block tokens: two of vLLM's 128-token CPU blocks

@@ -25,7 +25,7 @@ from kvshare.demo.vllm_engine import EngineProcess, Output, Prompt, write_tiny_l
 from policy.sealing import new_key_entry
 from replica_agent.client import BlockClient
 from replica_agent.hashing import BlockHasher
-from tests.vllm.conftest import Store, start_store
+from tests.support.vllm_store import Store, start_store
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 BLOCK = 256  # store block tokens: two of vLLM's 128-token CPU blocks

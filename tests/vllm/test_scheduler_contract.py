@@ -34,8 +34,8 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from replica_agent.adapters.vllm import KVShareConnector, KVShareMetadata
 from replica_agent.hashing import BlockHasher
-from tests.conftest import free_port
-from tests.vllm.conftest import CONFIG_DIR, Store
+from tests.support.servers import free_port
+from tests.support.vllm_store import CONFIG_DIR, Store
 
 BLOCK, STORE_BLOCK, PROMPT = 16, 32, 100  # 3 full store blocks; 96 tokens loadable
 

@@ -37,20 +37,7 @@ from policy.config_text import (
     key_line,
 )
 from policy.identity import Action
-
-MINIMAL = f"""listen = "127.0.0.1:50051"
-data_dir = "./kvshare-data"
-
-[[tenants]]
-id = "acme"
-quota_bytes = 1073741824
-
-[[principals]]
-name = "replica-a"
-token_sha256 = "{hashlib.sha256(b"t").hexdigest()}"
-tenants = ["acme"]
-actions = ["read", "write"]
-"""
+from tests.support.configs import MINIMAL
 
 
 def load(tmp_path: Path, text: str) -> object:

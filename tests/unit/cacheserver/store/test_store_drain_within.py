@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from cacheserver.store import BlockStore
-from tests.unit.cacheserver.store.test_store_facade import TAG, A, FillSource, keys, storage
+from tests.support.block_store import TAG, A, FillSource, keys, storage
 
 BUSY_S = 1.5
 

@@ -15,54 +15,13 @@ from typing import Any
 import pytest
 
 from cacheserver.blocks import BytesSource
-from cacheserver.config import StorageConfig
 from cacheserver.store import BlockStore
 from cacheserver.tiers import Capability, LocalCopies, Tier
 from cacheserver.tiers.lmdb.tier import LmdbTier
 from kvcommon.errors import ResourceExhausted, Unavailable
-from policy.types import ModelTag, StorageKey, TenantId
-from tests.conftest import flip_stored_byte
-
-KiB, MiB = 1 << 10, 1 << 20
-A, B = TenantId("alpha"), TenantId("beta")
-TAG, OTHER_TAG = ModelTag(bytes(16)), ModelTag(bytes(range(16)))
-
-
-class FillSource:
-    """A source that writes its bytes into the store's target, as the bulk channel does."""
-
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-        self.skipped = False
-
-    @property
-    def size(self) -> int:
-        return len(self.data)
-
-    def payload(self) -> None:
-        return None
-
-    def fill(self, target: memoryview) -> None:
-        target[:] = self.data
-
-    def skip(self) -> None:
-        self.skipped = True
-
-
-def keys(n: int) -> list[StorageKey]:
-    return [StorageKey(os.urandom(32)) for _ in range(n)]
-
-
-def storage(tmp_path: Path, journaled: bool, **overrides: int) -> StorageConfig:
-    settings: dict[str, int | str] = {
-        "memory_budget_bytes": 4 * MiB,
-        "disk_budget_bytes": 64 * MiB,
-        "journal_bytes": 16 * MiB if journaled else 0,
-        "journal_dir": str(tmp_path / "journal"),
-        "sync_interval_ms": 0,
-    }
-    settings.update(overrides)
-    return StorageConfig(**settings)  # type: ignore[arg-type]
+from policy.types import StorageKey, TenantId
+from tests.support.block_store import OTHER_TAG, TAG, A, B, FillSource, KiB, MiB, keys, storage
+from tests.support.datafiles import flip_stored_byte
 
 
 def open_store(

@@ -33,7 +33,7 @@ from replica_agent.public import (
     write_catalogue,
 )
 from replica_agent.telemetry import AgentTelemetry
-from tests.conftest import Running, launch, write_public_config
+from tests.support.servers import Running, launch, write_public_config
 
 MODEL = "m@r;fp32;L2;H2;D8;B32;tp0/1"
 BT, BS = 32, 16  # store block: 2 vLLM blocks

@@ -11,7 +11,7 @@ from cacheserver.config import ServerConfig, load_config
 from cacheserver.tiers.cluster.config import DEFAULT_KEY_PREFIX
 from cacheserver.tiers.cluster.credentials import read_password
 from kvcommon.errors import ConfigError
-from tests.unit.cacheserver.config.test_config import MINIMAL
+from tests.support.configs import MINIMAL
 
 # The [redis_cluster] example of docs/design.md §6.
 DESIGN_EXAMPLE = """

@@ -12,7 +12,7 @@ from cacheserver.tiers import PendingWrite, Position
 from cacheserver.tiers.lmdb.tier import LmdbTier
 from kvcommon.errors import ResourceExhausted
 from policy.types import ModelTag, StorageKey, TenantId
-from tests.conftest import flip_stored_byte
+from tests.support.datafiles import flip_stored_byte
 
 MiB = 1 << 20
 A, B = TenantId("alpha"), TenantId("beta")

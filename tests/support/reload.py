@@ -15,7 +15,7 @@ from cacheserver.reload import ConfigSource
 from kvcommon.v1 import kvshare_pb2 as pb
 from kvshare.reload_cli import request_reload
 from replica_agent.client import ClientTls
-from tests.conftest import Running, Tenancy, launch
+from tests.support.servers import Running, Tenancy, launch
 
 MODEL = "reload/model@r1;fp32;L2;H2;D8;B4;tp0/1"
 

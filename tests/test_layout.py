@@ -1,6 +1,7 @@
 """The suite's layout: the product never imports the tests, tests/unit mirrors the
-product's packages, and every directory of tests is a package (so two test files of one
-name in different directories are two modules, never a collision)."""
+product's packages, every directory of tests is a package (so two test files of one
+name in different directories are two modules, never a collision), and what tests share
+is in tests/support/: no test file or conftest imports a test file or a conftest."""
 
 from __future__ import annotations
 
@@ -140,3 +141,62 @@ def test_the_layout_checks_see_a_stray_directory_and_a_missing_init(tmp_path: Pa
         "tests/unit/test_loose.py: belongs in tests/unit/<package>/...",
     ]
     assert missing_packages(tmp_path / "tests") == ["tests/e2e", "tests/unit/docs"]
+
+
+def imports_of_tests(tests: Path) -> list[str]:
+    """Imports, in any file under `tests`, of a test module (`test_*`) or a conftest:
+    what files share belongs in tests/support/ (a conftest keeps only fixtures)."""
+    found = []
+    for path in python_files(tests):
+        package = path.relative_to(tests.parent).parent.parts
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = ".".join(package[: len(package) - node.level + 1])
+                parent = f"{base}.{node.module}" if node.module else base
+                modules = [parent] + [f"{parent}.{alias.name}" for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                modules = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+            elif isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            else:
+                continue
+            found += [
+                f"{path.relative_to(tests.parent)}:{node.lineno}: imports {module}"
+                for module in modules
+                if module.split(".")[0] == "tests"
+                and (
+                    module.rsplit(".", 1)[-1].startswith("test_")
+                    or module.rsplit(".", 1)[-1] == "conftest"
+                )
+            ]
+    return found
+
+
+def test_no_test_file_imports_another_test_file_or_a_conftest() -> None:
+    found = imports_of_tests(REPO / "tests")
+    assert not found, "move what is shared into tests/support/:\n" + "\n".join(found)
+
+
+def test_the_shared_import_check_sees_each_form(tmp_path: Path) -> None:
+    """Positive control, on a made-up tree: absolute, relative and `from package import
+    module` imports of a test file or a conftest are reported; tests.support is not."""
+    (tmp_path / "tests/e2e").mkdir(parents=True)
+    (tmp_path / "tests/e2e/test_user.py").write_text(
+        "from tests.conftest import launch\n"
+        "from tests.e2e.test_bulk import open_bulk\n"
+        "from tests.e2e import test_vllm_store as vllm\n"
+        "import tests.isolation.conftest\n"
+        "from .conftest import MODEL\n"
+        "from . import test_other\n"
+        "from ..support.servers import launch\n"
+        "from tests.support.servers import Running\n"
+        "from tests.support import bulk\n"
+    )
+    assert imports_of_tests(tmp_path / "tests") == [
+        "tests/e2e/test_user.py:1: imports tests.conftest",
+        "tests/e2e/test_user.py:2: imports tests.e2e.test_bulk",
+        "tests/e2e/test_user.py:3: imports tests.e2e.test_vllm_store",
+        "tests/e2e/test_user.py:4: imports tests.isolation.conftest",
+        "tests/e2e/test_user.py:5: imports tests.e2e.conftest",
+        "tests/e2e/test_user.py:6: imports tests.e2e.test_other",
+    ]

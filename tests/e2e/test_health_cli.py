@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 from grpc_health.v1 import health_pb2
 
 from cacheserver.config import TlsFiles
@@ -63,6 +64,7 @@ def test_unknown_service_and_no_server_exit_non_zero(tenant_server: Running) -> 
     assert err.startswith(f"kvshare health: {closed}: no answer (") and err.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_tls_server(tmp_path: Path, certs: Any) -> None:
     tls = TlsFiles(certs.server.cert, certs.server.key, None)
     with launch(write_config(tmp_path), certs, tls=tls) as running:

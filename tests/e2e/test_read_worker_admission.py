@@ -23,6 +23,8 @@ from policy.audit import read_records
 from tests.support.bulk_workers import assembly, pair, served_by_workers, wait_in_lmdb
 from tests.support.servers import Running
 
+pytestmark = pytest.mark.slow  # every test here takes seconds
+
 MODEL = "workers/model"
 PRINCIPALS = {
     "a": (["alpha"], ["read", "write"]),

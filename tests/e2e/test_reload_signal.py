@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from replica_agent.client import BlockClient
 from tests.support.reload import MODEL, Grant, LiveConfig, digest, seconds_until
 from tests.support.repo import REPO
@@ -71,6 +73,7 @@ def test_sighup_reloads_and_never_kills_the_server(tmp_path: Path) -> None:
     assert all("kvshare.toml:" in line and "not valid TOML" in line for line in refused)
 
 
+@pytest.mark.slow
 def test_admin_reload_prints_the_outcome(tmp_path: Path) -> None:
     live = three(tmp_path)
     live.write()

@@ -119,8 +119,10 @@ class BlockClient:
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             # The store sits next to the replicas: after it restarts, reconnect within
             # a second or two instead of gRPC's default backoff of up to two minutes.
+            # Not grpc.min_reconnect_backoff_ms: gRPC takes it as the time a connection
+            # attempt may take (20 s by default), and at 250 ms a TLS handshake with a
+            # busy server failed, and every call with it (UNAVAILABLE at once).
             ("grpc.initial_reconnect_backoff_ms", 250),
-            ("grpc.min_reconnect_backoff_ms", 250),
             ("grpc.max_reconnect_backoff_ms", 2000),
             *balancing_options(address),
             *options,

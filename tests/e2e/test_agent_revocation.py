@@ -10,32 +10,24 @@ arena, which the server shuts for a revoked principal).
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from replica_agent.adapters.hf import blocks_from_cache, prefill, spec_for
-from replica_agent.adapters.hf_tiny import TinyLlama, tiny_llama
+from replica_agent.adapters.hf_tiny import TinyLlama
 from replica_agent.agent import PrefixMatch, ReplicaAgent
 from replica_agent.breaker import CircuitBreaker
 from replica_agent.credentials import TokenFile
+from tests.support.credential_files import write_secret
 from tests.support.reload import Grant, LiveConfig, reload, seconds_until, start
+from tests.support.replicas import prefix_blocks, small_model, tiny_spec
 from tests.support.servers import Running
 
 BLOCK = 8
 RW = ["read", "write"]
 PROMPT = [(i * 11 + 3) % 256 for i in range(3 * BLOCK)]
-
-
-def write_secret(path: Path, text: str) -> None:
-    new = path.with_name(path.name + ".new")
-    fd = os.open(new, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-    new.replace(path)
 
 
 @pytest.fixture
@@ -55,15 +47,7 @@ def running(live: LiveConfig) -> Iterator[Running]:
 
 @pytest.fixture(scope="module")
 def model() -> TinyLlama:
-    return tiny_llama(
-        9,
-        num_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_kv_heads=2,
-        intermediate_size=128,
-        vocab_size=256,
-    )
+    return small_model(9)
 
 
 def test_a_revoked_replica_serves_misses_with_one_log_line_and_a_new_token_recovers(
@@ -73,14 +57,13 @@ def test_a_revoked_replica_serves_misses_with_one_log_line_and_a_new_token_recov
     tmp_path: Path,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    spec = spec_for(model, model_id="t/tiny", revision="r1", block_tokens=BLOCK)
+    spec = tiny_spec(model, BLOCK)
     token_file = tmp_path / "token"
     write_secret(token_file, running.tokens["replica"])
     tokens = TokenFile(token_file, check_interval_s=0.0, settle_s=0.0)
     breaker = CircuitBreaker(failure_threshold=1, cooldown_s=0.05)
     agent = ReplicaAgent.connect(running.address, tokens, spec, breaker=breaker)
-    _, cache = prefill(model, PROMPT)
-    kv = blocks_from_cache(cache, spec, 0, len(PROMPT) // BLOCK)
+    kv = prefix_blocks(model, spec, PROMPT)
     digests = agent.digests(PROMPT)
     assert agent.save("alpha", digests, kv) and agent.flush()
     assert len(agent.load(agent.match("alpha", digests))) == 3  # a bulk connection is open

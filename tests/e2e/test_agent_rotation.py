@@ -9,7 +9,6 @@ operator does: a new file renamed over the old one.
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,28 +17,17 @@ import pytest
 import torch
 
 from policy.sealing import new_key_entry
-from replica_agent.adapters.hf import blocks_from_cache, prefill, spec_for
-from replica_agent.adapters.hf_tiny import TinyLlama, tiny_llama
+from replica_agent.adapters.hf_tiny import TinyLlama
 from replica_agent.agent import ReplicaAgent
 from replica_agent.breaker import CircuitBreaker
 from replica_agent.credentials import KeyringFileSealer, TokenFile
 from replica_agent.spec import ModelSpec
+from tests.support.credential_files import write_secret
+from tests.support.replicas import prefix_blocks, small_model, tiny_spec
 from tests.support.servers import Running, launch, write_config
 
 BLOCK = 8
 VOCAB = 256
-
-
-def small_model(seed: int) -> TinyLlama:
-    return tiny_llama(
-        seed,
-        num_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_kv_heads=2,
-        intermediate_size=128,
-        vocab_size=VOCAB,
-    )
 
 
 RW = ["read", "write"]
@@ -48,14 +36,6 @@ RW = ["read", "write"]
 def token_file_at_once(path: Path) -> TokenFile:
     """Checked on every call, taken at once: the test controls when files change."""
     return TokenFile(path, check_interval_s=0.0, settle_s=0.0)
-
-
-def write_secret(path: Path, text: str) -> None:
-    new = path.with_name(path.name + ".new")
-    fd = os.open(new, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-    new.replace(path)
 
 
 @pytest.fixture(scope="module")
@@ -79,12 +59,11 @@ def server(tmp_path: Path) -> Iterator[Running]:
 
 
 def spec_of(model: TinyLlama) -> ModelSpec:
-    return spec_for(model, model_id="t/tiny", revision="r1", block_tokens=BLOCK)
+    return tiny_spec(model, BLOCK)
 
 
 def computed(model: TinyLlama, prompt: list[int]) -> list[torch.Tensor]:
-    _, cache = prefill(model, prompt)
-    return blocks_from_cache(cache, spec_of(model), 0, len(prompt) // BLOCK)
+    return prefix_blocks(model, spec_of(model), prompt)
 
 
 def prompt(seed: int) -> list[int]:

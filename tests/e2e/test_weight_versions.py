@@ -19,8 +19,7 @@ import pytest
 import torch
 
 from kvcommon.errors import ConfigError
-from replica_agent.adapters.hf import blocks_from_cache, prefill, spec_for
-from replica_agent.adapters.hf_tiny import TinyLlama, tiny_llama
+from replica_agent.adapters.hf_tiny import TinyLlama
 from replica_agent.adapters.hf_weights import weights_fingerprint
 from replica_agent.adapters.settings import parse_store_settings
 from replica_agent.adapters.sglang_pages import HostPages, PageStore, namespace_spec
@@ -33,22 +32,11 @@ from replica_agent.breaker import CircuitBreaker
 from replica_agent.gate import StoreGate, StoreStats
 from replica_agent.spec import ModelSpec
 from replica_agent.telemetry import AgentTelemetry
+from tests.support.replicas import prefix_blocks, small_model, tiny_spec
 from tests.support.servers import Running
 
 BLOCK = 8
 VOCAB = 256
-
-
-def small_model(seed: int) -> TinyLlama:
-    return tiny_llama(
-        seed,
-        num_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_kv_heads=2,
-        intermediate_size=128,
-        vocab_size=VOCAB,
-    )
 
 
 PROMPT = [(i * 13 + 5) % VOCAB for i in range(3 * BLOCK)]
@@ -74,8 +62,7 @@ def agent_for(server: Running, spec: ModelSpec) -> ReplicaAgent:
 
 def save_prefix(server: Running, model: TinyLlama, spec: ModelSpec) -> list[torch.Tensor]:
     writer = agent_for(server, spec)
-    _, cache = prefill(model, PROMPT)
-    kv = blocks_from_cache(cache, spec, 0, len(PROMPT) // BLOCK)
+    kv = prefix_blocks(model, spec, PROMPT)
     assert writer.save("alpha", writer.digests(PROMPT), kv) and writer.flush()
     writer.close()
     return kv
@@ -92,9 +79,7 @@ def loaded(server: Running, spec: ModelSpec) -> tuple[int, int]:
 
 
 def spec_of(model: TinyLlama, weight_version: str | None = None) -> ModelSpec:
-    return spec_for(
-        model, model_id="t/tiny", revision="r1", block_tokens=BLOCK, weight_version=weight_version
-    )
+    return tiny_spec(model, BLOCK, weight_version)
 
 
 def test_a_fine_tune_under_the_same_revision_never_loads_the_old_weights_blocks(

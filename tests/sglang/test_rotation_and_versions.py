@@ -7,7 +7,6 @@ one; the backend notices within its check interval (a second), without a restart
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import time
 from collections.abc import Callable
@@ -19,6 +18,7 @@ import torch
 
 from policy.sealing import new_key_entry
 from replica_agent.client import BlockClient
+from tests.support.credential_files import write_secret
 from tests.support.sglang_hicache import (
     PAGE,
     Store,
@@ -34,14 +34,6 @@ pytestmark = pytest.mark.slow  # waits out the backend's one-second check interv
 PROMPT = list(range(2000, 2000 + 4 * PAGE))
 OTHER = list(range(5000, 5000 + 4 * PAGE))
 TAKEN_S = 1.5  # past the check interval (1 s) and the settle time (0.2 s)
-
-
-def write_secret(path: Path, text: str) -> None:
-    new = path.with_name(path.name + ".new")
-    fd = os.open(new, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-    new.replace(path)
 
 
 def rotate(path: Path, text: str) -> None:

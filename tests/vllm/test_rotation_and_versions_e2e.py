@@ -11,7 +11,6 @@ this machine: one pair serves the module, and the tests run in file order.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -25,19 +24,12 @@ from kvshare.demo.vllm_engine import EngineProcess, Output, Prompt, write_tiny_l
 from policy.sealing import new_key_entry
 from replica_agent.client import BlockClient
 from replica_agent.hashing import BlockHasher
+from tests.support.credential_files import write_secret
 from tests.support.vllm_store import Store, start_store
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 BLOCK = 256  # store block tokens: two of vLLM's 128-token CPU blocks
 TAKEN_S = 1.5  # past the connector's check interval (1 s) and settle time (0.2 s)
-
-
-def write_secret(path: Path, text: str) -> None:
-    new = path.with_name(path.name + ".new")
-    fd = os.open(new, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-    new.replace(path)
 
 
 def until(condition: Callable[[], bool], limit_s: float = 60.0) -> None:

@@ -13,18 +13,9 @@ import pytest
 from kvcommon.errors import ConfigError
 from policy.sealing import BlockSealer, Keyring, SealError, new_key_entry
 from replica_agent.credentials import KeyringFileSealer, TokenFile
+from tests.support.credential_files import write_secret
 
 MODEL, DIGEST = "m@r;fp32;L1;H1;D1;B1;tp0/1", bytes(32)
-
-
-def write_secret(path: Path, text: str, *, mode: int = 0o600) -> None:
-    """As an operator rotates: a new file renamed over the old one (atomic)."""
-    new = path.with_name(path.name + ".new")
-    fd = os.open(new, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-    new.chmod(mode)
-    new.replace(path)
 
 
 class Clock:

@@ -10,21 +10,14 @@ from typing import Any
 import pytest
 import torch
 
-from replica_agent.adapters.hf_tiny import TinyLlama, tiny_llama
+from replica_agent.adapters.hf_tiny import TinyLlama
 from replica_agent.adapters.hf_weights import FINGERPRINT_PREFIX, weights_fingerprint
 from replica_agent.spec import ModelSpec
+from tests.support.replicas import small_model
 
 
 def small(seed: int = 0) -> TinyLlama:
-    return tiny_llama(
-        seed,
-        num_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_kv_heads=2,
-        intermediate_size=128,
-        vocab_size=128,
-    )
+    return small_model(seed, vocab_size=128)
 
 
 def test_the_same_weights_give_the_same_version_and_it_fits_a_spec() -> None:

@@ -16,6 +16,7 @@ from cacheserver.store.journal.files import JOURNAL_NAME, SHM, remove_journal
 from cacheserver.store.journal.format import SUPERBLOCK_READ_BYTES, owner_of
 from kvcommon import bulkio
 from tests.support.certs import Certs, make_certs
+from tests.support.reload import LiveConfig, start
 from tests.support.servers import (
     TRANSPORTS,
     Running,
@@ -123,6 +124,14 @@ def tenant_server(tmp_path: Path) -> Iterator[Running]:
         yield running
     finally:
         running.stop()
+
+
+@pytest.fixture
+def running(live: LiveConfig) -> Iterator[Running]:
+    """The server started from the test module's `live` config, which it reloads
+    (tests.support.reload.start); a module that asks for it defines the `live` fixture."""
+    with start(live) as server:
+        yield server
 
 
 @pytest.fixture(scope="session")

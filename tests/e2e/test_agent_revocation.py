@@ -10,7 +10,6 @@ arena, which the server shuts for a revoked principal).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ from replica_agent.agent import PrefixMatch, ReplicaAgent
 from replica_agent.breaker import CircuitBreaker
 from replica_agent.credentials import TokenFile
 from tests.support.credential_files import write_secret
-from tests.support.reload import Grant, LiveConfig, reload, seconds_until, start
+from tests.support.reload import Grant, LiveConfig, reload, seconds_until
 from tests.support.replicas import prefix_blocks, small_model, tiny_spec
 from tests.support.servers import Running
 
@@ -37,12 +36,6 @@ def live(tmp_path: Path) -> LiveConfig:
         {"alpha": 0},
         {"replica": Grant(["alpha"], RW), "root": Grant(["alpha"], [*RW, "admin"])},
     )
-
-
-@pytest.fixture
-def running(live: LiveConfig) -> Iterator[Running]:
-    with start(live) as server:
-        yield server
 
 
 @pytest.fixture(scope="module")

@@ -43,12 +43,6 @@ def live(tmp_path: Path) -> LiveConfig:
     return three_principals(tmp_path)
 
 
-@pytest.fixture
-def running(live: LiveConfig) -> Iterator[Running]:
-    with start(live) as server:
-        yield server
-
-
 def serves(running: Running, who: str, tenant: str, label: str, **client: object) -> bool:
     """`who` can put and read back a block in `tenant` (the positive control)."""
     with running.client(who, **client) as c:  # type: ignore[arg-type]

@@ -8,7 +8,6 @@ What stays restart-only: tests/unit/cacheserver/test_reload_checks.py."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -40,12 +39,6 @@ def config(directory: Path, limits: str = "") -> LiveConfig:
 @pytest.fixture
 def live(tmp_path: Path) -> LiveConfig:
     return config(tmp_path)
-
-
-@pytest.fixture
-def running(live: LiveConfig) -> Iterator[Running]:
-    with start(live) as server:
-        yield server
 
 
 def stored(running: Running) -> list[bytes]:

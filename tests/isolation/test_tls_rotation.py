@@ -8,7 +8,6 @@ from __future__ import annotations
 import re
 import socket
 import ssl
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -18,7 +17,7 @@ from cryptography.hazmat.primitives.serialization import Encoding
 
 from replica_agent.client import BlockClient, ClientTls
 from tests.support.certs import SPIFFE, CertFiles, TestCA
-from tests.support.reload import MODEL, Grant, LiveConfig, digest, reload, start
+from tests.support.reload import MODEL, Grant, LiveConfig, digest, reload
 from tests.support.servers import Running
 
 BLOCK = b"k" * 4096
@@ -60,12 +59,6 @@ def live(tmp_path: Path, cas: Cas) -> LiveConfig:
         tls_table(cas.old_server, cas.old.cert_path),
         CERT_PRINCIPAL,
     )
-
-
-@pytest.fixture
-def running(live: LiveConfig) -> Iterator[Running]:
-    with start(live) as server:
-        yield server
 
 
 def served_certificate(address: str, ca: Path, client: CertFiles, *, alpn: bool) -> bytes:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,6 +17,7 @@ import pytest
 from cacheserver.config import StorageConfig
 from cacheserver.store.journal import default_journal_path
 from tests.support.servers import launch, write_config
+from tests.support.tmpfs import small_tmpfs as mounted_tmpfs
 
 MiB = 1 << 20
 MODEL = "sizing/model@r1;fp32;L2;H2;D8;B4;tp0/1"
@@ -27,21 +27,8 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture
 def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
     """A 32 MiB tmpfs of its own (root only: mount)."""
-    where = tmp_path / "shm"
-    where.mkdir()
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("needs root and mount(8) to make a small tmpfs")
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=32m,mode=0700", "tmpfs", str(where)],
-        capture_output=True,
-        text=True,
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"mounting a tmpfs is not permitted here: {mounted.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "shm", 32, "to make a small tmpfs") as where:
         yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], capture_output=True)
 
 
 def test_default_journal_is_fitted_to_a_small_tmpfs(

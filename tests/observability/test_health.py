@@ -7,8 +7,6 @@ with a filler file. Needs root and mount (skipped with the reason otherwise).
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +21,7 @@ from cacheserver.server import SERVICE_NAME
 from cacheserver.store.journal import sizing
 from kvcommon.errors import KvshareError
 from tests.support.servers import launch, write_config
+from tests.support.tmpfs import small_tmpfs
 
 MODEL = "obs/model@r1;fp32;L2;H2;D8;B4;tp0/1"
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -31,21 +30,8 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
-    mount_point = tmp_path / "disk"
-    mount_point.mkdir()
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("needs root and mount(8) to put the data dir on a small tmpfs")
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=16m,mode=0700", "tmpfs", str(mount_point)],
-        capture_output=True,
-        text=True,
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"mounting a tmpfs is not permitted here: {mounted.stderr.strip()}")
-    try:
-        yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], capture_output=True)
+    with small_tmpfs(tmp_path / "disk", 16, "to put the data dir on a small tmpfs") as where:
+        yield where
 
 
 def fill(path: Path) -> None:

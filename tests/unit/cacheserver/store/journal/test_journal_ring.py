@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +21,7 @@ from cacheserver.store.journal import (
 )
 from cacheserver.tiers import Position
 from policy.types import ModelTag, StorageKey, TenantId
+from tests.support.tmpfs import small_tmpfs as mounted_tmpfs
 
 TAG = ModelTag(bytes(range(16)))
 
@@ -249,16 +249,8 @@ def test_records_finished_behind_a_reservation_are_covered_once_it_is_given_up(
 @pytest.fixture
 def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
     """A 24 MiB tmpfs of its own (root only: mount)."""
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("needs root to mount a tmpfs")
-    where = tmp_path / "tmpfs"
-    where.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(where)]).returncode:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
+    with mounted_tmpfs(tmp_path / "tmpfs", 24, "to mount a tmpfs") as where:
         yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=False)
 
 
 def test_the_prefaulter_takes_the_space_it_makes_and_stops_where_tmpfs_is_full(

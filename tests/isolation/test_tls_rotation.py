@@ -99,8 +99,7 @@ def test_a_reload_rotates_the_certificate_key_and_client_ca(
 
     live.extra = tls_table(cas.new_server, cas.new.cert_path)
     live.write()
-    admin_tls = ClientTls(cas.both, cas.old_client.cert, cas.old_client.key)
-    reply = reload(running, live, tls=admin_tls)
+    reply = reload(running, live, tls=admin_tls(cas))
     assert reply.applied, reply.message
 
     # New handshakes, on both ports, show the new certificate.
@@ -124,33 +123,40 @@ def test_a_reload_rotates_the_certificate_key_and_client_ca(
     assert (code() if callable(code) else code) == grpc.StatusCode.UNAVAILABLE
 
 
-def test_a_reload_with_an_unreadable_key_keeps_the_old_certificate(
-    running: Running, live: LiveConfig, cas: Cas, tmp_path: Path
-) -> None:
-    live.extra = tls_table(
-        CertFiles(cas.new_server.cert, tmp_path / "missing.key"), cas.new.cert_path
-    )
+def admin_tls(cas: Cas) -> ClientTls:
+    """The admin's mTLS for Reload: a client certificate of the CA the server trusts first."""
+    return ClientTls(cas.both, cas.old_client.cert, cas.old_client.key)
+
+
+def refused_keeping_the_old_certificate(
+    running: Running, live: LiveConfig, cas: Cas, server: CertFiles
+) -> str:
+    """Reload with `server` as the server's certificate and key: refused in one line,
+    and new handshakes are still shown the old certificate. The refusal's message."""
+    live.extra = tls_table(server, cas.new.cert_path)
     live.write()
-    admin_tls = ClientTls(cas.both, cas.old_client.cert, cas.old_client.key)
-    reply = reload(running, live, tls=admin_tls)
+    reply = reload(running, live, tls=admin_tls(cas))
     assert not reply.applied
-    assert "missing.key" in reply.message and "\n" not in reply.message
-    assert re.match(r".*kvshare\.toml:\d+: tls: cannot read TLS file", reply.message)
+    assert "\n" not in reply.message
     assert served_certificate(running.address, cas.both, cas.old_client, alpn=True) == der_of(
         cas.old_server
     )
+    return reply.message
+
+
+def test_a_reload_with_an_unreadable_key_keeps_the_old_certificate(
+    running: Running, live: LiveConfig, cas: Cas, tmp_path: Path
+) -> None:
+    unreadable = CertFiles(cas.new_server.cert, tmp_path / "missing.key")
+    message = refused_keeping_the_old_certificate(running, live, cas, unreadable)
+    assert "missing.key" in message
+    assert re.match(r".*kvshare\.toml:\d+: tls: cannot read TLS file", message)
 
 
 def test_a_reload_with_a_key_of_another_certificate_keeps_the_old_certificate(
     running: Running, live: LiveConfig, cas: Cas
 ) -> None:
-    live.extra = tls_table(CertFiles(cas.new_server.cert, cas.old_server.key), cas.new.cert_path)
-    live.write()
-    admin_tls = ClientTls(cas.both, cas.old_client.cert, cas.old_client.key)
-    reply = reload(running, live, tls=admin_tls)
-    assert not reply.applied
-    assert "do not make a TLS context" in reply.message and "\n" not in reply.message
-    assert re.match(r".*kvshare\.toml:\d+: tls: ", reply.message)
-    assert served_certificate(running.address, cas.both, cas.old_client, alpn=True) == der_of(
-        cas.old_server
-    )
+    mismatched = CertFiles(cas.new_server.cert, cas.old_server.key)
+    message = refused_keeping_the_old_certificate(running, live, cas, mismatched)
+    assert "do not make a TLS context" in message
+    assert re.match(r".*kvshare\.toml:\d+: tls: ", message)

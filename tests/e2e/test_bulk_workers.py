@@ -174,6 +174,7 @@ def test_workers_is_checked(tmp_path: Path) -> None:
         assert "--bulk-workers" in result.stderr, result.stderr
 
 
+@pytest.mark.slow
 def test_a_connection_that_only_puts_is_given_back_to_the_server(two: Running) -> None:
     from cacheserver.transport.bulk.delegation import GIVE_BACK_AFTER_PUTS
 
@@ -269,6 +270,7 @@ def test_puts_reach_lmdb_while_busy_once_the_worker_hands_a_read_back(two: Runni
         busy.join()
 
 
+@pytest.mark.slow
 def test_a_large_get_is_handed_back_and_a_small_one_is_the_workers(two: Running) -> None:
     from cacheserver.transport.bulk.readworker import MAX_GET_BYTES
 
@@ -326,6 +328,7 @@ def test_calls_a_worker_served_are_counted_in_the_servers_metrics(
         assert calls("kvshare.bulk/Lookup") - before_lookup == 5
 
 
+@pytest.mark.slow
 def test_a_rate_refusal_met_first_by_the_worker_is_still_audited(
     start_server: Callable[..., Running],
 ) -> None:

@@ -287,6 +287,7 @@ def run_cli(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[st
 
 
 def require_sealed(tenancy: Tenancy, tenant: str = "alpha") -> Tenancy:
+    """`tenancy`'s config with `require_sealed = true` for `tenant`."""
     text = tenancy.path.read_text()
     tenancy.path.write_text(
         text.replace(f'id = "{tenant}"', f'id = "{tenant}"\nrequire_sealed = true', 1)
@@ -295,6 +296,7 @@ def require_sealed(tenancy: Tenancy, tenant: str = "alpha") -> Tenancy:
 
 
 def one_line_error(result: subprocess.CompletedProcess[str]) -> str:
+    """The one line a CLI that refused to start (exit code 2) printed on stderr."""
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, result.stderr

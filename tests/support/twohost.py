@@ -109,5 +109,6 @@ def run_in(host: Host, mode: str, args: dict[str, Any]) -> dict[str, Any]:
 
 
 def namespaces() -> set[str]:
+    """The names of the machine's network namespaces (`ip netns list`)."""
     listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True)
     return {line.split()[0] for line in listing.stdout.splitlines() if line.strip()}

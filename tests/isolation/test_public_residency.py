@@ -19,8 +19,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -28,6 +26,7 @@ import pytest
 from cacheserver.config import StorageConfig, load_config
 from kvcommon.errors import ConfigError
 from policy.types import PUBLIC, BlockDigest, ModelName, TenantId
+from tests.support.cluster import eventually
 from tests.support.isolation import MODEL
 from tests.support.repo import REPO
 from tests.support.servers import Running, launch, write_public_config
@@ -52,15 +51,6 @@ def in_memory(running: Running, tenant: str, digests: list[bytes]) -> list[bytes
         if found:
             held.append(digest)
     return held
-
-
-def eventually(check: Callable[[], bool], timeout_s: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.05)
-    return check()
 
 
 def fresh(count: int, size: int = BLOCK) -> tuple[list[bytes], list[bytes]]:
@@ -95,7 +85,7 @@ def test_published_blocks_stay_in_memory_when_the_journal_reclaims_their_records
             for _ in range(filler):
                 digests, blocks = fresh(1, 1 * MiB)
                 assert a.put("alpha", MODEL, digests, blocks) == [True]
-            assert eventually(lambda: not in_memory(running, "beta", own))  # reclaimed
+            assert eventually(lambda: not in_memory(running, "beta", own), 60.0)  # reclaimed
             assert in_memory(running, PUBLIC, published) == published
             assert b.get(PUBLIC, MODEL, published) == payloads  # the same bytes
             assert b.get("beta", MODEL, own) == own_payloads

@@ -417,6 +417,23 @@ def host_volumes(
     return volumes
 
 
+def service_secrets(secrets_dir: Path, ca: TestCA) -> Path:
+    """The files of the Secret kvshare: a server certificate for the Service's name and
+    127.0.0.1 (tls.crt, tls.key), the CA that issued it (ca.crt) and a new naming key
+    (server.secret), in `secrets_dir` (made here)."""
+    sans: list[x509.GeneralName] = [
+        x509.DNSName(SERVICE_NAME),
+        x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+    ]
+    server_cert = ca._issue("server", SERVICE_NAME, sans, ExtendedKeyUsageOID.SERVER_AUTH)
+    secrets_dir.mkdir()
+    (secrets_dir / "server.secret").write_bytes(os.urandom(32))
+    shutil.copy(server_cert.cert, secrets_dir / "tls.crt")
+    shutil.copy(server_cert.key, secrets_dir / "tls.key")
+    shutil.copy(ca.cert_path, secrets_dir / "ca.crt")
+    return secrets_dir
+
+
 def pod_of(statefulset: dict[str, Any], pod_name: str, spec: dict[str, Any]) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
@@ -438,17 +455,7 @@ def test_kube_play_of_the_single_overlay_serves_through_the_service_ports(
     if shutil.which("kubectl") is None:
         pytest.skip("kubectl (kustomize) is missing")
     ca = TestCA(tmp_path / "ca")
-    sans: list[x509.GeneralName] = [
-        x509.DNSName(SERVICE_NAME),
-        x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-    ]
-    server_cert = ca._issue("server", SERVICE_NAME, sans, ExtendedKeyUsageOID.SERVER_AUTH)
-    secrets_dir = tmp_path / "secrets"
-    secrets_dir.mkdir()
-    (secrets_dir / "server.secret").write_bytes(os.urandom(32))
-    shutil.copy(server_cert.cert, secrets_dir / "tls.crt")
-    shutil.copy(server_cert.key, secrets_dir / "tls.key")
-    shutil.copy(ca.cert_path, secrets_dir / "ca.crt")
+    secrets_dir = service_secrets(tmp_path / "secrets", ca)
     data_dir = tmp_path / "data"
     data_dir.mkdir()
     for path in (secrets_dir, data_dir, *secrets_dir.iterdir()):
@@ -605,11 +612,6 @@ def test_kube_play_of_the_scale_out_overlay_two_servers_share_a_redis_cluster(
     if shutil.which("kubectl") is None or shutil.which("redis-server") is None:
         pytest.skip("kubectl (kustomize) and redis-server are needed")
     ca = TestCA(tmp_path / "ca")
-    sans: list[x509.GeneralName] = [
-        x509.DNSName(SERVICE_NAME),
-        x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-    ]
-    server_cert = ca._issue("server", SERVICE_NAME, sans, ExtendedKeyUsageOID.SERVER_AUTH)
     node_cert = ca.server_cert("redis-node")
     peer = ca.client_cert("redis-peer", common_name="redis-node")
     password = secrets.token_urlsafe(16)
@@ -623,12 +625,7 @@ def test_kube_play_of_the_scale_out_overlay_two_servers_share_a_redis_cluster(
         password=password,
         key_pattern="kvshare:*",
     )
-    secrets_dir = tmp_path / "secrets"
-    secrets_dir.mkdir()
-    (secrets_dir / "server.secret").write_bytes(os.urandom(32))  # one naming key: one store
-    shutil.copy(server_cert.cert, secrets_dir / "tls.crt")
-    shutil.copy(server_cert.key, secrets_dir / "tls.key")
-    shutil.copy(ca.cert_path, secrets_dir / "ca.crt")
+    secrets_dir = service_secrets(tmp_path / "secrets", ca)  # one naming key: one store
     shutil.copy(ca.cert_path, secrets_dir / "redis-ca.crt")  # the Secret kvshare-redis
     (secrets_dir / "redis.password").write_text(password + "\n")
     for path in (secrets_dir, *secrets_dir.iterdir()):

@@ -12,6 +12,11 @@ untimed warm-up round, the median of `--rounds` of each stage:
   (`same-host`: the shared-memory arena of a server on this host; `bulk-tcp`: the bulk
   channel over TCP; `grpc`: streamed gRPC frames);
 - `fetch_open`: the same plus opening (AES-GCM) every block;
+- `views_open` (sealed only): the agent's read and open, `BlockClient.iter_views` (each
+  block a view of the connection's buffers or the arena, valid until the next), each
+  opened with `BlockSealer.open` (a fresh plaintext per block);
+- `views_open_into` (sealed only): the same, each opened with `BlockSealer.open_into`
+  into one reused buffer the caller owns;
 - `restore`: `agent.load` into `--device`: fetch, open, decode, pinned staging and
   copies on a copy stream (CUDA), timed until the caller's stream has the bytes.
 
@@ -40,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 from cacheserver.config import ServerConfig, StorageConfig
 from cacheserver.embedded import EmbeddedServer
 from policy.sealing import BlockSealer, Keyring, new_key_entry
+from replica_agent import codec
 from replica_agent.agent import PrefixMatch, ReplicaAgent
 from replica_agent.client import BlockClient
 from replica_agent.spec import ModelSpec
@@ -122,6 +128,23 @@ def measure(
             sealer.open("dev", agent.model, d, p) for d, p in zip(digests, payloads, strict=True)
         ]
 
+    opened = bytearray(agent.spec.block_payload_bytes + codec.HEADER_BYTES)
+
+    def views_open() -> list[int]:
+        assert sealer is not None
+        views = agent.client.iter_views("dev", agent.model, digests)
+        return [
+            len(sealer.open("dev", agent.model, d, v)) for d, v in zip(digests, views, strict=True)
+        ]
+
+    def views_open_into() -> list[int]:
+        assert sealer is not None
+        views = agent.client.iter_views("dev", agent.model, digests)
+        return [
+            sealer.open_into("dev", agent.model, d, v, opened).nbytes
+            for d, v in zip(digests, views, strict=True)
+        ]
+
     def restore() -> torch.Tensor:
         restored = agent.load(match)
         wait_for_device(args.device)
@@ -132,11 +155,17 @@ def measure(
             sys.exit(f"fetched {len(payloads)} of {len(digests)} blocks; aborting")  # type: ignore[arg-type]
 
     total = len(digests) * agent.spec.block_payload_bytes
+    views: dict[str, float] = {}
+    if sealer is not None:
+        for name, action in (("views_open", views_open), ("views_open_into", views_open_into)):
+            timings = timed_rounds(args.rounds, action, check_fetched)
+            views[f"{name}_gb_per_s"] = median_gbps(total, timings)
     return {
         "fetch_gb_per_s": median_gbps(total, timed_rounds(args.rounds, fetch, check_fetched)),
         "fetch_open_gb_per_s": median_gbps(
             total, timed_rounds(args.rounds, fetch_open, check_fetched)
         ),
+        **views,
         "restore_gb_per_s": median_gbps(
             total,
             timed_rounds(args.rounds, restore, lambda r: check_restored(r, saved)),  # type: ignore[arg-type]

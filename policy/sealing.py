@@ -224,7 +224,7 @@ class BlockSealer:
         try:
             if DECRYPT_INTO:
                 aead.decrypt_into(nonce, body, ad, target)
-            else:  # pragma: no cover - cryptography < the first with decrypt_into
+            else:  # cryptography releases before decrypt_into
                 target[:] = aead.decrypt(nonce, body, ad)
         except InvalidTag:
             target[:] = bytes(size)

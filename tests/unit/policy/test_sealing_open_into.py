@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from policy import sealing
 from policy.sealing import (
     HEADER_BYTES,
     TAG_BYTES,
@@ -92,3 +93,18 @@ def test_a_read_only_buffer_is_a_caller_error() -> None:
     sealed = sealed_block()
     with pytest.raises(ValueError, match="read-only; pass a writable buffer"):
         SEALER.open_into("alpha", "m", DIGEST, sealed, memoryview(bytes(len(PLAINTEXT))))
+
+
+def test_without_decrypt_into_open_into_decrypts_then_copies(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """cryptography releases in the declared range before AESGCM.decrypt_into."""
+    monkeypatch.setattr(sealing, "DECRYPT_INTO", False)
+    sealed = sealed_block()
+    out = bytearray(len(PLAINTEXT))
+    assert bytes(SEALER.open_into("alpha", "m", DIGEST, sealed, out)) == PLAINTEXT  # control
+    tampered = bytearray(sealed)
+    tampered[-1] ^= 0x01
+    with pytest.raises(SealError):
+        SEALER.open_into("alpha", "m", DIGEST, bytes(tampered), out)
+    assert out == bytes(len(out))

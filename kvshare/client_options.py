@@ -2,9 +2,10 @@
 
 `kvshare stats`, `kvshare health`, `kvshare admin reload` and `kvshare admin delete-model`
 take the same --address, --tls-ca, --tls-cert, --tls-key, --tls-server-name and
---timeout-s (each command its own --timeout-s default); how each finds its token stays
-its own. grpc and the client are imported only when called, so that `kvshare health`
-can quiet gRPC's log before gRPC first loads.
+--timeout-s (each command its own --timeout-s default); those that take a --token-file
+(and `kvshare admin publish`) read it with `read_token_file`. grpc and the client are
+imported only when called, so that `kvshare health` can quiet gRPC's log before gRPC
+first loads.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from kvcommon.errors import ConfigError
 
 if TYPE_CHECKING:
     import grpc
@@ -37,6 +40,17 @@ def add_tls_arguments(parser: argparse.ArgumentParser, *, timeout_s: float) -> N
         "--tls-server-name", metavar="NAME", help="name to expect in the server certificate"
     )
     parser.add_argument("--timeout-s", type=float, default=timeout_s, help="RPC timeout (seconds)")
+
+
+def read_token_file(path: Path | None) -> str:
+    """The bearer token in `path` (surrounding white space dropped); "" for no file (a
+    client certificate, or dev mode). ConfigError naming the file when it cannot be read."""
+    if path is None:
+        return ""
+    try:
+        return path.read_text(encoding="utf-8").strip()
+    except OSError as error:
+        raise ConfigError(f"cannot read {path}: {error.strerror}") from None
 
 
 def half_cert_pair(args: argparse.Namespace) -> bool:

@@ -20,11 +20,10 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
 from kvcommon.errors import ConfigError
-from kvshare.client_options import client_tls, half_cert_pair
+from kvshare.client_options import client_tls, half_cert_pair, read_token_file
 from kvshare.reload_cli import add_reload_arguments
 
 ACTION = "delete-model"
@@ -89,19 +88,10 @@ def _delete(args: argparse.Namespace) -> dict[str, Any]:
         namespaces = namespaces_of_version(args.namespace, version)
     except ValueError as error:
         raise ConfigError(f"--namespace/--weight-version: {error}") from None
-    token = _read_token(args.token_file)
+    token = read_token_file(args.token_file)
     tls = client_tls(args)
     deleted = 0
     with BlockClient(args.address, token, tls=tls, timeout_s=args.timeout_s, bulk=False) as client:
         for namespace in namespaces:
             deleted += client.delete_tenant(args.tenant, namespace)
     return {"tenant": args.tenant, "namespaces": namespaces, "deleted_blocks": deleted}
-
-
-def _read_token(path: Path | None) -> str:
-    if path is None:
-        return ""
-    try:
-        return path.read_text(encoding="utf-8").strip()
-    except OSError as error:
-        raise ConfigError(f"cannot read {path}: {error.strerror}") from None

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvcommon.errors import ConfigError
+from kvshare.client_options import read_token_file
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -66,7 +67,7 @@ def run_publish(args: argparse.Namespace) -> dict[str, Any]:
                 "`kvshare admin keyring --public`"
             )
         sealer = BlockSealer(keyring)
-    token = _read_token(args.token_file)
+    token = read_token_file(args.token_file)
     tls = ClientTls(root_ca=args.tls_ca) if args.tls_ca else None
     agent = ReplicaAgent.connect(args.target, token, spec, tls=tls, sealer=sealer)
     try:
@@ -150,13 +151,6 @@ def _refusal(status: Any, details: str | None) -> str:
     if status == grpc.StatusCode.UNAUTHENTICATED:
         return "the store did not accept the token; check --token-file"
     return f"the store answered {status.name}: {details}"
-
-
-def _read_token(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8").strip()
-    except OSError as error:
-        raise ConfigError(f"cannot read {path}: {error.strerror}") from None
 
 
 def _load(args: argparse.Namespace) -> tuple[PreTrainedModel, ModelSpec, list[int]]:

@@ -17,12 +17,14 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvcommon.errors import ConfigError
 from kvshare.client_options import (
     add_address_argument,
     add_tls_arguments,
     client_tls,
     half_cert_pair,
     open_channel,
+    read_token_file,
     rpc_failure,
 )
 
@@ -69,12 +71,9 @@ def run_reload(args: argparse.Namespace) -> int:
         print("kvshare admin reload: error: give both --tls-cert and --tls-key", file=sys.stderr)
         return 2
     try:
-        token = args.token_file.read_text(encoding="utf-8").strip() if args.token_file else ""
-    except OSError as error:
-        print(
-            f"kvshare admin reload: error: cannot read {args.token_file}: {error.strerror}",
-            file=sys.stderr,
-        )
+        token = read_token_file(args.token_file)
+    except ConfigError as error:
+        print(f"kvshare admin reload: error: {error}", file=sys.stderr)
         return 2
     try:
         reply = request_reload(args.address, token, client_tls(args), args.timeout_s)

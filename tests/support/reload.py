@@ -15,7 +15,7 @@ from cacheserver.reload import ConfigSource
 from kvcommon.v1 import kvshare_pb2 as pb
 from kvshare.reload_cli import request_reload
 from replica_agent.client import ClientTls
-from tests.support.servers import Running, Tenancy, launch
+from tests.support.servers import Running, Tenancy, launch, with_test_workers
 
 MODEL = "reload/model@r1;fp32;L2;H2;D8;B4;tp0/1"
 
@@ -73,10 +73,13 @@ class LiveConfig:
 
 
 def start(live: LiveConfig) -> Running:
-    """The real server, in-process, started from `live`'s file; it reloads that file."""
+    """The real server, in-process, started from `live`'s file; it reloads that file with
+    what `launch` laid over it (KVSHARE_TEST_BULK_WORKERS), as `kvshare serve` reloads
+    with its flags."""
     live.write()
     running = launch(Tenancy(live.path, live.tokens()))
-    running.server.server.reloader.source = ConfigSource(live.path)  # type: ignore[union-attr]
+    source = ConfigSource(live.path, overrides=with_test_workers)
+    running.server.server.reloader.source = source  # type: ignore[union-attr]
     return running
 
 

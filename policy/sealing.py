@@ -17,11 +17,12 @@ and its KV layout. A block moved to another name or tenant, altered, truncated, 
 sealed under a retired key version fails to open with the one error `SealError`, so a
 caller learns nothing from which check failed, and the plaintext never exists.
 
-`open_into` opens into a buffer the caller owns and reuses (a restore's staging), which
-saves the fresh allocation `open` makes per block. AES-GCM writes the plaintext there
-before it checks the tag (cryptography's `decrypt_into` does), so a block that fails to
-open has that region zeroed before `SealError` is raised: nothing unverified is left to
-be taken for a block.
+`seal_into` and `open_into` seal and open into a buffer the caller owns and reuses (a
+save's send buffer, a restore's staging), which saves the fresh allocation (and, for
+`seal`, the copy that puts the header before the ciphertext) made per block. AES-GCM
+writes the plaintext there before it checks the tag (cryptography's `decrypt_into`
+does), so a block that fails to open has that region zeroed before `SealError` is
+raised: nothing unverified is left to be taken for a block.
 """
 
 from __future__ import annotations
@@ -50,8 +51,10 @@ KEY_BYTES = 32
 AAD_LABEL = "kvshare/seal/v1"
 SUBKEY_LABEL = "kvshare/seal/subkey/v1"
 KEYRING_ENV = "KVSHARE_KEYRING"
-# AESGCM.decrypt_into is in the cryptography releases this was written against (48) but
-# not in the oldest the project allows (42): there open_into decrypts, then copies.
+# AESGCM.encrypt_into/decrypt_into are in the cryptography releases this was written
+# against (48) but not in the oldest the project allows (42): there seal_into encrypts,
+# and open_into decrypts, then copies.
+ENCRYPT_INTO = hasattr(AESGCM, "encrypt_into")
 DECRYPT_INTO = hasattr(AESGCM, "decrypt_into")
 
 
@@ -193,6 +196,41 @@ class BlockSealer:
         body = _subkey(key, nonce).encrypt(nonce[12:], plaintext, ad)
         return _HEADER.pack(MAGIC, FORMAT, version, nonce) + body
 
+    def seal_into(
+        self,
+        tenant: str,
+        model: str,
+        digest: bytes,
+        plaintext: bytes | bytearray | memoryview,
+        out: bytearray | memoryview,
+        *,
+        nonce: bytes | None = None,
+    ) -> memoryview:
+        """`seal` into the caller's writable `out`: the view of its first
+        `sealed_bytes(len(plaintext))` bytes holding the sealed block (the same bytes
+        `seal` returns). ValueError, before anything is written, when `out` is read-only
+        or shorter than that. `nonce` is for known-answer tests only; leave it None."""
+        target = memoryview(out).cast("B")
+        if target.readonly:
+            raise ValueError("out is read-only; pass a writable buffer to seal into")
+        size = sealed_bytes(memoryview(plaintext).nbytes)
+        if target.nbytes < size:
+            raise ValueError(
+                f"out holds {target.nbytes} bytes, a sealed block of this plaintext needs "
+                f"{size} (sealed_bytes); pass a larger buffer"
+            )
+        version, key = self.keyring.primary(tenant)
+        nonce = secrets.token_bytes(24) if nonce is None else nonce
+        ad = associated_data(tenant, model, digest, version)
+        target = target[:size]
+        _HEADER.pack_into(target, 0, MAGIC, FORMAT, version, nonce)
+        aead = _subkey(key, nonce)
+        if ENCRYPT_INTO:
+            aead.encrypt_into(nonce[12:], plaintext, ad, target[HEADER_BYTES:])
+        else:  # cryptography releases before encrypt_into
+            target[HEADER_BYTES:] = aead.encrypt(nonce[12:], plaintext, ad)
+        return target
+
     def open(self, tenant: str, model: str, digest: bytes, sealed: bytes | memoryview) -> bytes:
         """The plaintext, or SealError for anything wrong (never a partial result)."""
         aead, nonce, body, ad = self._opening(tenant, model, digest, sealed)
@@ -245,6 +283,12 @@ class BlockSealer:
         ad = associated_data(tenant, model, digest, version)
         body = memoryview(sealed).cast("B")[HEADER_BYTES:]
         return _subkey(key, nonce), nonce[12:], body, ad
+
+
+def sealed_bytes(plaintext_bytes: int) -> int:
+    """How many bytes a block of `plaintext_bytes` seals to (what `BlockSealer.seal_into`
+    needs): its header, the ciphertext and the tag."""
+    return HEADER_BYTES + plaintext_bytes + TAG_BYTES
 
 
 def opened_bytes(sealed: bytes | bytearray | memoryview) -> int:

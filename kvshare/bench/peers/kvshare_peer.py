@@ -21,7 +21,8 @@ ratio to a base within a round is the cost of an option:
   `kvshare-tcp`;
 - `kvshare-sealed`: the client seals each block with the agent's `BlockSealer`
   (AES-256-GCM, `policy.sealing`) before PUT and opens it after GET, as the replica
-  agent does; figures count plaintext bytes. The server's tenant `dev` has
+  agent does, into buffers the client keeps (`seal_into`, `open_into`: a save's send
+  buffer, a restore's staging); figures count plaintext bytes. The server's tenant `dev` has
   `require_sealed = true`, as in production;
 - `kvshare-tls-sealed`: both, the configuration the docs recommend for production
   across hosts: the client opens every block, so it asks for the sealed-payload
@@ -107,6 +108,10 @@ class KvshareClient:
         self._sealer = sealer
         self._tenant = tenant
         self._model = model
+        # Sealed: where blocks are sealed before a PUT and opened after a GET, one
+        # buffer per block of a call, kept from call to call (no fresh memory per block).
+        self._sealing = _Kept()
+        self._opening = _Kept()
 
     def prepare(self, value_bytes: int, blocks_per_call: int) -> None:
         """Before every cell: the gRPC channel is up, and no bulk connection of this
@@ -127,9 +132,12 @@ class KvshareClient:
     def put(self, keys: Sequence[bytes], values: Sequence[memoryview]) -> None:
         payloads: list[Any] = list(values)
         if self._sealer is not None:
+            from policy.sealing import sealed_bytes
+
+            sizes = [sealed_bytes(memoryview(value).nbytes) for value in values]
             payloads = [
-                self._sealer.seal(self._tenant, self._model, key, bytes(value))
-                for key, value in zip(keys, values, strict=True)
+                self._sealer.seal_into(self._tenant, self._model, key, value, out)
+                for key, value, out in zip(keys, values, self._sealing.take(sizes), strict=True)
             ]
         self._client.put(self._tenant, self._model, list(keys), payloads)
 
@@ -138,13 +146,32 @@ class KvshareClient:
         found: Sequence[Any] = self._client.get_views(self._tenant, self._model, list(keys))
         if self._sealer is None:
             return found
+        from policy.sealing import opened_bytes
+
+        outs = self._opening.take([opened_bytes(sealed) for sealed in found])
         return [
-            self._sealer.open(self._tenant, self._model, key, sealed)
-            for key, sealed in zip(keys, found, strict=False)
+            self._sealer.open_into(self._tenant, self._model, key, sealed, out)
+            for key, sealed, out in zip(keys, found, outs, strict=False)
         ]
 
     def close(self) -> None:
         self._client.close()
+
+
+class _Kept:
+    """Buffers kept from call to call: `take(sizes)` gives one of each size, grown when
+    a call needs more or larger ones (valid until the next `take`)."""
+
+    def __init__(self) -> None:
+        self._buffers: list[bytearray] = []
+
+    def take(self, sizes: Sequence[int]) -> list[memoryview]:
+        while len(self._buffers) < len(sizes):
+            self._buffers.append(bytearray())
+        for index, size in enumerate(sizes):
+            if len(self._buffers[index]) < size:
+                self._buffers[index] = bytearray(size)
+        return [memoryview(self._buffers[i])[:size] for i, size in enumerate(sizes)]
 
 
 class KvshareSystem:

@@ -13,8 +13,9 @@ failures come back as misses (`match` -> 0 blocks, `load` -> fewer blocks, `save
 dropped) exactly as in the other engines. The gRPC channel reconnects by itself, and
 the breaker lets a trial call through after its cooldown. With a sealer, payloads are
 sealed before they leave the replica (by the shared saver, replica_agent/saver.py) and
-opened before they are decoded: a block that fails to open is a miss plus a counter
-and never becomes a tensor. `AgentStats` counts for this agent; `AgentTelemetry`
+opened before they are decoded, straight into the restore's staging or destination
+(replica_agent/device.py): a block that fails to open is a miss plus a counter and
+never becomes a tensor. `AgentStats` counts for this agent; `AgentTelemetry`
 records the same events as OpenTelemetry metrics and spans (replica_agent/telemetry.py).
 
 Threads and devices: `load` may be called from several threads at once (each restore
@@ -40,9 +41,9 @@ from policy.sealing import BlockSealer
 from replica_agent.breaker import CircuitBreaker
 from replica_agent.client import BlockClient, ClientTls, View
 from replica_agent.codec import HEADER_BYTES
-from replica_agent.device import BlockRestorer, Restored, Targets
+from replica_agent.device import BlockRestorer, Payload, Restored, Targets
 from replica_agent.device_snapshot import HostPool, Snapshotter
-from replica_agent.gate import Outcome, StoreGate, StoreStats
+from replica_agent.gate import Outcome, SealedView, StoreGate, StoreStats
 from replica_agent.hashing import BlockHasher
 from replica_agent.saver import SaveJob, Saver
 from replica_agent.spec import ModelSpec
@@ -184,7 +185,7 @@ class ReplicaAgent:
         """
         held: list[torch.Tensor] = []
 
-        def restore(payloads: Iterator[bytes | memoryview], wanted: int) -> Restored:
+        def restore(payloads: Iterator[Payload], wanted: int) -> Restored:
             blocks, restored = self._restorer.restore(payloads, wanted)
             held.append(blocks)
             return restored
@@ -215,7 +216,7 @@ class ReplicaAgent:
         self,
         match: PrefixMatch,
         first_block: int,
-        run: Callable[[Iterator[bytes | memoryview], int], Restored],
+        run: Callable[[Iterator[Payload], int], Restored],
     ) -> int:
         capturing = self._restorer.is_capturing()
         self._collect(capturing)
@@ -240,15 +241,21 @@ class ReplicaAgent:
         self._count(blocks_restored=count, bytes_restored=nbytes)
         return count
 
-    def _opened(self, tenant: str, digests: Sequence[bytes]) -> Generator[View, None, None]:
-        """The opened payloads of a read the gate allowed, up to the first that fails
-        to open; the restorer decodes them (a layout mismatch: `_note_stop`)."""
+    def _opened(
+        self, tenant: str, digests: Sequence[bytes]
+    ) -> Generator[View | SealedView, None, None]:
+        """The payloads of a read the gate allowed: plaintext views, or with a sealer
+        `SealedView`s the restorer opens straight into its staging or destination (one
+        host copy; a block that fails to open is counted there and ends the restore;
+        a layout mismatch: `_note_stop`)."""
 
-        def check(digest: bytes, payload: View) -> View | None:
-            return self.gate.opened(self.sealer, (tenant, self.model, digest), payload)
+        def check(digest: bytes, payload: View) -> View | SealedView:
+            return self.gate.sealed(self.sealer, (tenant, self.model, digest), payload)
 
         with self.gate.settled("get"):
-            read: Iterator[View] = self.gate.read(self.client, tenant, self.model, digests, check)
+            read: Iterator[View | SealedView] = self.gate.read(
+                self.client, tenant, self.model, digests, check
+            )
             yield from read
 
     def _note_stop(self, restored: Restored) -> None:

@@ -159,13 +159,17 @@ def decode_block(
 
     With `out` (shape `spec.block_shape`, the spec's dtype, contiguous; for example a
     reused pinned staging buffer) the payload is copied into it and `out` is returned;
-    otherwise a new CPU tensor is returned. Never aliases `data`.
+    otherwise a new CPU tensor is returned. Never aliases `data`, unless the caller
+    opened the block into `out`'s own bytes (`data` is the header just before them):
+    then the block is checked where it lies and nothing is copied.
     """
     if out is not None:
         _check_out(spec, out)
     payload = np.frombuffer(tensor_bytes(spec, data), dtype=np.uint8)
     if out is not None and out.device.type == "cpu":
-        _uint8_numpy(out)[:] = payload
+        target = _uint8_numpy(out)
+        if payload.ctypes.data != target.ctypes.data:  # else: already in place
+            target[:] = payload
         return out
     result = torch.empty(spec.block_shape, dtype=torch_dtype(spec))
     _uint8_numpy(result)[:] = payload

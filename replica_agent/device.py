@@ -13,13 +13,24 @@ block i is still being copied. Invariants:
   destination was allocated, and the caller's stream waits for the copies by an event:
   no host synchronisation, and a miss costs no device work at all.
 - Every reuse of a staging buffer overwrites all of it, so nothing of one tenant's block
-  is left for another (the LeftoverLocals lesson).
+  is left for another (the LeftoverLocals lesson). A sealed block is opened straight
+  into its slot (`SealedView.open_into`: a slot is the 64-byte codec header and the
+  block, its tensor a view from byte 64), checked there, and copied to the device from
+  it: one host copy per byte after the socket.
 - Device memory is allocated when the first block has arrived and decoded; running out
   of it ends the restore as a miss (`Restored.stopped_by`), never as an exception; a
   partial restore returns a tensor of the blocks it holds and releases the rest.
 
-On the CPU a block is decoded straight into its destination. `restore_into` is the
-primitive for engine adapters: the caller names, per block, where its parts go.
+On the CPU a block is decoded straight into its destination, and a sealed block is
+opened straight into it when the destination is one contiguous block with 64 bytes
+before it that this restore owns (the room `restore` allocates in front of its first
+block, or the end of the block this restore wrote just before, saved and put back):
+the AEAD writes the codec header there, `decode_block` checks header and values in
+place. Other placements (an engine's per-layer parts, its first block) open into a kept
+host scratch and are copied from it. A block that fails to open, is not of the spec or
+is not finite leaves zeros where it was opened, never plaintext the engine could use,
+and ends the restore. `restore_into` is the primitive for engine adapters: the caller
+names, per block, where its parts go.
 """
 
 from __future__ import annotations
@@ -32,8 +43,9 @@ from typing import Literal, TypeAlias
 
 import torch
 
-from replica_agent.codec import BlockFormatError, decode_block, torch_dtype
+from replica_agent.codec import HEADER_BYTES, BlockFormatError, decode_block, torch_dtype
 from replica_agent.device_ops import CudaOps, DeviceOps, Event, Stream, resolve_device
+from replica_agent.gate import SealedView
 from replica_agent.spec import ModelSpec
 
 STAGING_BUFFERS = 2  # double buffering: decode one while the other is in flight
@@ -43,6 +55,8 @@ STAGING_RINGS = 4  # restores at once per agent; more wait for a ring (pinned me
 # e.g. `(out[i], ())` for a whole block or `(keys[l][0, :, a:b], (l, 0))` for layer l's K.
 Placement: TypeAlias = tuple[torch.Tensor, tuple[int, ...]]
 Targets: TypeAlias = Callable[[int], Sequence[Placement]]
+# What a restore reads: plaintext block bytes, or sealed ones it opens into its buffers.
+Payload: TypeAlias = bytes | memoryview | SealedView
 
 
 @dataclass(frozen=True)
@@ -53,8 +67,14 @@ class Restored:
 
 @dataclass
 class _Slot:
-    buffer: torch.Tensor  # pinned, `spec.block_shape`
+    raw: torch.Tensor  # uint8, the codec header then the block (pinned on CUDA)
+    buffer: torch.Tensor  # `spec.block_shape`, a view of `raw` from byte HEADER_BYTES
     read_by: Event | None = None  # the copy that last read this buffer
+
+    @classmethod
+    def over(cls, raw: torch.Tensor, spec: ModelSpec) -> _Slot:
+        block = raw[HEADER_BYTES:].view(torch_dtype(spec)).view(spec.block_shape)
+        return cls(raw, block)
 
 
 class _Ring:
@@ -62,13 +82,9 @@ class _Ring:
 
     def __init__(self, ops: DeviceOps, device: torch.device, spec: ModelSpec) -> None:
         self.stream = ops.new_stream(device)
+        size = HEADER_BYTES + spec.block_payload_bytes
         self.slots = [
-            _Slot(
-                ops.empty_host(spec.block_payload_bytes, device)
-                .view(torch_dtype(spec))
-                .view(spec.block_shape)
-            )
-            for _ in range(STAGING_BUFFERS)
+            _Slot.over(ops.empty_host(size, device), spec) for _ in range(STAGING_BUFFERS)
         ]
         self._next = 0
 
@@ -120,6 +136,28 @@ class StagingPool:
         return self._made
 
 
+class _HostScratch:
+    """CPU restores' buffers for blocks not opened in place (module docstring): the
+    codec header and one block each, at most `keep` kept for later restores."""
+
+    def __init__(self, spec: ModelSpec, keep: int) -> None:
+        self._spec, self._keep = spec, keep
+        self._free: list[_Slot] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> _Slot:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        size = HEADER_BYTES + self._spec.block_payload_bytes
+        return _Slot.over(torch.empty(size, dtype=torch.uint8), self._spec)
+
+    def give_back(self, slot: _Slot) -> None:
+        with self._lock:
+            if len(self._free) < self._keep:
+                self._free.append(slot)
+
+
 class BlockRestorer:
     """Restores blocks of `spec` into memory of `device` (explicit index on CUDA)."""
 
@@ -139,37 +177,55 @@ class BlockRestorer:
             if self.device.type == "cuda"
             else None
         )
+        self._scratch = _HostScratch(spec, max_concurrent)
 
     def restore(
         self,
-        payloads: Iterable[bytes | memoryview],
+        payloads: Iterable[Payload],
         max_blocks: int,
         *,
         stream: Stream | None = None,
     ) -> tuple[torch.Tensor, Restored]:
         """Blocks `[n, *block_shape]` on the device, n <= max_blocks, in order.
 
-        `payloads` yields plaintext block bytes and may stop early (a miss, a block that
-        failed to open). A block that fails to decode ends the restore (the bad bytes
-        never become a tensor the model sees). On CUDA the result is ready for work
-        queued on `stream` (default: the caller's current stream) after this returns.
+        `payloads` yields plaintext block bytes or sealed blocks (`SealedView`) and may
+        stop early (a miss). A block that fails to open or decode ends the restore (the
+        bad bytes never become a tensor the model sees). On CUDA the result is ready for
+        work queued on `stream` (default: the caller's current stream) after this
+        returns. On the CPU the blocks' memory starts HEADER_BYTES into its allocation:
+        the first block is opened in place too.
         """
         stream = self._consumer(stream)
         held: list[torch.Tensor] = []
+        room: list[torch.Tensor] = []
 
         def whole_blocks(index: int) -> Sequence[Placement]:
-            if not held:
+            if not held and stream is None:
+                flat = torch.empty(
+                    HEADER_BYTES + max_blocks * self.spec.block_payload_bytes, dtype=torch.uint8
+                )
+                dtype = torch_dtype(self.spec)
+                held.append(
+                    flat[HEADER_BYTES:].view(dtype).view(max_blocks, *self.spec.block_shape)
+                )
+                room.append(flat[:HEADER_BYTES])
+            elif not held:
                 held.append(self._empty((max_blocks, *self.spec.block_shape), stream))
             return [(held[0][index], ())]
 
-        restored = self.restore_into(payloads, whole_blocks, max_blocks, stream=stream)
+        if self.staging is None:
+            restored = self._restore_on_host(
+                payloads, whole_blocks, max_blocks, lambda: room[0] if room else None
+            )
+        else:
+            restored = self.restore_into(payloads, whole_blocks, max_blocks, stream=stream)
         if not held:
             return self._empty((0, *self.spec.block_shape), stream), restored
         return self.leading(held[0], restored.blocks, stream=stream), restored
 
     def restore_into(
         self,
-        payloads: Iterable[bytes | memoryview],
+        payloads: Iterable[Payload],
         targets: Targets,
         max_blocks: int,
         *,
@@ -196,7 +252,7 @@ class BlockRestorer:
     def _restore_via_ring(
         self,
         ring: _Ring,
-        payloads: Iterable[bytes | memoryview],
+        payloads: Iterable[Payload],
         targets: Targets,
         max_blocks: int,
         consumer: Stream,
@@ -211,7 +267,8 @@ class BlockRestorer:
                 if slot.read_by is not None:
                     ops.synchronize(slot.read_by)  # the copy that last read it has run
                 try:
-                    decode_block(self.spec, payload, out=slot.buffer)
+                    if not self._fill(payload, slot):
+                        break  # did not open: counted by the gate, the slot zeroed
                     parts = self._placements(targets, count)
                 except BlockFormatError:
                     stopped = "format_error"
@@ -231,26 +288,77 @@ class BlockRestorer:
         return Restored(count, stopped)
 
     def _restore_on_host(
-        self, payloads: Iterable[bytes | memoryview], targets: Targets, max_blocks: int
+        self,
+        payloads: Iterable[Payload],
+        targets: Targets,
+        max_blocks: int,
+        first_room: Callable[[], torch.Tensor | None] = lambda: None,
     ) -> Restored:
         count, scratch = 0, None
-        for payload in payloads:
-            if count == max_blocks:
-                break
-            try:
-                parts = self._placements(targets, count)
-                if len(parts) == 1 and parts[0][1] == () and parts[0][0].is_contiguous():
-                    decode_block(self.spec, payload, out=parts[0][0])  # straight in
-                else:
-                    scratch = decode_block(self.spec, payload, out=scratch)
-                    for destination, index in parts:
-                        destination.copy_(scratch[index])
-            except BlockFormatError:
-                return Restored(count, "format_error")
-            except torch.OutOfMemoryError:
-                return Restored(count, "out_of_memory")
-            count += 1
-        return Restored(count)
+        before: torch.Tensor | None = None  # the bytes this restore wrote last
+        try:
+            for payload in payloads:
+                if count == max_blocks:
+                    break
+                try:
+                    parts = self._placements(targets, count)
+                    whole = _whole_block(parts)
+                    if count == 0:
+                        before = first_room()
+                    region = _with_room(whole, before)
+                    if whole is not None and not isinstance(payload, SealedView):
+                        decode_block(self.spec, payload, out=whole)  # straight in
+                    elif whole is not None and region is not None:
+                        if not self._open_in_place(payload, region, whole):
+                            return Restored(count)
+                    else:
+                        scratch = scratch or self._scratch.take()
+                        if not self._fill(payload, scratch):
+                            return Restored(count)
+                        for destination, index in parts:
+                            destination.copy_(scratch.buffer[index])
+                    before = whole
+                except BlockFormatError:
+                    return Restored(count, "format_error")
+                except torch.OutOfMemoryError:
+                    return Restored(count, "out_of_memory")
+                count += 1
+            return Restored(count)
+        finally:
+            if scratch is not None:
+                self._scratch.give_back(scratch)
+
+    def _fill(self, payload: Payload, slot: _Slot) -> bool:
+        """The checked block of `payload` in `slot.buffer`: True; False when a sealed
+        payload did not open (counted by the gate; the slot zeroed). BlockFormatError
+        when it is not a block of the spec, with nothing of it left in the slot."""
+        if not isinstance(payload, SealedView):
+            decode_block(self.spec, payload, out=slot.buffer)  # checked, then copied
+            return True
+        if payload.opened_bytes != slot.raw.numel():  # no block of the spec: refused
+            plaintext = payload.open()  # as before, once authenticated (or tampered)
+            if plaintext is None:
+                return False
+            decode_block(self.spec, plaintext, out=slot.buffer)
+            return True
+        opened = payload.open_into(slot.raw.numpy().data)  # the one host copy
+        if opened is None:
+            return False
+        try:
+            decode_block(self.spec, opened, out=slot.buffer)  # in place: checks only
+        except BlockFormatError:
+            slot.raw.zero_()
+            raise
+        return True
+
+    def _open_in_place(self, payload: Payload, region: torch.Tensor, whole: torch.Tensor) -> bool:
+        """`_fill` into the destination `whole` itself, the codec header opened into the
+        HEADER_BYTES before it (`region` spans both), whose bytes are put back after."""
+        kept = region[:HEADER_BYTES].clone()
+        try:
+            return self._fill(payload, _Slot(region, whole))
+        finally:
+            region[:HEADER_BYTES].copy_(kept)
 
     def _placements(self, targets: Targets, index: int) -> Sequence[Placement]:
         parts = targets(index)
@@ -295,3 +403,26 @@ class BlockRestorer:
         elif count and stream is not None:
             self.ops.copy(kept, blocks[:count], stream)
         return kept
+
+
+def _whole_block(parts: Sequence[Placement]) -> torch.Tensor | None:
+    """The destination when `parts` is one whole contiguous block, else None."""
+    if len(parts) == 1 and parts[0][1] == () and parts[0][0].is_contiguous():
+        return parts[0][0]
+    return None
+
+
+def _with_room(whole: torch.Tensor | None, before: torch.Tensor | None) -> torch.Tensor | None:
+    """The bytes of `whole` and the HEADER_BYTES before it, as one uint8 tensor, when
+    those lie at the end of `before` (contiguous, in the same allocation): memory this
+    restore owns. None otherwise (the bytes before `whole` may be the engine's)."""
+    if whole is None or before is None or before.nbytes < HEADER_BYTES:
+        return None
+    storage = whole.untyped_storage()
+    if before.untyped_storage().data_ptr() != storage.data_ptr():
+        return None
+    if not before.is_contiguous() or before.data_ptr() + before.nbytes != whole.data_ptr():
+        return None
+    start = whole.data_ptr() - storage.data_ptr()
+    flat = torch.empty(0, dtype=torch.uint8).set_(storage)
+    return flat[start - HEADER_BYTES : start + whole.nbytes]

@@ -61,7 +61,7 @@ from types import MappingProxyType, TracebackType
 from typing import TYPE_CHECKING, Final, Protocol, TypeVar
 
 from kvcommon.errors import KvshareError
-from policy.sealing import SealError
+from policy.sealing import SealError, opened_bytes
 from replica_agent.breaker import BreakerState, CircuitBreaker
 from replica_agent.spec import BlockFormatError, ModelSpec
 from replica_agent.telemetry import AgentTelemetry
@@ -343,6 +343,16 @@ class StoreGate:
             self.settle(Outcome.TAMPERED)
             return None
 
+    def sealed(
+        self, sealer: BlockSealer | None, where: tuple[str, str, bytes], payload: View
+    ) -> View | SealedView:
+        """A payload read from `where` as its consumer takes it: the plaintext view when
+        there is no sealer, else a `SealedView` the consumer opens straight into a
+        buffer of its own (the restorer: its staging slot or destination)."""
+        if sealer is None:
+            return payload
+        return SealedView(self, sealer, where, payload)
+
     def verified(
         self,
         sealer: BlockSealer | None,
@@ -361,6 +371,40 @@ class StoreGate:
         except BlockFormatError:
             self.settle(Outcome.MALFORMED)
             return None
+
+
+class SealedView:
+    """A sealed payload not yet opened, for a consumer that opens it into a buffer it
+    owns (`BlockSealer.open_into`): the one host copy between the socket's buffers and
+    the staging or destination. Valid as long as the view it wraps (the next block read
+    may reuse that buffer). A block that fails to open is settled as tampered here, as
+    `StoreGate.opened` does, and leaves the buffer zeroed."""
+
+    __slots__ = ("_gate", "_payload", "_sealer", "_where")
+
+    def __init__(
+        self, gate: StoreGate, sealer: BlockSealer, where: tuple[str, str, bytes], payload: View
+    ) -> None:
+        self._gate, self._sealer, self._where, self._payload = gate, sealer, where, payload
+
+    @property
+    def opened_bytes(self) -> int:
+        """How many bytes it opens to (0 when it is too short to be sealed)."""
+        return opened_bytes(self._payload)
+
+    def open_into(self, out: bytearray | memoryview) -> memoryview | None:
+        """The plaintext in `out`'s first `opened_bytes` bytes, or None (tampered:
+        counted, that region zeroed) when it does not open."""
+        tenant, model, digest = self._where
+        try:
+            return self._sealer.open_into(tenant, model, digest, self._payload, out)
+        except SealError:
+            self._gate.settle(Outcome.TAMPERED)
+            return None
+
+    def open(self) -> View | None:
+        """The plaintext in fresh memory (`StoreGate.opened`), for what does not fit."""
+        return self._gate.opened(self._sealer, self._where, self._payload)
 
 
 class _Settled:

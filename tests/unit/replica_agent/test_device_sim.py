@@ -23,7 +23,7 @@ from kvshare.gpucheck.scenarios import (
     side_stream_snapshot,
     stalled_restore,
 )
-from replica_agent.codec import encode_block, torch_dtype
+from replica_agent.codec import HEADER_BYTES, encode_block, torch_dtype
 from replica_agent.device import BlockRestorer, Placement
 from replica_agent.device_snapshot import HostPool, Snapshotter
 from replica_agent.spec import ModelSpec
@@ -105,7 +105,8 @@ def test_a_restore_under_a_stalled_stream_from_a_reused_buffer_is_exact(
         outcome = stalled_restore(sim, restorer, count=8, seed=seed, stall_s=stall_s)
         assert outcome.as_dict() == {"blocks": 8, "wrong": 0, "foreign": 0}
     assert restorer.staging is not None and restorer.staging.rings_made == 1
-    assert sim.host_bytes == 2 * block_bytes(spec)  # one ring: two pinned buffers, reused
+    # one ring: two pinned buffers (the codec header and a block each), reused
+    assert sim.host_bytes == 2 * (HEADER_BYTES + block_bytes(spec))
 
 
 @pytest.mark.parametrize("threads", [2, 4])

@@ -27,14 +27,42 @@ MAX_IOV = 512  # below Linux's IOV_MAX (1024) per sendmsg
 
 
 def recv_frame(
-    sock: socket.socket, min_size: int, max_size: int, deadline: Timer | None = None
+    sock: socket.socket,
+    min_size: int,
+    max_size: int,
+    deadline: Timer | None = None,
+    *,
+    expect: int = 0,
 ) -> bytearray:
     """The next sealed header's bytes (still sealed). A length outside what this point
-    of the exchange allows is refused before anything is allocated for it."""
-    (size,) = FRAME.unpack(recv_bytes(sock, FRAME.size, deadline))
+    of the exchange allows is refused before anything is allocated for it.
+
+    `expect`: the length the frame has when the exchange goes as planned (a reply's OK
+    header), where a frame of any other length (an error frame) is the last thing the
+    peer sends before it waits for this side. Then the length and up to `expect` bytes
+    are asked for in one receive (`recv_some`): a frame that arrived whole costs one
+    system call, not two. Bytes received beyond a shorter frame mean the peer is out of
+    step: ChannelBroken."""
+    if not expect:
+        (size,) = FRAME.unpack(recv_bytes(sock, FRAME.size, deadline))
+        if not min_size <= size <= max_size:
+            raise ChannelBroken("a sealed bulk frame of an impossible length")
+        return recv_bytes(sock, size, deadline)
+    head = bytearray(FRAME.size + expect)
+    got = recv_some(sock, memoryview(head), deadline)
+    if got < FRAME.size:
+        recv_exact(sock, memoryview(head)[got : FRAME.size], deadline)
+        got = FRAME.size
+    (size,) = FRAME.unpack_from(head)
     if not min_size <= size <= max_size:
         raise ChannelBroken("a sealed bulk frame of an impossible length")
-    return recv_bytes(sock, size, deadline)
+    if got > FRAME.size + size:
+        raise ChannelBroken("bytes beyond a sealed bulk frame")
+    frame = bytearray(size)
+    frame[: got - FRAME.size] = memoryview(head)[FRAME.size : got]
+    if got < FRAME.size + size:  # the rest of a frame that came in pieces
+        recv_exact(sock, memoryview(frame)[got - FRAME.size :], deadline)
+    return frame
 
 
 class Timer(Protocol):

@@ -96,7 +96,8 @@ class SealedChannel:
         """The next reply header's fields after its OK status (`size` bytes); the
         server's error (a BlockStoreError) when it sent one."""
         most = max(1 + size, MAX_ERROR_BYTES) + TAG_BYTES
-        frame = bulkio.recv_frame(sock, 1 + TAG_BYTES, most, self._timer)
+        expect = 1 + size + TAG_BYTES  # an OK header: taken with its length in one receive
+        frame = bulkio.recv_frame(sock, 1 + TAG_BYTES, most, self._timer, expect=expect)
         try:
             plain = self._in.open_header(frame)
         except ChannelError:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hmac
 import secrets
+import struct
 from collections.abc import Iterable
 
 from cryptography.exceptions import InvalidTag
@@ -69,8 +70,11 @@ def direction_key(secret: bytes, ticket: bytes, direction: str) -> bytes:
     return kdf.derive(secret)
 
 
+_NONCE = struct.Struct(">QI")  # counter u64 | index u32
+
+
 def _nonce(counter: int, index: int) -> bytes:
-    return counter.to_bytes(8, "big") + index.to_bytes(4, "big")
+    return _NONCE.pack(counter, index)
 
 
 class _Direction:
@@ -83,6 +87,7 @@ class _Direction:
         self._label = direction
         self.counter = HELLO_COUNTER
         self.header_tag = b""  # the last header's tag: what its payload tags bind to
+        self._header_aad = self._aad("h")  # every header's, made once per connection
 
     def _advance(self) -> int:
         if self.counter + 1 >= MAX_HEADERS_PER_CONNECTION:
@@ -137,7 +142,7 @@ class Sender(_Direction):
 
     def seal_header(self, header: Buffer) -> bytes:
         """The next header, encrypted and tagged (len(header) + TAG_BYTES bytes)."""
-        frame = self._aead.encrypt(_nonce(self._advance(), HEADER_INDEX), header, self._aad("h"))
+        frame = self._aead.encrypt(_nonce(self._advance(), HEADER_INDEX), header, self._header_aad)
         self.header_tag = frame[-TAG_BYTES:]
         return frame
 
@@ -157,7 +162,7 @@ class Receiver(_Direction):
         """The next header's plaintext, or ChannelError (then close the connection)."""
         nonce = _nonce(self._advance(), HEADER_INDEX)
         try:
-            header = self._aead.decrypt(nonce, bytes(frame), self._aad("h"))
+            header = self._aead.decrypt(nonce, frame, self._header_aad)
         except InvalidTag:
             raise ChannelError("a bulk frame failed authentication") from None
         self.header_tag = bytes(frame[-TAG_BYTES:])

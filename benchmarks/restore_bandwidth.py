@@ -8,17 +8,24 @@ Starts a real server in a temp dir, saves `--blocks` blocks of a Llama-3-8B-like
 default) through a ReplicaAgent (sealed unless `--no-seal`), then times, after one
 untimed warm-up round, the median of `--rounds` of each stage:
 
-- `fetch`: `BlockClient.get` of all blocks into host memory over `--transport`
-  (`same-host`: the shared-memory arena of a server on this host; `bulk-tcp`: the bulk
-  channel over TCP; `grpc`: streamed gRPC frames);
+- `views` (the bare GET the restore starts from): `BlockClient.iter_views` of all blocks
+  over `--transport` (`same-host`: the shared-memory arena of a server on this host;
+  `bulk-tcp`: the bulk channel over TCP; `grpc`: streamed gRPC frames), each block a
+  view of the connection's buffers or the arena, valid until the next: no copy;
+- `fetch`: `BlockClient.get` of all blocks, each copied into `bytes`;
 - `fetch_open`: the same plus opening (AES-GCM) every block;
 - `views_open` (sealed only): the agent's read and open, `BlockClient.iter_views` (each
   block a view of the connection's buffers or the arena, valid until the next), each
   opened with `BlockSealer.open` (a fresh plaintext per block);
 - `views_open_into` (sealed only): the same, each opened with `BlockSealer.open_into`
   into one reused buffer the caller owns;
-- `restore`: `agent.load` into `--device`: fetch, open, decode, pinned staging and
-  copies on a copy stream (CUDA), timed until the caller's stream has the bytes.
+- `restore_kept`: `agent.load_into` whole blocks into one destination kept across rounds
+  (as CUDA's caching allocator keeps device memory): read as `views` does, open each
+  block into its pinned staging slot (CUDA) or its destination (CPU), check it there,
+  copy it to the device (CUDA), timed until the caller's stream has the bytes;
+  `restore_vs_views` is its rate over `views`' (their rounds alternate);
+- `restore`: `agent.load`, the same into a destination allocated per call (on the CPU
+  its first-touch page faults are in this figure, not in `restore_kept`).
 
 Every restore is compared byte for byte with the blocks that were saved (after the
 timer stops); a mismatch aborts the run. Reports GB/s of block payload (GB = 1e9 bytes).
@@ -108,6 +115,23 @@ def timed_rounds(
     return timings
 
 
+def alternating_rounds(
+    rounds: int, *actions: tuple[Callable[[], object], Callable[[object], None]]
+) -> list[list[float]]:
+    """`timed_rounds` of several actions, their rounds interleaved (one of each in turn),
+    so that a shared machine's slow spells fall on all of them alike."""
+    for action, check in actions:
+        check(action())
+    timings: list[list[float]] = [[] for _ in actions]
+    for _ in range(rounds):
+        for (action, check), times in zip(actions, timings, strict=True):
+            started = time.perf_counter()
+            result = action()
+            times.append(time.perf_counter() - started)
+            check(result)
+    return timings
+
+
 def measure(
     agent: ReplicaAgent,
     sealer: BlockSealer | None,
@@ -145,22 +169,45 @@ def measure(
             for d, v in zip(digests, views, strict=True)
         ]
 
+    def bare_views() -> list[int]:
+        return [len(view) for view in agent.client.iter_views("dev", agent.model, digests)]
+
     def restore() -> torch.Tensor:
         restored = agent.load(match)
         wait_for_device(args.device)
         return restored
+
+    kept = torch.empty(
+        (len(digests), *agent.spec.block_shape),
+        dtype=codec.torch_dtype(agent.spec),
+        device=agent.device,
+    )
+
+    def restore_kept() -> torch.Tensor:
+        count = agent.load_into(match, lambda index: [(kept[index], ())])
+        wait_for_device(args.device)
+        return kept[:count]
 
     def check_fetched(payloads: object) -> None:
         if len(payloads) != len(digests):  # type: ignore[arg-type]
             sys.exit(f"fetched {len(payloads)} of {len(digests)} blocks; aborting")  # type: ignore[arg-type]
 
     total = len(digests) * agent.spec.block_payload_bytes
+    paired = alternating_rounds(
+        args.rounds,
+        (bare_views, check_fetched),
+        (restore_kept, lambda r: check_restored(r, saved)),  # type: ignore[arg-type]
+    )
+    views_gbps, kept_gbps = (median_gbps(total, timings) for timings in paired)
     views: dict[str, float] = {}
     if sealer is not None:
         for name, action in (("views_open", views_open), ("views_open_into", views_open_into)):
             timings = timed_rounds(args.rounds, action, check_fetched)
             views[f"{name}_gb_per_s"] = median_gbps(total, timings)
     return {
+        "views_gb_per_s": views_gbps,
+        "restore_kept_gb_per_s": kept_gbps,
+        "restore_vs_views": round(kept_gbps / views_gbps, 3),
         "fetch_gb_per_s": median_gbps(total, timed_rounds(args.rounds, fetch, check_fetched)),
         "fetch_open_gb_per_s": median_gbps(
             total, timed_rounds(args.rounds, fetch_open, check_fetched)

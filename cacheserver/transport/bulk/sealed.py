@@ -17,7 +17,10 @@ secret and the ticket each direction gets its own key (policy.bulkchannel), and:
   required sealing ends the reply there, as a miss): the agent opens each under its
   tenant key, whose associated data names tenant, model, digest and key version.
 
-Any frame that fails its check raises `ChannelBroken` and the connection closes.
+A request's two frames (header, body) that are both in the socket already are taken in
+one receive after a peek (`_take_request`), as the ready loop takes a plain request;
+otherwise each is read as it comes. Any frame that fails its check raises
+`ChannelBroken` and the connection closes.
 Admission, the read loop and the store calls are the request core's, as on every
 transport; this module only frames.
 """
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import socket
+from collections import deque
 
 from cacheserver.core.requests import RequestCore
 from cacheserver.transport.bulk.handler import DISCARD_CHUNK_BYTES, Buffer, BulkHandler, Pace
@@ -37,6 +41,10 @@ from policy.sealing import looks_sealed
 from policy.tickets import Grant, Route, TicketBook
 
 log = logging.getLogger(__name__)
+TAKE_BYTES = 16 << 10  # a request's two frames, peeked and taken whole up to this size
+# As a plain int: or-ing the socket module's flag enums costs ~0.5 us a request.
+_PEEK_NOW = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)
+_HEADER_FRAME = (w.REQUEST.size + TAG_BYTES, w.REQUEST.size + w.TRACE_CONTEXT_BYTES + TAG_BYTES)
 
 
 class SealedHello:
@@ -92,19 +100,54 @@ class SealedHandler(BulkHandler):
         self._out = sender
         self._in = receiver
         self._accept = looks_sealed
+        self._take = bytearray(TAKE_BYTES)  # where a whole request's frames are taken
+        self._frames: deque[memoryview] = deque()  # taken, not opened yet
 
     def _open(self, min_size: int, max_size: int) -> bytes:
         """The next header from the client, opened, of `min_size` to `max_size` bytes."""
-        frame = bulkio.recv_frame(self._conn, min_size + TAG_BYTES, max_size + TAG_BYTES)
+        if self._frames:
+            frame: Buffer = self._frames.popleft()
+            if not min_size + TAG_BYTES <= len(frame) <= max_size + TAG_BYTES:
+                raise w.ChannelBroken("a sealed bulk frame of an impossible length")
+        else:
+            frame = bulkio.recv_frame(self._conn, min_size + TAG_BYTES, max_size + TAG_BYTES)
         try:
             return self._in.open_header(frame)
         except ChannelError:
             raise self._broken() from None
 
+    def _take_request(self) -> None:
+        """A request's header and body frames, taken off the socket in one receive when
+        a peek finds both whole there already (one system call and a peek where reading
+        each length, then each frame, took four); `_open` reads them from here. When
+        they are not all there, nothing is taken: each is read as it comes. The body is
+        still opened only after the header was admitted, as on every transport."""
+        self._frames.clear()
+        try:
+            got = self._conn.recv_into(self._take, TAKE_BYTES, _PEEK_NOW)
+        except (BlockingIOError, InterruptedError):
+            return
+        peeked = memoryview(self._take)[:got]
+        if got < w.FRAME.size:
+            return
+        (first,) = w.FRAME.unpack_from(peeked)
+        body_at = w.FRAME.size + first
+        if not _HEADER_FRAME[0] <= first <= _HEADER_FRAME[1] or got < body_at + w.FRAME.size:
+            return  # an impossible length is refused by recv_frame, as ever
+        (second,) = w.FRAME.unpack_from(peeked, body_at)
+        end = body_at + w.FRAME.size + second
+        if end > got:
+            return
+        if self._conn.recv_into(self._take, end, socket.MSG_DONTWAIT) != end:
+            raise w.ConnectionClosed("the peeked request was not all in the socket")
+        taken = memoryview(self._take)
+        self._frames.extend([taken[w.FRAME.size : body_at], taken[body_at + w.FRAME.size : end]])
+
     def _broken(self) -> w.ChannelBroken:
         return _authentication_failed(self._grant.principal.name)
 
     def recv_request(self) -> tuple[int, int, int, bytes | None]:
+        self._take_request()
         header = self._open(w.REQUEST.size, w.REQUEST.size + w.TRACE_CONTEXT_BYTES)
         op, model_len, count = w.REQUEST.unpack_from(header)
         traced = bool(op & w.TRACED)

@@ -163,7 +163,10 @@ class BlockStore:
         )
         self._tiers.journaled = self._journaled
         writer.use_journal(self._journaled)
-        self._prefaulter = start_prefaulter(journal.space, self._closing)
+        tiers = self._tiers
+        self._prefaulter = start_prefaulter(
+            journal.space, self._closing, lambda: tiers.last_activity, storage.drain_idle_ms / 1000
+        )
 
     def _integrity_failed(self, tenant: TenantId, blocks: int) -> None:
         self.events.integrity_failure(tenant, blocks)

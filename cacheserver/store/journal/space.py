@@ -15,6 +15,7 @@ import ctypes
 import mmap
 import os
 import threading
+import time
 
 from cacheserver.store.journal.files import fallocate_in_steps, give_back, populate
 
@@ -55,16 +56,25 @@ class RingSpace:
         # back would kill the server with SIGBUS, so no record is handed out beyond it.
         self._allocated = start
         self._furthest = start  # the end of the furthest record reserved yet
+        # When the last record was reserved (monotonic seconds): the prefaulter makes
+        # pages while puts come, and otherwise only when the store is quiet (upkeep).
+        self.last_reserved = time.monotonic()
         self._prefaulting = False  # `prefault` is making pages (outside the lock)
         self.prefault_wanted = threading.Event()
         self.prefault_wanted.set()
         self._closed = False
+
+    @property
+    def made_to(self) -> int:
+        """The offset up to which the file's space is taken (pages made or reserved)."""
+        return self._allocated
 
     def take(self, end: int) -> None:
         """A record is reserved up to `end` (under the ring's lock): the file's blocks
         up to it are reserved now where the prefaulter has not made them yet (raises
         OSError when the file system is full), and the prefaulter is asked for more
         when it is less than `PREFAULT_AHEAD_BYTES` ahead."""
+        self.last_reserved = time.monotonic()
         if end > self._allocated:
             self._allocate(end)
         if end > self._furthest:

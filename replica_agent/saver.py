@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from policy.sealing import sealed_bytes
 from replica_agent.gate import StoreClient, StoreGate
 from replica_agent.telemetry import Context, DropReason
 
@@ -48,6 +49,7 @@ log = logging.getLogger(__name__)
 # its max_pending_write_bytes (1 GiB by default): a large save goes in several Puts.
 DEFAULT_PUT_BYTES = 64 << 20
 JOIN_AFTER_CLOSE_S = 1.0  # a Put still running when `close` gives up is cut by the client
+KEPT_SEAL_BUFFERS = 2  # the saver thread's and one caller's of `store`
 
 
 def _ready() -> bool:
@@ -98,6 +100,7 @@ class Saver:
         self._in_flight: deque[SaveJob] = deque()  # not ready for the saver thread yet
         self._ready: queue.SimpleQueue[SaveJob | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._seal_buffers = _SealBuffers(KEPT_SEAL_BUFFERS)
 
     # -- write-behind --------------------------------------------------------------------
 
@@ -224,15 +227,52 @@ class Saver:
 
     def _put(self, job: SaveJob, start: int, end: int) -> list[bool]:
         digests = job.digests[start:end]
-        payloads: list[Payload] = []
-        for index, digest in zip(range(start, end), digests, strict=True):
-            encoded = job.encoded(index)
-            if self.sealer is not None:  # seal reads any buffer: no copy first
-                encoded = self.sealer.seal(job.tenant, job.model, digest, encoded)
-            payloads.append(encoded)
-        return self.client.put(job.tenant, job.model, digests, payloads)
+        encoded = [job.encoded(index) for index in range(start, end)]
+        if self.sealer is None:
+            return self.client.put(job.tenant, job.model, digests, encoded)
+        # Each block sealed straight into a buffer kept for the next Put (one copy; seal
+        # would make a fresh ciphertext and copy it again behind the header).
+        sizes = [sealed_bytes(memoryview(plaintext).nbytes) for plaintext in encoded]
+        buffer = self._seal_buffers.take(sum(sizes))
+        try:
+            payloads: list[Payload] = []
+            offset = 0
+            for digest, plaintext, size in zip(digests, encoded, sizes, strict=True):
+                out = buffer[offset : offset + size]
+                payloads.append(
+                    self.sealer.seal_into(job.tenant, job.model, digest, plaintext, out)
+                )
+                offset += size
+            return self.client.put(job.tenant, job.model, digests, payloads)
+        finally:
+            self._seal_buffers.give_back(buffer)
 
     def dropped(self, blocks: int, reason: DropReason) -> None:
         """Count a save (of `blocks` blocks) that will not be stored."""
         self.gate.count(saves_dropped=1, blocks_dropped=blocks)
         self.gate.telemetry.save_dropped(reason)
+
+
+class _SealBuffers:
+    """Where Puts' blocks are sealed: one buffer per Put in progress (the saver thread's,
+    and those of callers of `store`), at most `keep` kept for later Puts. A buffer only
+    ever holds ciphertext, and a Put sends only the part it sealed."""
+
+    def __init__(self, keep: int) -> None:
+        self._keep = keep
+        self._free: list[memoryview] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> memoryview:
+        with self._lock:
+            fits = [buffer for buffer in self._free if buffer.nbytes >= nbytes]
+            if fits:  # the smallest that fits (largest first)
+                self._free.remove(fits[-1])
+                return fits[-1]
+        return memoryview(bytearray(nbytes))
+
+    def give_back(self, buffer: memoryview) -> None:
+        with self._lock:
+            self._free.append(buffer)
+            self._free.sort(key=lambda kept: kept.nbytes, reverse=True)
+            del self._free[self._keep :]  # the largest are kept

@@ -1,4 +1,5 @@
-"""The agent's sealed restore opens each block straight into where it goes (issue 37).
+"""The agent's sealed restore opens each block straight into where it goes, and its saver
+seals each block straight into a buffer it keeps (issue 37).
 
 Through the real server: each sealed block is read as a view of the connection's
 buffers and opened by `BlockSealer.open_into` into the restore's own memory (the
@@ -215,3 +216,33 @@ def test_on_cuda_each_block_opens_into_its_staging_slot_and_a_broken_one_is_not_
     finally:
         replica.close()
         sim.close()
+
+
+def test_the_saver_seals_each_block_into_a_kept_buffer(
+    agent: ReplicaAgent, sealer: BlockSealer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sealed_into: list[int] = []
+    real = sealer.seal_into
+
+    def seal_into(
+        tenant: str, model: str, digest: bytes, plaintext: memoryview, out: memoryview
+    ) -> memoryview:
+        sealed_into.append(torch.frombuffer(out, dtype=torch.uint8).data_ptr())
+        return real(tenant, model, digest, plaintext, out)
+
+    def fresh_ciphertext(*args: object, **kwargs: object) -> bytes:
+        raise AssertionError("a block was sealed into fresh bytes, then copied after a header")
+
+    monkeypatch.setattr(sealer, "seal_into", seal_into)
+    monkeypatch.setattr(sealer, "seal", fresh_ciphertext)
+    digests = [os.urandom(32) for _ in range(4)]
+    saved = blocks(len(digests))
+    for pair in (slice(0, 2), slice(2, 4)):  # two saves, one Put each
+        assert agent.save("alpha", digests[pair], saved[pair])
+        assert agent.flush(timeout_s=60)
+    assert agent.stats.blocks_saved == 4 and agent.stats.blocks_dropped == 0
+    assert len(sealed_into) == 4
+    assert sealed_into[2:] == sealed_into[:2]  # the second Put sealed into the same buffer
+    restored = agent.load(agent.match("alpha", digests))  # they open as they were saved
+    assert restored.shape[0] == 4
+    assert all(torch.equal(r, s) for r, s in zip(restored, saved, strict=True))

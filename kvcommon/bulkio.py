@@ -14,6 +14,7 @@ import socket
 import ssl
 import struct
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 from kvcommon import handoff
@@ -144,6 +145,81 @@ def recv_exact(sock: socket.socket, view: memoryview, deadline: Timer | None = N
     finally:
         if deadline is not None:
             deadline.disarm(sock)
+
+
+# `recv_exact_fed`: a block is received in pieces of this size, each handed on as it is
+# in (while the next arrives, and while it is still in the cache); a socket timeout set
+# for the rest of a transfer is set again once it is this much longer than what is left.
+FEED_CHUNK_BYTES = 256 << 10
+REARM_SLACK_S = 0.05
+
+
+def recv_exact_fed(
+    sock: socket.socket,
+    view: memoryview,
+    tail: memoryview,
+    feed: Callable[[memoryview], None],
+    deadline: Deadline | None = None,
+) -> None:
+    """Fill `view`, then `tail` (a few bytes that follow it: a tag), as `recv_exact_parts`
+    would, calling `feed` with each piece of `view` as soon as it is in, in order: what
+    had arrived already first, then pieces of FEED_CHUNK_BYTES. On a blocking plain
+    socket the pieces are MSG_WAITALL receives, and the last takes `tail` with it; a
+    `Deadline` is armed once for the rest (not per piece), checked before each piece and
+    armed again only when the timeout set is REARM_SLACK_S longer than what is left.
+    Elsewhere `view` is received whole, then fed, then `tail`."""
+    if not _waits_in_kernel(sock):
+        recv_exact(sock, view, deadline)
+        feed(view)
+        recv_exact(sock, tail, deadline)
+        return
+    if deadline is not None:
+        deadline.left_s()  # a spent deadline fails before any byte moves, as arm does
+    views = [part for part in (view, tail) if part.nbytes]
+    fed = _recv_parts_now(sock, views)  # what has arrived, without waiting
+    if fed:
+        feed(view[: min(fed, view.nbytes)])
+    view = view[min(fed, view.nbytes) :]
+    if not views:
+        return
+    handoff.before_blocking()  # a thread serving other connections goes on
+    armed_s = None
+    try:
+        while views:
+            if deadline is not None:
+                left = deadline.left_s()
+                if armed_s is None or armed_s - left > REARM_SLACK_S:
+                    set_timeout(sock, left)
+                    armed_s = left
+            batch = [views[0][:FEED_CHUNK_BYTES]]
+            if views[0].nbytes <= FEED_CHUNK_BYTES and len(views) > 1:
+                batch.append(views[1])  # the last piece of the block and its tail together
+            received = sock.recvmsg_into(batch, 0, socket.MSG_WAITALL)[0]
+            if received == 0:
+                raise ConnectionClosed("peer closed the bulk connection")
+            piece = min(received, view.nbytes)
+            if piece:
+                feed(view[:piece])
+                view = view[piece:]
+            _drop_sent(views, received)  # a short receive (a signal): the loop goes on
+    finally:
+        if deadline is not None and armed_s is not None:
+            deadline.disarm(sock)
+
+
+def _recv_parts_now(sock: socket.socket, views: list[memoryview]) -> int:
+    """How many bytes of `views` were filled (and dropped from it) from what had arrived
+    already, without waiting. ConnectionClosed if the peer has closed."""
+    if not views:
+        return 0
+    try:
+        received = sock.recvmsg_into(views[:MAX_IOV], 0, socket.MSG_DONTWAIT)[0]
+    except BlockingIOError:
+        return 0
+    if received == 0:
+        raise ConnectionClosed("peer closed the bulk connection")
+    _drop_sent(views, received)
+    return received
 
 
 def recv_exact_parts(

@@ -10,9 +10,11 @@ secret and the ticket each direction gets its own key (policy.bulkchannel), and:
 - every header both ways (request, body of digests and sizes, reply block headers,
   outcomes, errors) is AES-256-GCM under the direction's key and the next counter;
 - a PUT payload arrives in the clear (it is a sealed block) followed by its GMAC tag,
-  bound to the request's body frame, its counter and the block's index; the tag is
-  checked as soon as the bytes are in, before the store's own checks and the commit
-  (a failing tag gives the block up: nothing is stored or acknowledged);
+  bound to the request's body frame, its counter and the block's index; the GMAC is fed
+  each piece of the block as it arrives (bulkio.recv_exact_fed: while the next piece
+  comes, from the cache), the tag received with the last piece and checked as soon as
+  the bytes are in, before the store's own checks and the commit (a failing tag gives
+  the block up: nothing is stored or acknowledged);
 - a GET reply sends only blocks in the sealed format (a block stored before the tenant
   required sealing ends the reply there, as a miss): the agent opens each under its
   tenant key, whose associated data names tenant, model, digest and key version.
@@ -226,9 +228,12 @@ class _SealedSource:
         return None
 
     def fill(self, target: memoryview) -> None:
-        bulkio.recv_exact(self._conn, target, self._deadline)
-        self._mac.update(target)
-        self._check_tag()
+        """The block into `target`, its GMAC fed as its pieces arrive, then the tag
+        (received with the last piece) checked."""
+        tag = bytearray(TAG_BYTES)
+        bulkio.recv_exact_fed(self._conn, target, memoryview(tag), self._mac.update, self._deadline)
+        self.consumed = True
+        self._verify(tag)
 
     def skip(self) -> None:
         """Receive and drop the block (the store holds it already), checked all the same:
@@ -245,6 +250,9 @@ class _SealedSource:
     def _check_tag(self) -> None:
         tag = bulkio.recv_bytes(self._conn, TAG_BYTES)
         self.consumed = True
+        self._verify(tag)
+
+    def _verify(self, tag: bytearray) -> None:
         try:
             self._mac.verify(tag)
         except ChannelError:

@@ -54,8 +54,15 @@ class PutJob:
         return future.exception() if future is not None and future.done() else None
 
     def as_write(self) -> PendingWrite:
+        record = self.record
         return PendingWrite(
-            self.key, self.tenant, self.epoch, self.clock, self.payload, self.model_tag
+            self.key,
+            self.tenant,
+            self.epoch,
+            self.clock,
+            self.payload,
+            self.model_tag,
+            None if record is None else record.checksum,
         )
 
 

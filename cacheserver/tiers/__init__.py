@@ -62,6 +62,9 @@ class PendingWrite:
     clock: int  # the index's recency clock at admission, kept so a restart keeps the order
     payload: Payload
     model_tag: ModelTag = NO_MODEL_TAG
+    # The payload's xxh3-128 when it was computed already (the journal's, at commit);
+    # None: the tier computes it.
+    checksum: bytes | None = None
 
 
 class Capability(enum.Flag):

@@ -68,6 +68,9 @@ class Reservation:
     tenant: TenantId
     epoch: int
     model_tag: ModelTag
+    # The xxh3-128 of the payload, computed once at commit for the record's header; the
+    # drain stores it in LMDB beside the block rather than hashing the bytes again.
+    checksum: bytes | None = None
 
 
 class JournalFull(ResourceExhausted):
@@ -224,7 +227,7 @@ class Journal:
     def commit(self, reservation: Reservation) -> Position:
         """The payload is complete: mark the record COMMITTED (acknowledgeable)."""
         r = reservation
-        self._write_header(
+        r.checksum = self._write_header(
             r.offset, FLAG_COMMITTED, r.seq, r.key, r.tenant, r.epoch, r.model_tag, len(r.view)
         )
         return Position(self.journal_id, r.seq, r.end)
@@ -239,7 +242,8 @@ class Journal:
         epoch: int,
         model_tag: bytes,
         size: int,
-    ) -> None:
+    ) -> bytes | None:
+        """Write a record's header; returns the payload's checksum for a committed one."""
         checksum = NO_CHECKSUM
         if flags & FLAG_COMMITTED:
             checksum = xxhash.xxh3_128_digest(self._view[offset + ALIGN : offset + ALIGN + size])
@@ -257,6 +261,7 @@ class Journal:
         )
         # One pwrite inside one page: a crash leaves the old header or the new one.
         os.pwrite(self._fd, header, offset)
+        return checksum if flags & FLAG_COMMITTED else None
 
     # -- draining -----------------------------------------------------------------
 

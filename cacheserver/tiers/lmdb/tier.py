@@ -292,7 +292,8 @@ class LmdbTier:
             for w in writes:
                 fresh = txn.put(w.key, w.payload, db=self._blocks, overwrite=False)
                 if fresh:
-                    txn.put(w.key, pack_meta(w, checksum(w.payload)), db=self._meta)
+                    digest = checksum(w.payload) if w.checksum is None else w.checksum
+                    txn.put(w.key, pack_meta(w, digest), db=self._meta)
                 stored.append(bool(fresh))
             return stored
 

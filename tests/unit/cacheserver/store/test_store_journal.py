@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 from cacheserver.blocks import BytesSource
 from cacheserver.config import StorageConfig
 from cacheserver.store import BlockStore
@@ -77,3 +79,44 @@ def test_a_put_waiting_for_backlog_room_makes_the_writer_drain_at_once(tmp_path:
         assert s.undrained_blocks <= 4
     finally:
         s.close()
+
+
+def test_the_drain_keeps_the_checksum_made_when_the_put_was_acknowledged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The journal hashes a record's bytes once, at commit; the drain stores that
+    checksum in LMDB instead of hashing the bytes a second time. So bytes that change in
+    the ring after the acknowledgement are caught by the next read from LMDB (a miss),
+    where a checksum made at drain time would have vouched for them."""
+    from cacheserver.tiers.lmdb import tier as lmdb_tier
+
+    hashed: list[int] = []
+    real_checksum = lmdb_tier.checksum
+    monkeypatch.setattr(lmdb_tier, "checksum", lambda p: hashed.append(len(p)) or real_checksum(p))
+    storage = StorageConfig(
+        memory_budget_bytes=8 * MiB,
+        disk_budget_bytes=64 * MiB,
+        journal_bytes=16 * MiB,
+        journal_dir=str(tmp_path / "journal"),
+        drain_idle_ms=600_000,  # drains when closed
+    )
+    keys = [StorageKey(os.urandom(32)) for _ in range(2)]
+    payloads = [os.urandom(256 << 10) for _ in keys]
+    s = BlockStore(tmp_path / "data", storage, {}, {TENANT: 0})
+    try:
+        for key, payload in zip(keys, payloads, strict=True):
+            assert s.put(TENANT, key, TAG, BytesSource(payload)).result() is True
+        held, _ = s.read_from_memory(keys[1:], 64 * MiB)  # a view of its journal record
+        record = memoryview(held[0]).cast("B")
+        assert not record.readonly
+        record[:4] = bytes(4) if payloads[1][:4] != bytes(4) else b"\xff" * 4  # rot after the ack
+    finally:
+        s.close()  # drains both into LMDB
+    assert hashed == []  # no second hash at drain time
+    reopened = BlockStore(tmp_path / "data", storage, {}, {TENANT: 0})
+    try:
+        first, _ = reopened.read_through(TENANT, keys[:1], 64 * MiB)
+        assert [bytes(p) for p in first] == payloads[:1]  # positive control: read from LMDB
+        assert reopened.read_through(TENANT, keys[1:], 64 * MiB)[0] == []  # caught: a miss
+    finally:
+        reopened.close()

@@ -6,7 +6,9 @@ raises `BlockFormatError` (never a partly filled tensor, never pickle or `torch.
 A block of the right layout full of NaN or infinities is as unusable as a block of
 another layout: attention over it poisons every token after it, and a tenant without
 a keyring has no seal to refuse it, so the check is here, before any element is
-copied anywhere (`tensor_bytes`, which every engine's path goes through). The payload is the
+copied anywhere (`tensor_bytes`, which every engine's path goes through; a sealed block
+the agent's restore opened straight into its staging or destination is checked there,
+and zeroed when refused: replica_agent/device.py). The payload is the
 tensor in the canonical layout `[layers, 2 (k, v), kv_heads, block_tokens, head_dim]`,
 C order, little-endian elements, starting at byte `HEADER_BYTES` (a multiple of 64, so
 the payload stays aligned for zero-copy readers).

@@ -15,6 +15,11 @@ After `OpenBulk` (gRPC) issues a ticket, the client opens a TCP (or TLS) connect
             request joins the caller's trace
     server: GET  -> status u8, then per block size u64 | payload, then END (size 0)
             PUT  -> status u8, then count x outcome u8 (1 stored, 2 already present)
+            op | ALIGNED on a GET (only when OpenBulk said `aligned_payloads`): each
+            block's size is followed by zero bytes up to the next multiple of
+            PAYLOAD_ALIGN counted from the reply's status byte, then its payload
+            (`payload_padding`); the END has none. Each side computes the padding from
+            the reply's length so far, so none of it is announced
     error frame: status u8 (a gRPC status code) | message_len u16 | message (UTF-8);
             the status is the error class's `code` (kvcommon.errors), as over gRPC.
             The server then closes the connection, except after INTERNAL (13) for a
@@ -23,6 +28,13 @@ After `OpenBulk` (gRPC) issues a ticket, the client opens a TCP (or TLS) connect
 
 Integers are big-endian. Payloads are raw bytes with no per-message framing, so both
 sides move them with one `sendmsg`/`recv_into` each, without copies.
+
+Why ALIGNED: the kernel copies a payload into a socket's buffer pages and, on the other
+side, out of them into the receiver's buffer. On these machines both copies of a
+page-aligned 2 MiB payload cost ~2.5x as much (530-660 us instead of 180-250, sender
+and receiver alike) when the payload starts 1-31 bytes into the buffer page, as it did
+after the GET reply's 9-byte header; 0 or 32 bytes and more were fast
+(benchmarks/socket_alignment.py).
 
 Sealed-payload channel (docs/secure-channel.md; the cryptography is
 policy.bulkchannel's): for tenants that require sealed blocks, when OpenBulk (over
@@ -74,6 +86,9 @@ OP_LOOKUP = 3  # reply: OK | PRESENT (how many leading digests are stored)
 PRESENT = struct.Struct(">I")
 DIGEST_BYTES = 32  # each digest in a request's body
 TRACED = 0x80  # flag on op: a trace context follows the REQUEST header
+ALIGNED = 0x40  # flag on a GET's op: the reply's payloads start at multiples of PAYLOAD_ALIGN
+PAYLOAD_ALIGN = 64
+PADDING = bytes(PAYLOAD_ALIGN)
 TRACE_CONTEXT_BYTES = 25
 OK = 0
 END = SIZE.pack(0)
@@ -110,6 +125,13 @@ def request_digests(raw: bytes | bytearray | memoryview) -> list[bytes]:
     header counts them), each its own bytes."""
     data = bytes(raw)  # one copy; slices of bytes are cheap
     return [data[i : i + DIGEST_BYTES] for i in range(0, len(data), DIGEST_BYTES)]
+
+
+def payload_padding(position: int) -> int:
+    """Zero bytes an ALIGNED reply puts after a block's size that ends `position` bytes
+    into the reply (counted from its status byte), so the payload starts at a multiple
+    of PAYLOAD_ALIGN."""
+    return -position % PAYLOAD_ALIGN
 
 
 def lookup_reply(present: int) -> bytes:

@@ -46,7 +46,12 @@ class Connection:
     buffers: Buffers
     timer: SocketTimer  # its socket's timeout, within the current call's deadline
     sealed: SealedChannel | None = None  # the sealed-payload channel's frames
+    # GET replies come padded (bulkwire.ALIGNED): payloads at multiples of PAYLOAD_ALIGN.
+    aligned: bool = False
     _poller: select.poll | None = field(default=None, repr=False)
+    padding: memoryview = field(  # where a reply's padding is received, then dropped
+        default_factory=lambda: memoryview(bytearray(w.PAYLOAD_ALIGN)), repr=False
+    )
 
     def is_closed_by_peer(self) -> bool:
         """Whether this idle connection can no longer carry a request: the server closed
@@ -98,7 +103,7 @@ def connect_tcp(
     except BaseException:
         sock.close()
         raise
-    return Connection(sock, ticket.traced, None, Buffers(), timer)
+    return Connection(sock, ticket.traced, None, Buffers(), timer, aligned=ticket.aligned)
 
 
 def _wait_in_kernel(sock: socket.socket, deadline: CallDeadline, timer: SocketTimer) -> None:
@@ -172,9 +177,11 @@ def read_streamed(
     reply's end (by the caller, a deadline or a bad size) leaves the connection out of
     step: `drop` closes it."""
     finished = False
+    aligned = conn.aligned
     try:
-        send_request(conn, w.OP_GET, model, digests)
+        send_request(conn, w.OP_GET | (w.ALIGNED if aligned else 0), model, digests)
         size_buf = recv_reply(conn.sock, w.SIZE.size, conn.timer)  # the first size
+        position = 1 + w.SIZE.size  # into the reply, past the status and that size
         for index in range(len(digests) + 1):
             (size,) = w.SIZE.unpack(size_buf)
             if size == 0:
@@ -182,13 +189,17 @@ def read_streamed(
                 return
             if size > MAX_BLOCK_BYTES:
                 raise store_error("DATA_LOSS", f"the server announced a {size}-byte block")
+            pad = w.payload_padding(position) if aligned else 0
+            position += pad + size + w.SIZE.size
             view = conn.buffers.take(size, keep=keep)
+            head = [conn.padding[:pad]] if pad else []
             if index + 1 < len(digests):
-                bulkio.recv_exact(conn.sock, view, conn.timer)  # yielded before the next size
+                # yielded before the next size
+                bulkio.recv_exact_parts(conn.sock, [*head, view], conn.timer)
                 yield view
                 bulkio.recv_exact(conn.sock, size_buf, conn.timer)
             else:  # the last block asked for: the end follows it at once, read with it
-                bulkio.recv_exact_parts(conn.sock, [view, size_buf], conn.timer)
+                bulkio.recv_exact_parts(conn.sock, [*head, view, size_buf], conn.timer)
                 yield view
         raise store_error("DATA_LOSS", "the server sent more blocks than were asked for")
     finally:

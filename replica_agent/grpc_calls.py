@@ -45,6 +45,8 @@ class Ticket:
     local_binding: str = ""
     # The sealed-payload channel's secret (replica_agent.bulk_sealed); b"": TLS as usual.
     channel_secret: bytes = field(default=b"", repr=False)
+    # The listener pads GET replies asked for with ALIGNED (kvcommon.bulkwire).
+    aligned: bool = False
 
 
 class GrpcCalls:
@@ -112,6 +114,7 @@ class GrpcCalls:
             # Used only where it was asked for: over TLS (BlockClient), by a caller that
             # opens every block it reads.
             response.channel_secret if self._sealed_channel else b"",
+            response.aligned_payloads,
         )
 
     def lookup(

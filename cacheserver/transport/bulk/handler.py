@@ -86,6 +86,9 @@ class BulkHandler:
         self._replied = False
         # The current request's header and body, taken off the socket whole (`take_peeked`).
         self._taken = memoryview(b"")
+        # The current GET's reply pads its payloads (bulkwire.ALIGNED), and its length so far.
+        self._aligned = False
+        self._position = 0
 
     @property
     def grant(self) -> Grant:
@@ -103,9 +106,12 @@ class BulkHandler:
         self._taken = memoryview(taken)
 
     def recv_request(self) -> tuple[int, int, int, bytes | None]:
-        """The next request's op (TRACED cleared), model length, digest count and trace
-        context (None: none); ConnectionClosed when the peer closed between requests."""
+        """The next request's op (TRACED and ALIGNED cleared), model length, digest
+        count and trace context (None: none); ConnectionClosed when the peer closed
+        between requests. ALIGNED is kept for the reply (a GET's; other ops ignore it)."""
         op, model_len, count = w.REQUEST.unpack(self._recv(w.REQUEST.size))
+        self._aligned = bool(op & w.ALIGNED)
+        op &= ~w.ALIGNED
         if not op & w.TRACED:
             return op, model_len, count, None
         trace = bytes(self._recv(w.TRACE_CONTEXT_BYTES))
@@ -205,10 +211,20 @@ class BulkHandler:
             self._send([*parts, self._reply_end(served)], nbytes)
 
     def _reply_start(self) -> list[Buffer]:
+        self._position = 1
         return [bytes([w.OK])]
 
     def _block_header(self, index: int, size: int) -> bytes:
-        return w.SIZE.pack(size)
+        """The block's size, and for an ALIGNED request the padding that starts its
+        payload at a multiple of PAYLOAD_ALIGN into the reply."""
+        header = w.SIZE.pack(size)
+        position = self._position + w.SIZE.size
+        if self._aligned:
+            pad = w.payload_padding(position)
+            header += w.PADDING[:pad]
+            position += pad
+        self._position = position + size
+        return header
 
     def _reply_end(self, served: int) -> bytes:
         return w.END

@@ -121,6 +121,8 @@ class Connection:
         if head is None:
             return False
         op, model_len, count = w.REQUEST.unpack_from(head)
+        aligned = bool(op & w.ALIGNED)
+        op &= ~w.ALIGNED
         size = w.REQUEST.size + model_len + w.DIGEST_BYTES * count
         self._puts_in_a_row = self._puts_in_a_row + 1 if op == w.OP_PUT else 0
         if self._puts_in_a_row >= d.GIVE_BACK_AFTER_PUTS:
@@ -139,16 +141,16 @@ class Connection:
         if request is None:
             return False
         try:
-            answered = self._answer(begun, request, model_len)
+            answered = self._answer(begun, request, model_len, aligned)
         except KvshareError:
             answered = False  # the server refuses it, with its message
         if not answered:
             return self._hand_back(rate_drawn=True)
         return True
 
-    def _answer(self, begun: Begun, request: bytes, model_len: int) -> bool:
+    def _answer(self, begun: Begun, request: bytes, model_len: int, aligned: bool) -> bool:
         """Serve the peeked request if the core answers it whole; False: not (the
-        server answers it)."""
+        server answers it). `aligned`: a GET's reply pads its payloads (bulkwire)."""
         body = memoryview(request)[w.REQUEST.size :]
         model = parse_model_bytes(body[:model_len])
         digests = w.request_digests(body[model_len:])
@@ -164,12 +166,12 @@ class Connection:
             return False
         with whole:
             deadline = self._pace.deadline(whole.nbytes)
-            rest = self._send_now(whole.views, len(request))
+            rest = self._send_now(whole.views, len(request), aligned)
         if rest:  # the peer is slower than the socket buffer: wait, with no snapshot held
             bulkio.send_parts(self._conn, rest, deadline)
         return True
 
-    def _send_now(self, views: Sequence[memoryview], request_bytes: int) -> Parts:
+    def _send_now(self, views: Sequence[memoryview], request_bytes: int, aligned: bool) -> Parts:
         """Within the GET's read transaction: the request consumed, and as much of the
         reply sent as the socket takes at once, straight from the memory map; what it
         did not take is copied out before the transaction ends. Returns that rest
@@ -180,8 +182,16 @@ class Connection:
         after it) or fill the table every process shares."""
         self._consume(request_bytes)
         parts: list[memoryview] = [memoryview(_OK)]
+        position = len(_OK)
         for view in views:
-            parts += [memoryview(w.SIZE.pack(len(view))), view]
+            header = w.SIZE.pack(len(view))
+            position += len(header)
+            if aligned:
+                pad = w.payload_padding(position)
+                header += w.PADDING[:pad]
+                position += pad
+            parts += [memoryview(header), view]
+            position += view.nbytes
         parts.append(memoryview(w.END))
         bulkio.send_now(self._conn, parts)
         return [b"".join(parts)] if parts else []

@@ -79,6 +79,7 @@ class BlockStoreService(pb_grpc.BlockStoreServicer):
             ttl_ms=int(endpoint.tickets.ttl_s * 1000),
             trace_context=True,
             channel_secret=offer.channel_secret,
+            aligned_payloads=True,
         )
 
     async def Lookup(self, request: pb.LookupRequest, context: Context) -> pb.LookupResponse:

@@ -37,7 +37,7 @@ class TcpClient:
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
         self._reply = bytearray(wire.REPLY.size)
-        self._lengths = bytearray(wire.LENGTH.size * wire.MAX_KEYS_PER_REQUEST)
+        self._lengths = bytearray(wire.LENGTH.size * wire.MAX_KEYS_PER_REQUEST + wire.VALUE_ALIGN)
         self._receive: mmap.mmap = aligned_buffer(1)
 
     def prepare(self, value_bytes: int, blocks_per_call: int) -> None:
@@ -57,8 +57,9 @@ class TcpClient:
         header = wire.REQUEST.pack(wire.OP_GET, len(keys), 0)
         wire.send_buffers(self._sock, [header, b"".join(keys)])
         count, total = self._read_status()
-        lengths_view = memoryview(self._lengths)[: count * wire.LENGTH.size]
-        wire.recv_exact(self._sock, lengths_view)
+        lengths_end = count * wire.LENGTH.size
+        wire.recv_exact(self._sock, memoryview(self._lengths)[: lengths_end + wire.padding(count)])
+        lengths_view = memoryview(self._lengths)[:lengths_end]
         self._ensure_capacity(total)
         view = memoryview(self._receive)
         wire.recv_exact(self._sock, view[:total])

@@ -128,6 +128,7 @@ class _Connection:
         total = sum(size for _, size in found)
         wire.REPLY.pack_into(self._reply, 0, wire.STATUS_OK, len(found), total)
         lengths = b"".join(wire.LENGTH.pack(size) for _, size in found)
+        lengths += bytes(wire.padding(len(found)))
         views = [memoryview(buffer)[:size] for buffer, size in found]
         wire.send_buffers(self._sock, [memoryview(self._reply), lengths, *views])
 

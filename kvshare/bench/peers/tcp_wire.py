@@ -6,6 +6,12 @@ found and the values back to back. An EXISTS request is a GET's; its reply is th
 header alone, value_count = how many leading keys are held. The control ops (CLEAR,
 RESERVE) carry no keys. Nothing else: this is the least any store on a socket must
 do, so it bounds what kvshare's data path can reach.
+
+The lengths are followed by zero bytes up to a multiple of VALUE_ALIGN (`padding`), so
+the values start 64 bytes into the reply, or more: the kernel copies a value into the
+socket's buffer pages, and the receiver out of them, ~2.5x slower when it begins 1-31
+bytes into a page (benchmarks/socket_alignment.py), and the 24 bytes before a single
+value made the ceiling pay that on both ends until 2026-12-06.
 """
 
 from __future__ import annotations
@@ -32,6 +38,12 @@ STATUS_OK = 0
 STATUS_BAD_REQUEST = 1
 
 _IOV_BATCH = 512  # below IOV_MAX (1024 on Linux)
+VALUE_ALIGN = 64
+
+
+def padding(value_count: int) -> int:
+    """Zero bytes between a GET reply's lengths and its values."""
+    return -(REPLY.size + LENGTH.size * value_count) % VALUE_ALIGN
 
 
 class PeerClosed(ConnectionError):

@@ -132,3 +132,29 @@ def test_reserve_counts_buffers_not_keys(tcp_client: TcpClient) -> None:
     value = memoryview(random_value(100, seed=4))[:100]
     tcp_client.put(_keys(1), [value])
     assert tcp_client.lookup(_keys(1)) == 1
+
+
+@pytest.mark.parametrize("count", [1, 3, 8])
+def test_a_get_reply_starts_its_values_at_a_multiple_of_64_bytes(count: int) -> None:
+    """The ceiling must not pay the kernel's slow copies of values that begin 1-31
+    bytes into a page (benchmarks/socket_alignment.py): its lengths are padded."""
+    server_end, client_end = socket.socketpair()
+    thread = threading.Thread(target=_serve_connection, args=(server_end, _Store(), None))
+    thread.start()
+    try:
+        keys, value = _keys(count), bytes(range(256)) * 16
+        client = TcpClient(client_end)
+        client.put(keys, [memoryview(value)] * count)
+        client_end.sendall(tcp_wire.REQUEST.pack(tcp_wire.OP_GET, count, 0) + b"".join(keys))
+        reply = b""
+        expected = tcp_wire.REPLY.size + tcp_wire.LENGTH.size * count
+        start = expected + tcp_wire.padding(count)
+        while len(reply) < start + count * len(value):
+            reply += client_end.recv(1 << 16)
+        assert start % tcp_wire.VALUE_ALIGN == 0
+        assert reply[expected:start] == bytes(start - expected)  # the padding, zeros
+        assert reply[start : start + len(value)] == value
+        assert [bytes(v) for v in client.get(keys)] == [value] * count  # the client reads it
+    finally:
+        client_end.close()
+        thread.join(timeout=5)

@@ -2,6 +2,7 @@
 
     python benchmarks/bench_compare.py before.json after.json [--peer tcp]
     python benchmarks/bench_compare.py --before b1.json b2.json --after a1.json a2.json
+    python benchmarks/bench_compare.py --before b1.json --after a1.json --table
 
 With several runs a side (runs of the two codes alternated in one sitting), each cell's
 rounds are pooled across the runs: a machine that has a slow minute then slows one run
@@ -59,6 +60,48 @@ def pooled(paths: list[Path]) -> dict[Cell, list[float]]:
     return runs
 
 
+def _cells(paths: list[Path]) -> dict[tuple[str, str, int, int], tuple[float, float | None]]:
+    """Each single-block cell's median MB/s over every round of `paths`, and the median
+    of the runs' server CPU per call."""
+    rounds: dict[tuple[str, str, int, int], list[float]] = {}
+    cpu: dict[tuple[str, str, int, int], list[float]] = {}
+    for path in paths:
+        for r in json.loads(path.read_text())["results"]:
+            if r.get("blocks_per_call", 1) != 1:
+                continue
+            key = (r["system"], r["op"], r["value_bytes"], r["clients"])
+            rounds.setdefault(key, []).extend(r["mb_per_s_rounds"])
+            if r.get("server_cpu_us_per_call"):
+                cpu.setdefault(key, []).append(r["server_cpu_us_per_call"])
+    return {
+        key: (statistics.median(mbs), statistics.median(cpu[key]) if key in cpu else None)
+        for key, mbs in rounds.items()
+    }
+
+
+def whole_table(before_paths: list[Path], after_paths: list[Path]) -> str:
+    """Markdown: per cell and system, MB/s (server CPU us per call) before -> after."""
+    before, after = _cells(before_paths), _cells(after_paths)
+    systems = sorted({key[0] for key in after}, key=lambda s: (s.startswith("kvshare"), s))
+    cells = sorted({key[1:] for key in after}, key=lambda c: (c[0] != "put", c[1], c[2]))
+
+    def shown(figures: tuple[float, float | None] | None) -> str:
+        if figures is None:
+            return "-"
+        mbs, cpu = figures
+        return f"{mbs:,.0f}" + ("" if cpu is None else f" ({cpu:,.0f})")
+
+    lines = ["| cell | " + " | ".join(systems) + " |", "|---" * (len(systems) + 1) + "|"]
+    for op, size, clients in cells:
+        row = [
+            f"{shown(before.get(key))} -> {shown(after.get(key))}"
+            for key in ((s, op, size, clients) for s in systems)
+        ]
+        name = f"{size // 1024} KiB" if size < 1 << 20 else f"{size >> 20} MiB"
+        lines.append(f"| {op.upper()} {name}, {clients}c | " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", type=Path, nargs="*", help="before.json after.json")
@@ -66,6 +109,12 @@ def main() -> int:
     parser.add_argument("--after", type=Path, nargs="+", default=[])
     parser.add_argument("--peer", default="tcp", help="the system ratios are taken to")
     parser.add_argument("--all", action="store_true", help="print every cell's medians")
+    parser.add_argument(
+        "--table",
+        action="store_true",
+        help="print the whole table instead: each single-block cell's median MB/s and "
+        "server CPU per call, before -> after, every system side by side (markdown)",
+    )
     args = parser.parse_args()
     if args.runs:
         if len(args.runs) != 2 or args.before or args.after:
@@ -73,6 +122,9 @@ def main() -> int:
         args.before, args.after = [args.runs[0]], [args.runs[1]]
     if not args.before or not args.after:
         parser.error("give two files (before, after), or --before ... --after ...")
+    if args.table:
+        print(whole_table(args.before, args.after))
+        return 0
     before, after = pooled(args.before), pooled(args.after)
     below = above = compared = 0
     for cell in after:

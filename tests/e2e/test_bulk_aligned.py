@@ -52,7 +52,9 @@ def get(sock: socket.socket, digests: list[bytes], flags: int) -> tuple[list[byt
     request = w.REQUEST.pack(w.OP_GET | flags, len(model), len(digests))
     sock.sendall(request + model + b"".join(digests))
     assert bulkio.recv_bytes(sock, 1)[0] == w.OK
-    position, payloads, starts = 1, [], []
+    position = 1
+    payloads: list[bytes] = []
+    starts: list[int] = []
     while True:
         (size,) = w.SIZE.unpack(bulkio.recv_bytes(sock, w.SIZE.size))
         position += w.SIZE.size
@@ -95,7 +97,9 @@ def test_the_client_asks_for_aligned_replies_and_reads_them(tenant_server: Runni
         assert [bytes(v) for v in client.get_views("alpha", MODEL, digests)] == payloads
         assert client.get("alpha", MODEL, digests[2:5]) == payloads[2:5]
         assert client.transport_stats.bulk_fallbacks == 0
-        connections = client._bulk._all  # the client's own record of its connections
+        bulk = client._bulk
+        assert bulk is not None
+        connections = bulk._all  # the client's own record of its connections
         assert connections and all(c.aligned for c in connections)
 
 

@@ -88,11 +88,15 @@ def test_the_drain_keeps_the_checksum_made_when_the_put_was_acknowledged(
     checksum in LMDB instead of hashing the bytes a second time. So bytes that change in
     the ring after the acknowledgement are caught by the next read from LMDB (a miss),
     where a checksum made at drain time would have vouched for them."""
-    from cacheserver.tiers.lmdb import tier as lmdb_tier
+    from cacheserver.tiers.lmdb import records
 
     hashed: list[int] = []
-    real_checksum = lmdb_tier.checksum
-    monkeypatch.setattr(lmdb_tier, "checksum", lambda p: hashed.append(len(p)) or real_checksum(p))
+
+    def counting(payload: bytes | memoryview) -> bytes:
+        hashed.append(len(payload))
+        return records.checksum(payload)
+
+    monkeypatch.setattr("cacheserver.tiers.lmdb.tier.checksum", counting)
     storage = StorageConfig(
         memory_budget_bytes=8 * MiB,
         disk_budget_bytes=64 * MiB,

@@ -39,7 +39,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Literal, TypeAlias
+from typing import TypeAlias
 
 import torch
 
@@ -47,9 +47,9 @@ from replica_agent.codec import HEADER_BYTES, BlockFormatError, decode_block, to
 from replica_agent.device_ops import CudaOps, DeviceOps, Event, Stream, resolve_device
 from replica_agent.gate import SealedView
 from replica_agent.spec import ModelSpec
+from replica_agent.telemetry import StopReason
 
 STAGING_BUFFERS = 2  # double buffering: decode one while the other is in flight
-StopReason: TypeAlias = Literal["format_error", "out_of_memory", "capturing"]
 STAGING_RINGS = 4  # restores at once per agent; more wait for a ring (pinned memory bound)
 # Where one part of a block goes: (destination tensor, index into the block tensor),
 # e.g. `(out[i], ())` for a whole block or `(keys[l][0, :, a:b], (l, 0))` for layer l's K.

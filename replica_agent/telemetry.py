@@ -19,7 +19,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Literal, TypeAlias
+from typing import Literal, TypeAlias
 
 from opentelemetry import context as otel_context
 from opentelemetry import metrics, trace
@@ -27,11 +27,12 @@ from opentelemetry.metrics import CallbackOptions, Observation
 
 from replica_agent.breaker import BreakerState, CircuitBreaker
 
-if TYPE_CHECKING:
-    from replica_agent.device import StopReason
-
 SCOPE = "kvshare.agent"
 DropReason: TypeAlias = Literal["queue_full", "buffer_full", "capturing", "breaker_open", "error"]
+# Why a restore placed fewer blocks than it was offered (replica_agent.device); here,
+# below the restorer, so that its meter and the restorer share it without an import
+# circle (device -> gate -> telemetry).
+StopReason: TypeAlias = Literal["format_error", "out_of_memory", "capturing"]
 Span: TypeAlias = trace.Span
 Context: TypeAlias = otel_context.Context
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)

@@ -46,8 +46,7 @@ def recv_frame(
     step: ChannelBroken."""
     if not expect:
         (size,) = FRAME.unpack(recv_bytes(sock, FRAME.size, deadline))
-        if not min_size <= size <= max_size:
-            raise ChannelBroken("a sealed bulk frame of an impossible length")
+        check_frame_size(size, min_size, max_size)
         return recv_bytes(sock, size, deadline)
     head = bytearray(FRAME.size + expect)
     got = recv_some(sock, memoryview(head), deadline)
@@ -55,8 +54,7 @@ def recv_frame(
         recv_exact(sock, memoryview(head)[got : FRAME.size], deadline)
         got = FRAME.size
     (size,) = FRAME.unpack_from(head)
-    if not min_size <= size <= max_size:
-        raise ChannelBroken("a sealed bulk frame of an impossible length")
+    check_frame_size(size, min_size, max_size)
     if got > FRAME.size + size:
         raise ChannelBroken("bytes beyond a sealed bulk frame")
     frame = bytearray(size)
@@ -64,6 +62,13 @@ def recv_frame(
     if got < FRAME.size + size:  # the rest of a frame that came in pieces
         recv_exact(sock, memoryview(frame)[got - FRAME.size :], deadline)
     return frame
+
+
+def check_frame_size(size: int, min_size: int, max_size: int) -> None:
+    """ChannelBroken unless a sealed frame's length is one this point of the exchange
+    allows (checked before anything is allocated or opened for it)."""
+    if not min_size <= size <= max_size:
+        raise ChannelBroken("a sealed bulk frame of an impossible length")
 
 
 class Timer(Protocol):

@@ -134,6 +134,19 @@ def payload_padding(position: int) -> int:
     return -position % PAYLOAD_ALIGN
 
 
+def block_header(size: int, position: int, aligned: bool) -> tuple[bytes, int]:
+    """A GET reply's header for a block of `size` bytes whose size field starts
+    `position` bytes into the reply: the size, then for an ALIGNED reply its padding
+    (`payload_padding`); and the reply's length after the block's payload."""
+    header = SIZE.pack(size)
+    position += SIZE.size
+    if aligned:
+        pad = payload_padding(position)
+        header += PADDING[:pad]
+        position += pad
+    return header, position + size
+
+
 def lookup_reply(present: int) -> bytes:
     """A LOOKUP's reply: OK and how many leading digests are stored."""
     return bytes([OK]) + PRESENT.pack(present)

@@ -190,10 +190,8 @@ class BlockSealer:
         nonce: bytes | None = None,
     ) -> bytes:
         """`nonce` is for known-answer tests only; leave it None."""
-        version, key = self.keyring.primary(tenant)
-        nonce = secrets.token_bytes(24) if nonce is None else nonce
-        ad = associated_data(tenant, model, digest, version)
-        body = _subkey(key, nonce).encrypt(nonce[12:], plaintext, ad)
+        version, nonce, aead, ad = self._sealing(tenant, model, digest, nonce)
+        body = aead.encrypt(nonce[12:], plaintext, ad)
         return _HEADER.pack(MAGIC, FORMAT, version, nonce) + body
 
     def seal_into(
@@ -219,17 +217,23 @@ class BlockSealer:
                 f"out holds {target.nbytes} bytes, a sealed block of this plaintext needs "
                 f"{size} (sealed_bytes); pass a larger buffer"
             )
-        version, key = self.keyring.primary(tenant)
-        nonce = secrets.token_bytes(24) if nonce is None else nonce
-        ad = associated_data(tenant, model, digest, version)
+        version, nonce, aead, ad = self._sealing(tenant, model, digest, nonce)
         target = target[:size]
         _HEADER.pack_into(target, 0, MAGIC, FORMAT, version, nonce)
-        aead = _subkey(key, nonce)
         if ENCRYPT_INTO:
             aead.encrypt_into(nonce[12:], plaintext, ad, target[HEADER_BYTES:])
         else:  # cryptography releases before encrypt_into
             target[HEADER_BYTES:] = aead.encrypt(nonce[12:], plaintext, ad)
         return target
+
+    def _sealing(
+        self, tenant: str, model: str, digest: bytes, nonce: bytes | None
+    ) -> tuple[int, bytes, AESGCM, bytes]:
+        """The tenant's primary key version, the block's 24-byte nonce (random unless
+        given), its subkey and associated data: what `seal` and `seal_into` share."""
+        version, key = self.keyring.primary(tenant)
+        nonce = secrets.token_bytes(24) if nonce is None else nonce
+        return version, nonce, _subkey(key, nonce), associated_data(tenant, model, digest, version)
 
     def open(self, tenant: str, model: str, digest: bytes, sealed: bytes | memoryview) -> bytes:
         """The plaintext, or SealError for anything wrong (never a partial result)."""

@@ -66,8 +66,8 @@ def prefault_wait_s(now: float, last_reserved: float, last_activity: float, idle
 def start_prefaulter(
     space: RingSpace,
     closing: threading.Event,
-    last_activity: Callable[[], float] = lambda: 0.0,
-    idle_s: float = 0.0,
+    last_activity: Callable[[], float],
+    idle_s: float,
 ) -> threading.Thread:
     """Keep the journal's pages made ahead of its use (RingSpace.prefault), with the CPU
     that serving leaves (a put that overtakes it makes its own pages): while puts come,

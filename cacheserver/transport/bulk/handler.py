@@ -217,13 +217,7 @@ class BulkHandler:
     def _block_header(self, index: int, size: int) -> bytes:
         """The block's size, and for an ALIGNED request the padding that starts its
         payload at a multiple of PAYLOAD_ALIGN into the reply."""
-        header = w.SIZE.pack(size)
-        position = self._position + w.SIZE.size
-        if self._aligned:
-            pad = w.payload_padding(position)
-            header += w.PADDING[:pad]
-            position += pad
-        self._position = position + size
+        header, self._position = w.block_header(size, self._position, self._aligned)
         return header
 
     def _reply_end(self, served: int) -> bytes:

@@ -184,14 +184,8 @@ class Connection:
         parts: list[memoryview] = [memoryview(_OK)]
         position = len(_OK)
         for view in views:
-            header = w.SIZE.pack(len(view))
-            position += len(header)
-            if aligned:
-                pad = w.payload_padding(position)
-                header += w.PADDING[:pad]
-                position += pad
+            header, position = w.block_header(view.nbytes, position, aligned)
             parts += [memoryview(header), view]
-            position += view.nbytes
         parts.append(memoryview(w.END))
         bulkio.send_now(self._conn, parts)
         return [b"".join(parts)] if parts else []

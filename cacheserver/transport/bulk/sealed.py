@@ -109,8 +109,7 @@ class SealedHandler(BulkHandler):
         """The next header from the client, opened, of `min_size` to `max_size` bytes."""
         if self._frames:
             frame: Buffer = self._frames.popleft()
-            if not min_size + TAG_BYTES <= len(frame) <= max_size + TAG_BYTES:
-                raise w.ChannelBroken("a sealed bulk frame of an impossible length")
+            bulkio.check_frame_size(len(frame), min_size + TAG_BYTES, max_size + TAG_BYTES)
         else:
             frame = bulkio.recv_frame(self._conn, min_size + TAG_BYTES, max_size + TAG_BYTES)
         try:

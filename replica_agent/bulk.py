@@ -182,7 +182,8 @@ class BulkChannel:
     ) -> Iterator[memoryview]:
         """The leading present payloads, each as soon as it arrived (module docstring)."""
         _check_framable(model, digests)
-        deadline = self._deadline(deadline)
+        if deadline is None:  # `_deadline` written out: every GET comes through here
+            deadline = CallDeadline(self._timeout_s)
         conn = self._connection(tenant, deadline)
         conn.buffers.reset()
         if conn.sealed is not None:
@@ -257,5 +258,6 @@ def _check_framable(model: str, digests: Sequence[bytes]) -> None:
     path instead, where the server answers INVALID_ARGUMENT with its own message."""
     if not model or len(model.encode("utf-8")) > 0xFFFF:
         raise UseGrpc("model")
-    if any(len(d) != 32 for d in digests):
-        raise UseGrpc("digest length")
+    for digest in digests:  # a loop, not any() over a generator: run for every call
+        if len(digest) != 32:
+            raise UseGrpc("digest length")

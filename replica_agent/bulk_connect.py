@@ -139,9 +139,14 @@ def send_request(
     if trace is not None:
         op |= w.TRACED
     header = w.REQUEST.pack(op, len(encoded), len(digests))
-    parts = [header, trace, encoded] if trace is not None else [header, encoded]
-    try:  # digests: one buffer
-        bulkio.send_parts(conn.sock, [*parts, b"".join(digests), *then], conn.timer)
+    # The header, trace context, model and digests joined into one buffer (a few dozen
+    # bytes per digest): send_parts makes a view of, and steps over, each part it gets.
+    if trace is None:
+        request = b"".join([header, encoded, *digests])
+    else:
+        request = b"".join([header, trace, encoded, *digests])
+    try:
+        bulkio.send_parts(conn.sock, [request, *then], conn.timer)
     except (BrokenPipeError, ConnectionResetError):
         # The server refused the request from its header and closed (a Unix socket
         # then fails the send at once): its error frame may be waiting to be read.

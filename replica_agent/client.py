@@ -195,25 +195,25 @@ class BlockClient:
         small call, where gRPC's per-call cost is most of the time), else gRPC."""
         return self._transport.lookup(tenant, model, digests, CallDeadline(self.timeout_s))
 
+    # The three reads are the one read path, Fallback.read (replica_agent.fallback),
+    # each called straight from here: a GET's Python calls are much of its cost.
+
     def get(self, tenant: str, model: str, digests: Sequence[bytes]) -> list[bytes]:
-        return [bytes(v) for v in self._read(tenant, model, digests, keep=True)]
+        deadline = CallDeadline(self._grpc.timeout_s)
+        views = self._transport.read(tenant, model, digests, keep=True, deadline=deadline)
+        return list(map(bytes, views))
 
     def get_views(self, tenant: str, model: str, digests: Sequence[bytes]) -> list[View]:
         """Like `get`, without copies where the bulk channel is used: the views stay
         valid until this thread's next call on this client. Decode them at once."""
-        return list(self._read(tenant, model, digests, keep=True))
+        deadline = CallDeadline(self._grpc.timeout_s)
+        return list(self._transport.read(tenant, model, digests, keep=True, deadline=deadline))
 
     def iter_views(self, tenant: str, model: str, digests: Sequence[bytes]) -> Iterator[View]:
         """The leading present payloads one at a time, each valid until the next is
         requested: the restore path's zero-copy iterator."""
-        return self._read(tenant, model, digests, keep=False)
-
-    def _read(
-        self, tenant: str, model: str, digests: Sequence[bytes], *, keep: bool
-    ) -> Iterator[View]:
-        """The one read path (replica_agent.fallback)."""
-        deadline = CallDeadline(self.timeout_s)
-        return self._transport.read(tenant, model, digests, keep=keep, deadline=deadline)
+        deadline = CallDeadline(self._grpc.timeout_s)
+        return self._transport.read(tenant, model, digests, keep=False, deadline=deadline)
 
     def put(
         self, tenant: str, model: str, digests: Sequence[bytes], payloads: Sequence[Payload]

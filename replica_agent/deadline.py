@@ -33,10 +33,18 @@ class CallDeadline:
     """The time left to one call; `budget_s` None: no deadline (the client's
     `timeout_s=None`)."""
 
+    __slots__ = ("at", "budget_s", "slack_s")  # one is made for every call
+
     def __init__(self, budget_s: float | None) -> None:
         self.budget_s = budget_s
-        self.at = None if budget_s is None else time.monotonic() + budget_s
-        self.slack_s = 0.0 if budget_s is None else min(MAX_SLACK_S, budget_s / 10)
+        self.at: float | None
+        if budget_s is None:
+            self.at = None
+            self.slack_s = 0.0
+        else:  # made for every call: a conditional, not min() (a call of its own)
+            self.at = time.monotonic() + budget_s
+            slack_s = budget_s / 10
+            self.slack_s = slack_s if slack_s < MAX_SLACK_S else MAX_SLACK_S
 
     def left_s(self) -> float | None:
         """Seconds left (None: unbounded); TimeoutError, as a socket would raise, once
@@ -79,16 +87,23 @@ class SocketTimer:
     ends long after it), so a receive or send that times out means the call is out of
     time. The timeout stays set between calls (`disarm` does nothing)."""
 
+    __slots__ = ("deadline", "timeout_s")
+
     def __init__(self, timeout_s: float | None) -> None:
         self.timeout_s = timeout_s  # what the socket has now
         self.deadline = NO_DEADLINE  # the current call's; set by the call
 
     def arm(self, sock: socket.socket) -> None:
-        left = self.deadline.left_s()
-        if left is None:
+        # CallDeadline.left_s written out: this runs before every send and receive.
+        deadline = self.deadline
+        at = deadline.at
+        if at is None:
             return
+        left = at - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the call ran out of its deadline")
         current = self.timeout_s
-        if current is not None and left <= current <= left + self.deadline.slack_s:
+        if current is not None and left <= current <= left + deadline.slack_s:
             return
         bulkio.set_timeout(sock, left)
         self.timeout_s = left

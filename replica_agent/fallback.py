@@ -151,15 +151,12 @@ class Fallback:
         """The leading present payloads. The bulk channel's first block (or its end) is
         received here, where a broken connection can still fall back; the rest as the
         caller asks."""
-
-        def first_of(transport: Transport) -> tuple[View | None, Iterator[View]]:
-            stream = transport.read(tenant, model, digests, keep=keep, deadline=deadline)
-            return next(stream, None), stream
-
-        bulk = self._bulk_now()
-        if bulk is not None:
+        # `_bulk_now` written out, and no helper for the first block: the hot path.
+        bulk = self._bulk
+        if bulk is not None and self.bulk_backoff.allowed():
             try:
-                first, rest = first_of(bulk)
+                rest = bulk.read(tenant, model, digests, keep=keep, deadline=deadline)
+                first = next(rest, None)
             except PATH_FAILURES as error:
                 self._bulk_failed(error, deadline)
             else:

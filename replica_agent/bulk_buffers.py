@@ -44,7 +44,8 @@ class Buffers:
             else:
                 self._replace_if_smaller(self._index, size)
         start = self._offset
-        self._offset = _pages(start + size)  # the next block starts on a page boundary
+        # The next block starts on a page boundary (`_pages`, written out: every block).
+        self._offset = (start + size + PAGE - 1) // PAGE * PAGE
         return memoryview(self._maps[self._index])[start : start + size]
 
     def _replace_if_smaller(self, index: int, size: int) -> None:

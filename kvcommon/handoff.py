@@ -36,7 +36,8 @@ def hands_off(hook: Callable[[], None]) -> HandsOff:
 
 class HandsOff:
     """`hands_off`'s block: a class, not a generator, as the ready loop enters one for
-    every request it serves (a generator-based context manager costs ~1 µs more)."""
+    every request it serves (a generator-based context manager costs ~1 µs more). It
+    holds only the hook, so one thread may enter the same block for every request."""
 
     __slots__ = ("_hook",)
 

@@ -59,6 +59,9 @@ from kvcommon.tracing import context_from_binary
 from policy.tickets import TicketBook
 
 log = logging.getLogger(__name__)
+# The spans' and counts' method names, made once (not a string built per request).
+METHODS = {op: f"kvshare.bulk/{name}" for op, name in OPS.items()}
+INVALID_METHOD = "kvshare.bulk/Invalid"
 IDLE_TIMEOUT_S = 300.0  # an authenticated connection may idle between requests this long
 # Before its ticket is accepted a peer is unauthenticated: it gets only this long, in
 # total, to finish TLS and present the ticket (cacheserver.transport.bulk.slots).
@@ -299,8 +302,7 @@ class BulkServer:
         except w.ConnectionClosed:
             return False
         parent = None if trace is None else context_from_binary(trace)
-        name = OPS.get(op, "Invalid")
-        method = f"kvshare.bulk/{name}"
+        method = METHODS.get(op, INVALID_METHOD)
         with self._telemetry.rpc(method, parent, system=BULK_SYSTEM) as call:
             try:
                 handler.handle(op, model_len, count, rate_drawn=rate_drawn)

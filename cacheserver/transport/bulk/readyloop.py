@@ -44,10 +44,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Generic, Protocol, TypeVar, cast
+from typing import Generic, Protocol, TypeVar
 
 from kvcommon import bulkwire as w
 from kvcommon import handoff
+from kvcommon.handoff import HandsOff
 
 log = logging.getLogger(__name__)
 PEEK_BYTES = 16 << 10  # a request's header and body, looked at before it is served
@@ -165,26 +166,25 @@ class ReadyLoop(Generic[H]):
 
     def _lead(self, me: threading.Thread) -> None:
         next_sweep = time.monotonic() + POLL_S
-        hook = functools.partial(self._hand_on_lead, me)  # made once, not per request
+        # Made once, not per request: the hook, and the block that arms it around each.
+        hands_off = handoff.hands_off(functools.partial(self._hand_on_lead, me))
         while self._leader is me and not self._stopping():
             if not self._ready:
                 try:
                     events = self._epoll.poll(POLL_S)
                 except (OSError, ValueError):
                     return  # closed: the server stops
-                self._ready.extend(fd for fd, _ in events)
+                self._ready.extend([fd for fd, _ in events])
             while self._ready and self._leader is me:
                 with self._lock:
                     parked = self._parked.pop(self._ready.popleft(), None)
                 if parked is not None:
-                    self._serve_ready(parked, me, hook)
+                    self._serve_ready(parked, me, hands_off)
             if time.monotonic() >= next_sweep:
                 next_sweep = time.monotonic() + POLL_S
                 self._close_idle()
 
-    def _serve_ready(
-        self, parked: Parked[H], me: threading.Thread, hook: Callable[[], None]
-    ) -> None:
+    def _serve_ready(self, parked: Parked[H], me: threading.Thread, hands_off: HandsOff) -> None:
         """Serve the connection's request here when it is whole, else have a follower
         serve it."""
         raw, peeked = parked.raw, None
@@ -202,7 +202,7 @@ class ReadyLoop(Generic[H]):
             self._hand_to_follower(parked)
             return
         self.inline_requests += 1
-        with handoff.hands_off(hook):
+        with hands_off:
             serves_on = self._serve(parked, peeked)
         if self._leader is not me and serves_on:  # it waited: a follower now
             serves_on = self._stay(parked)
@@ -346,7 +346,7 @@ def _whole_request(raw: socket.socket, head: bytearray) -> int | None:
         return None
     if got < w.REQUEST.size:
         return 0
-    op, model_len, count = cast("tuple[int, int, int]", w.REQUEST.unpack_from(head))
+    op, model_len, count = w.REQUEST.unpack_from(head)
     if op & w.TRACED:
         return 0
     digests_end = w.REQUEST.size + model_len + w.DIGEST_BYTES * count

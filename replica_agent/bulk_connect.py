@@ -183,11 +183,13 @@ def read_streamed(
     step: `drop` closes it."""
     finished = False
     aligned = conn.aligned
+    sock, timer, take = conn.sock, conn.timer, conn.buffers.take  # looked up once
+    last = len(digests) - 1
     try:
         send_request(conn, w.OP_GET | (w.ALIGNED if aligned else 0), model, digests)
-        size_buf = recv_reply(conn.sock, w.SIZE.size, conn.timer)  # the first size
+        size_buf = recv_reply(sock, w.SIZE.size, timer)  # the first size
         position = 1 + w.SIZE.size  # into the reply, past the status and that size
-        for index in range(len(digests) + 1):
+        for index in range(last + 2):
             (size,) = w.SIZE.unpack(size_buf)
             if size == 0:
                 finished = True
@@ -196,15 +198,16 @@ def read_streamed(
                 raise store_error("DATA_LOSS", f"the server announced a {size}-byte block")
             pad = w.payload_padding(position) if aligned else 0
             position += pad + size + w.SIZE.size
-            view = conn.buffers.take(size, keep=keep)
-            head = [conn.padding[:pad]] if pad else []
-            if index + 1 < len(digests):
+            view = take(size, keep=keep)
+            parts = [conn.padding[:pad], view] if pad else [view]
+            if index < last:
                 # yielded before the next size
-                bulkio.recv_exact_parts(conn.sock, [*head, view], conn.timer)
+                bulkio.recv_exact_parts(sock, parts, timer)
                 yield view
-                bulkio.recv_exact(conn.sock, size_buf, conn.timer)
+                bulkio.recv_exact(sock, size_buf, timer)
             else:  # the last block asked for: the end follows it at once, read with it
-                bulkio.recv_exact_parts(conn.sock, [*head, view, size_buf], conn.timer)
+                parts.append(size_buf)
+                bulkio.recv_exact_parts(sock, parts, timer)
                 yield view
         raise store_error("DATA_LOSS", "the server sent more blocks than were asked for")
     finally:

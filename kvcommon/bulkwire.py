@@ -53,6 +53,13 @@ its direction's key and the next counter of that direction.
             GET  -> per block FRAME(0 | BLOCK(index, size)) then the payload in clear
                     (a sealed block), then FRAME(0 | BLOCK(blocks served, 0))
             PUT  -> FRAME(0 | count x outcome u8)
+            op | BATCHED on a GET (only when OpenBulk said `sealed_batches`): one
+                    header per batch of the store's reply (a run of blocks from
+                    memory, or one read of the disk), FRAME(0 | BATCH(first index,
+                    count, final) | count x size u64), then those payloads back to
+                    back in clear; the batch with `final` set (count 0 for a reply
+                    that ends without one: a miss) is the reply's last. A reply from
+                    memory is one header for any number of blocks
 
 Same host: the server also listens on an abstract Unix socket (`local_address` of
 OpenBulk). There the handshake is the same HELLO, answered by ARENA_REPLY (status u8 |
@@ -99,6 +106,8 @@ HELLO_SEALED = struct.Struct(">4s32s16s")
 PROOF_BYTES = 16
 FRAME = struct.Struct(">I")  # a sealed header's length (ciphertext and tag)
 BLOCK = struct.Struct(">IQ")  # a sealed GET reply's block: index u32 | size u64 (0: end)
+BATCHED = 0x20  # flag on a sealed GET's op: the reply has a header per batch (BATCH)
+BATCH = struct.Struct(">IIB")  # first index u32 | count u32 | final u8; count x size u64 follow
 TLS_RECORD_HANDSHAKE = 0x16  # the first byte of a TLS ClientHello
 ARENA_REPLY = struct.Struct(">BQ")
 LOCAL_GET = struct.Struct(">IB")

@@ -521,6 +521,7 @@ class OpenBulkResponse(_message.Message):
     LOCAL_OWNER_FIELD_NUMBER: _builtins.int
     CHANNEL_SECRET_FIELD_NUMBER: _builtins.int
     ALIGNED_PAYLOADS_FIELD_NUMBER: _builtins.int
+    SEALED_BATCHES_FIELD_NUMBER: _builtins.int
     ticket: _builtins.bytes
     """32 random bytes, single use"""
     address: _builtins.str
@@ -559,6 +560,11 @@ class OpenBulkResponse(_message.Message):
     kernel's copy of a payload into and out of a socket's buffers ran ~2.5x slower
     when it started 1-31 bytes into a buffer page (the reply's 9-byte header did).
     """
+    sealed_batches: _builtins.bool
+    """The listener answers a sealed-channel GET flagged BATCHED (kvcommon/bulkwire.py)
+    with one sealed header per batch of blocks (each block's size in it) instead of
+    one per block and one for the end: a reply from memory is one header.
+    """
     def __init__(
         self,
         *,
@@ -571,10 +577,11 @@ class OpenBulkResponse(_message.Message):
         local_owner: _builtins.str = ...,
         channel_secret: _builtins.bytes = ...,
         aligned_payloads: _builtins.bool = ...,
+        sealed_batches: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "aligned_payloads", b"aligned_payloads", "channel_secret", b"channel_secret", "local_address", b"local_address", "local_namespace", b"local_namespace", "local_owner", b"local_owner", "ticket", b"ticket", "trace_context", b"trace_context", "ttl_ms", b"ttl_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "aligned_payloads", b"aligned_payloads", "channel_secret", b"channel_secret", "local_address", b"local_address", "local_namespace", b"local_namespace", "local_owner", b"local_owner", "sealed_batches", b"sealed_batches", "ticket", b"ticket", "trace_context", b"trace_context", "ttl_ms", b"ttl_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

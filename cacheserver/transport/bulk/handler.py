@@ -21,7 +21,7 @@ from typing import Protocol
 
 from cacheserver.blocks import BlockSource, Payload
 from cacheserver.core.requests import RequestCore
-from cacheserver.core.values import Accept, Begun, Verb, parse_model_bytes
+from cacheserver.core.values import Accept, Begun, Served, Verb, parse_model_bytes
 from cacheserver.transport.arena import Arena
 from kvcommon import bulkio, handoff, samehost
 from kvcommon import bulkwire as w
@@ -55,8 +55,8 @@ class BulkHandler:
     """Serves the requests of one connection (its grant, and its arena if same-host).
 
     The framing of headers (`recv_request`, `_recv`, `_reply`, `send_error`), of a GET
-    reply's blocks (`_reply_start`, `_block_header`, `_reply_end`, `_accept`) and of put
-    payloads (`_source`) is what the sealed-payload channel
+    reply's blocks (`_reply_start`, `_add_batch`, `_block_header`, `_reply_end`,
+    `_accept`) and of put payloads (`_source`) is what the sealed-payload channel
     (cacheserver.transport.bulk.sealed) replaces; admission, the read loop and the
     store calls are the request core's."""
 
@@ -198,21 +198,29 @@ class BulkHandler:
     def _get(self, begun: Begun, model: str, digests: Sequence[bytes]) -> None:
         """The reply in as few `sendmsg` calls as its tiers allow: one for blocks all in
         memory (status, block headers, payloads and the end together)."""
-        parts, nbytes, served = self._reply_start(), 0, 0
+        parts, nbytes, served, final = self._reply_start(), 0, 0, False
         with self._core.get(begun, model, digests, accept=self._accept) as reply:
             for batch in reply:
-                for index, payload in enumerate(batch.payloads, batch.first_index):
-                    parts += [self._block_header(index, len(payload)), payload]
-                    nbytes += len(payload)
-                served = batch.first_index + len(batch.payloads)
-                if not batch.final:  # the next batch reads the disk: send these first
+                nbytes += self._add_batch(parts, batch)
+                served, final = batch.first_index + len(batch.payloads), batch.final
+                if not final:  # the next batch reads the disk: send these first
                     self._send(parts, nbytes)
                     parts, nbytes = [], 0
-            self._send([*parts, self._reply_end(served)], nbytes)
+            end = self._reply_end(served, final)
+            self._send([*parts, end] if end else parts, nbytes)
 
     def _reply_start(self) -> list[Buffer]:
         self._position = 1
         return [bytes([w.OK])]
+
+    def _add_batch(self, parts: list[Buffer], batch: Served) -> int:
+        """A batch's headers and payloads onto `parts`; its payload bytes. Here (and on
+        the sealed channel unless the GET says BATCHED) a header per block."""
+        nbytes = 0
+        for index, payload in enumerate(batch.payloads, batch.first_index):
+            parts += [self._block_header(index, len(payload)), payload]
+            nbytes += len(payload)
+        return nbytes
 
     def _block_header(self, index: int, size: int) -> bytes:
         """The block's size, and for an ALIGNED request the padding that starts its
@@ -220,7 +228,9 @@ class BulkHandler:
         header, self._position = w.block_header(size, self._position, self._aligned)
         return header
 
-    def _reply_end(self, served: int) -> bytes:
+    def _reply_end(self, served: int, final: bool) -> bytes:
+        """What ends the reply after `served` blocks (`final`: the last batch said no
+        more follow); b"": nothing more to send."""
         return w.END
 
     def _get_local(self, begun: Begun, model: str, digests: Sequence[bytes], arena: Arena) -> None:

@@ -17,7 +17,10 @@ secret and the ticket each direction gets its own key (policy.bulkchannel), and:
   the block up: nothing is stored or acknowledged);
 - a GET reply sends only blocks in the sealed format (a block stored before the tenant
   required sealing ends the reply there, as a miss): the agent opens each under its
-  tenant key, whose associated data names tenant, model, digest and key version.
+  tenant key, whose associated data names tenant, model, digest and key version. A GET
+  flagged BATCHED (clients that OpenBulk told `sealed_batches`) gets one sealed header
+  per batch of blocks, with every block's size in it, instead of one per block and one
+  for the end (`_add_batch`, `_reply_end`).
 
 A request's two frames (header, body) that are both in the socket already are taken in
 one receive after a peek (`_take_request`), as the ready loop takes a plain request;
@@ -31,9 +34,11 @@ from __future__ import annotations
 
 import logging
 import socket
+import struct
 from collections import deque
 
 from cacheserver.core.requests import RequestCore
+from cacheserver.core.values import Served
 from cacheserver.transport.bulk.handler import DISCARD_CHUNK_BYTES, Buffer, BulkHandler, Pace
 from kvcommon import bulkio
 from kvcommon import bulkwire as w
@@ -104,6 +109,7 @@ class SealedHandler(BulkHandler):
         self._accept = looks_sealed
         self._take = bytearray(TAKE_BYTES)  # where a whole request's frames are taken
         self._frames: deque[memoryview] = deque()  # taken, not opened yet
+        self._batched = False  # the current GET's reply: a header per batch (BATCHED)
 
     def _open(self, min_size: int, max_size: int) -> bytes:
         """The next header from the client, opened, of `min_size` to `max_size` bytes."""
@@ -155,7 +161,8 @@ class SealedHandler(BulkHandler):
         if len(header) != w.REQUEST.size + (w.TRACE_CONTEXT_BYTES if traced else 0):
             raise w.ChannelBroken("a sealed request header of the wrong length")
         trace = header[w.REQUEST.size :] if traced else None
-        return op & ~w.TRACED, model_len, count, trace
+        self._batched = bool(op & w.BATCHED)  # kept for the reply (a GET's; others ignore it)
+        return op & ~(w.TRACED | w.BATCHED), model_len, count, trace
 
     def send_error(self, error: KvshareError) -> None:
         """The error frame of a failed request, sealed (this framing's one place for it)."""
@@ -179,18 +186,34 @@ class SealedHandler(BulkHandler):
         deadline = self._pace.deadline(size)
         return _SealedSource(self._conn, mac, size, self._grant.principal.name, deadline)
 
-    # A GET reply: per block a sealed header then the payload as stored (a sealed
-    # block); only blocks in the sealed format are taken (`looks_sealed`), so the first
-    # one that is not ends the reply there (a miss from there, never sent in clear).
+    # A GET reply: only blocks in the sealed format are taken (`looks_sealed`), so the
+    # first one that is not ends the reply there (a miss from there, never sent in
+    # clear). BATCHED: per batch of the store's one sealed header (its first index, its
+    # block count, whether it is the last, each block's size), then its payloads as
+    # stored (sealed blocks) back to back; a reply that ends without a final batch (a
+    # miss, or a batch that found the next block gone) ends with an empty final one.
+    # Otherwise (a client from before): per block a sealed header then the payload,
+    # then an end header.
 
     def _reply_start(self) -> list[Buffer]:
         return []
 
+    def _add_batch(self, parts: list[Buffer], batch: Served) -> int:
+        if not self._batched:
+            return super()._add_batch(parts, batch)
+        payloads = batch.payloads
+        sizes = [len(payload) for payload in payloads]
+        parts.append(self._frame(_batch(batch.first_index, sizes, batch.final)))
+        parts += payloads
+        return sum(sizes)
+
     def _block_header(self, index: int, size: int) -> bytes:
         return self._frame(_block(index, size))
 
-    def _reply_end(self, served: int) -> bytes:
-        return self._frame(_block(served, 0))
+    def _reply_end(self, served: int, final: bool) -> bytes:
+        if not self._batched:
+            return self._frame(_block(served, 0))
+        return b"" if final else self._frame(_batch(served, [], True))
 
 
 def _authentication_failed(principal: str) -> w.ChannelBroken:
@@ -203,6 +226,13 @@ def _authentication_failed(principal: str) -> w.ChannelBroken:
 
 def _block(index: int, size: int) -> bytes:
     return bytes([w.OK]) + w.BLOCK.pack(index, size)
+
+
+def _batch(first_index: int, sizes: list[int], final: bool) -> bytes:
+    """A BATCHED reply's header: OK, the batch's first index, its count and whether it
+    is the reply's last, then each block's size."""
+    head = bytes([w.OK]) + w.BATCH.pack(first_index, len(sizes), final)
+    return head + struct.pack(f">{len(sizes)}Q", *sizes)
 
 
 class _SealedSource:

@@ -80,6 +80,7 @@ class BlockStoreService(pb_grpc.BlockStoreServicer):
             trace_context=True,
             channel_secret=offer.channel_secret,
             aligned_payloads=True,
+            sealed_batches=True,
         )
 
     async def Lookup(self, request: pb.LookupRequest, context: Context) -> pb.LookupResponse:

@@ -13,17 +13,27 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-_local = threading.local()
+
+class _Hook(threading.local):
+    """The running thread's hook. A class attribute is every thread's default: reading
+    an attribute a thread never set through `getattr(local, name, None)` raises and
+    catches an AttributeError inside (~0.7 us, three times a client GET); this read is
+    a plain lookup (~0.06 us)."""
+
+    hook: Callable[[], None] | None = None
+
+
+_local = _Hook()
 
 
 def armed() -> bool:
     """Whether the running thread must hand off before it waits."""
-    return getattr(_local, "hook", None) is not None
+    return _local.hook is not None
 
 
 def before_blocking() -> None:
     """Call before a wait that may last: runs the thread's hook, once."""
-    hook: Callable[[], None] | None = getattr(_local, "hook", None)
+    hook = _local.hook
     if hook is not None:
         _local.hook = None
         hook()

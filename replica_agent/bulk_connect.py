@@ -89,7 +89,12 @@ def connect_tcp(
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if ticket.channel_secret:
             channel = SealedChannel.hello(
-                sock, ticket.channel_secret, ticket.ticket, ticket.traced, timer
+                sock,
+                ticket.channel_secret,
+                ticket.ticket,
+                ticket.traced,
+                timer,
+                batched=ticket.sealed_batches,
             )
             _wait_in_kernel(sock, deadline, timer)
             return Connection(sock, ticket.traced, None, Buffers(), timer, channel)

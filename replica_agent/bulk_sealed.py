@@ -16,7 +16,10 @@ The connection is plain TCP; the cryptography is policy.bulkchannel's:
   (digests and sizes), its counter and the block's index;
 - GET payloads arrive as the sealed blocks they are; the caller opens each under its
   tenant key (the seal's associated data names tenant, model, digest and key version)
-  before use, so a block altered or swapped on the way is a miss, never KV.
+  before use, so a block altered or swapped on the way is a miss, never KV. Against a
+  listener that said `sealed_batches`, a GET asks for BATCHED replies: one header per
+  batch of blocks (its first index, count, sizes, and whether it is the last), so a
+  reply from memory is one header to open for any number of blocks.
 
 Every check that fails raises `ChannelBroken` (a ConnectionError): the connection is
 dropped and the client's call falls back to gRPC (TLS), or ends as a miss.
@@ -25,6 +28,7 @@ dropped and the client's call falls back to gRPC (TLS), or ends as a miss.
 from __future__ import annotations
 
 import socket
+import struct
 from collections.abc import Iterator, Sequence
 
 from kvcommon import bulkio
@@ -40,6 +44,7 @@ from replica_agent.transport import Payload
 # A reply header's plaintext is a status byte and its fields, or an error frame
 # (status, length u16, up to MAX_MESSAGE_CHARS bytes of message).
 MAX_ERROR_BYTES = w.ERROR.size + w.MAX_MESSAGE_CHARS
+MAX_ERROR_FRAME = MAX_ERROR_BYTES + TAG_BYTES
 
 
 class SealedChannel:
@@ -48,18 +53,34 @@ class SealedChannel:
     `timer`)."""
 
     def __init__(
-        self, sender: Sender, receiver: Receiver, traced: bool, timer: SocketTimer
+        self,
+        sender: Sender,
+        receiver: Receiver,
+        traced: bool,
+        timer: SocketTimer,
+        *,
+        batched: bool = False,
     ) -> None:
         self._out = sender
         self._in = receiver
         self._traced = traced
         self._timer = timer
+        self._batched = batched  # GETs flagged BATCHED: a reply header per batch
+        self._head = memoryview(bytearray(w.FRAME.size + MAX_ERROR_FRAME))  # `_batch`'s
 
     @classmethod
     def hello(
-        cls, sock: socket.socket, secret: bytes, ticket: bytes, traced: bool, timer: SocketTimer
+        cls,
+        sock: socket.socket,
+        secret: bytes,
+        ticket: bytes,
+        traced: bool,
+        timer: SocketTimer,
+        *,
+        batched: bool = False,
     ) -> SealedChannel:
-        """Present the ticket with this side's proof, and check the server's."""
+        """Present the ticket with this side's proof, and check the server's.
+        `batched`: OpenBulk said `sealed_batches` (the listener knows BATCHED)."""
         sender, receiver = client_side(secret, ticket)
         hello = w.HELLO_SEALED.pack(w.MAGIC_SEALED, ticket, sender.hello_proof())
         bulkio.send_parts(sock, [hello], timer)
@@ -74,7 +95,7 @@ class SealedChannel:
             receiver.check_hello(proof)
         except ChannelError:
             raise w.ChannelBroken("the bulk listener did not prove the channel secret") from None
-        return cls(sender, receiver, traced, timer)
+        return cls(sender, receiver, traced, timer, batched=batched)
 
     # -- frames -------------------------------------------------------------------------
 
@@ -108,6 +129,54 @@ class SealedChannel:
             raise w.ChannelBroken("a sealed reply header of the wrong length")
         return plain[1:]
 
+    def _batch(
+        self, sock: socket.socket, served: int, left: int
+    ) -> tuple[tuple[int, ...], bool, memoryview]:
+        """The next BATCHED reply header, `served` blocks into the reply with `left`
+        more asked for: its blocks' sizes, whether it is the reply's last, and the
+        bytes received after it (the start of its payloads; valid until the next
+        header). The header is taken with its length in one receive, as long as it is
+        when every block asked for is in it; what came beyond it is handed on."""
+        expect = 1 + w.BATCH.size + w.SIZE.size * left + TAG_BYTES  # all in one batch
+        most = expect if expect > MAX_ERROR_FRAME else MAX_ERROR_FRAME
+        head = self._head
+        if head.nbytes < w.FRAME.size + most:
+            head = self._head = memoryview(bytearray(w.FRAME.size + most))
+        got = bulkio.recv_some(sock, head[: w.FRAME.size + expect], self._timer)
+        if got < w.FRAME.size:
+            bulkio.recv_exact(sock, head[got : w.FRAME.size], self._timer)
+            got = w.FRAME.size
+        (length,) = w.FRAME.unpack_from(head)
+        bulkio.check_frame_size(length, 1 + TAG_BYTES, most)
+        end = w.FRAME.size + length
+        if got < end:  # the rest of a header that came in pieces (or an error frame)
+            bulkio.recv_exact(sock, head[got:end], self._timer)
+            got = end
+        try:
+            plain = self._in.open_header(head[w.FRAME.size : end])
+        except ChannelError:
+            raise w.ChannelBroken("a sealed bulk frame failed authentication") from None
+        if plain[0] != w.OK:
+            if got > end:  # an error frame is the last thing the server sends
+                raise w.ChannelBroken("bytes beyond a sealed error frame")
+            raise store_error(*_error(plain))
+        if len(plain) < 1 + w.BATCH.size:
+            raise w.ChannelBroken("a sealed batch header too short")
+        first, count, final = w.BATCH.unpack_from(plain, 1)
+        if first != served:
+            raise w.ChannelBroken("a sealed reply out of order")
+        if count > left or (not final and count == left):
+            raise w.ChannelBroken("the server sent more blocks than were asked for")
+        if final > 1 or (count == 0 and not final):
+            raise w.ChannelBroken("a sealed batch header that does not fit the exchange")
+        if len(plain) != 1 + w.BATCH.size + w.SIZE.size * count:
+            raise w.ChannelBroken("a sealed batch header of the wrong length")
+        sizes: tuple[int, ...] = struct.unpack_from(f">{count}Q", plain, 1 + w.BATCH.size)
+        for size in sizes:
+            if size > MAX_BLOCK_BYTES:
+                raise store_error("DATA_LOSS", f"the server announced a {size}-byte block")
+        return sizes, final == 1, head[end:got]
+
     # -- requests -----------------------------------------------------------------------
 
     def get(
@@ -121,6 +190,21 @@ class SealedChannel:
     ) -> Iterator[memoryview]:
         """The leading present blocks, each as it arrives (sealed: the caller opens it).
         Returns normally only after the reply's authenticated end."""
+        if self._batched:
+            return self._get_batched(sock, buffers, model, digests, keep=keep)
+        return self._get_blocks(sock, buffers, model, digests, keep=keep)
+
+    def _get_blocks(
+        self,
+        sock: socket.socket,
+        buffers: Buffers,
+        model: str,
+        digests: Sequence[bytes],
+        *,
+        keep: bool,
+    ) -> Iterator[memoryview]:
+        """`get` with a reply header per block and one for the end (a server from
+        before BATCHED)."""
         self._send(sock, self._request(w.OP_GET, model, digests, b""))
         for index in range(len(digests) + 1):
             got, size = w.BLOCK.unpack(self._reply(sock, w.BLOCK.size))
@@ -134,6 +218,32 @@ class SealedChannel:
             bulkio.recv_exact(sock, view, self._timer)
             yield view
         raise w.ChannelBroken("the server sent more blocks than were asked for")
+
+    def _get_batched(
+        self,
+        sock: socket.socket,
+        buffers: Buffers,
+        model: str,
+        digests: Sequence[bytes],
+        *,
+        keep: bool,
+    ) -> Iterator[memoryview]:
+        """`get` with a reply header per batch (BATCHED): a batch's payloads follow its
+        header back to back; kept ones are received in one call, the batch whole."""
+        self._send(sock, self._request(w.OP_GET | w.BATCHED, model, digests, b""))
+        served, final = 0, False
+        while not final:
+            sizes, final, early = self._batch(sock, served, len(digests) - served)
+            served += len(sizes)
+            if keep:
+                views = [buffers.take(size, keep=True) for size in sizes]
+                _receive(sock, views, early, self._timer)
+                yield from views
+                continue
+            for size in sizes:  # each lands where the last did: received as it is used
+                view = buffers.take(size, keep=False)
+                early = _receive(sock, [view], early, self._timer)
+                yield view
 
     def put(
         self,
@@ -159,6 +269,25 @@ class SealedChannel:
             # may be waiting to be read.
             self._reply(sock, 0)
             raise
+
+
+def _receive(
+    sock: socket.socket, views: list[memoryview], early: memoryview, timer: SocketTimer
+) -> memoryview:
+    """Fill `views` in turn: first from `early` (bytes received with the header before
+    them), the rest off the socket; what is left of `early`."""
+    if early.nbytes:
+        rest: list[memoryview] = []
+        for view in views:
+            used = min(early.nbytes, view.nbytes)
+            view[:used] = early[:used]
+            early = early[used:]
+            if used < view.nbytes:
+                rest.append(view[used:])
+        views = rest
+    if views:
+        bulkio.recv_exact_parts(sock, views, timer)
+    return early
 
 
 def _error(plain: bytes) -> tuple[int, str]:

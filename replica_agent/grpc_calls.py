@@ -47,6 +47,8 @@ class Ticket:
     channel_secret: bytes = field(default=b"", repr=False)
     # The listener pads GET replies asked for with ALIGNED (kvcommon.bulkwire).
     aligned: bool = False
+    # The listener answers sealed-channel GETs asked for with BATCHED (kvcommon.bulkwire).
+    sealed_batches: bool = False
 
 
 class GrpcCalls:
@@ -115,6 +117,7 @@ class GrpcCalls:
             # opens every block it reads.
             response.channel_secret if self._sealed_channel else b"",
             response.aligned_payloads,
+            response.sealed_batches,
         )
 
     def lookup(

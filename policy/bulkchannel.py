@@ -12,7 +12,8 @@ payload bytes, under per-connection keys agreed through the TLS-protected OpenBu
 - The client proves it holds the secret when it presents the ticket (`hello_proof`),
   and the server answers with its own proof, so neither side talks to an impostor.
 - Every header (a request's op, model, digests and sizes; a reply block's index and
-  size; the end of a reply) is AES-256-GCM-encrypted with a nonce made of a counter
+  size, or a reply batch's first index, count, final flag and sizes; the end of a
+  reply) is AES-256-GCM-encrypted with a nonce made of a counter
   that both sides keep per direction and never send: a dropped, replayed, reordered or
   reflected header fails to open.
 - A PUT's payload bytes get a GMAC tag each (AES-GCM with nothing encrypted), bound to

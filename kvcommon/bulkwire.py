@@ -60,6 +60,11 @@ its direction's key and the next counter of that direction.
                     back in clear; the batch with `final` set (count 0 for a reply
                     that ends without one: a miss) is the reply's last. A reply from
                     memory is one header for any number of blocks
+            op | ONE_FRAME on a GET (only when OpenBulk said `sealed_batches`, and
+                    at most ONE_FRAME_BYTES of plaintext): the request is ONE frame,
+                    FRAME(REQUEST | [trace] | model | count x digest); the server
+                    admits its header (rate, tenant, action, count) before it reads
+                    the model and digests, which must be exactly what it counts
 
 Same host: the server also listens on an abstract Unix socket (`local_address` of
 OpenBulk). There the handshake is the same HELLO, answered by ARENA_REPLY (status u8 |
@@ -108,6 +113,8 @@ FRAME = struct.Struct(">I")  # a sealed header's length (ciphertext and tag)
 BLOCK = struct.Struct(">IQ")  # a sealed GET reply's block: index u32 | size u64 (0: end)
 BATCHED = 0x20  # flag on a sealed GET's op: the reply has a header per batch (BATCH)
 BATCH = struct.Struct(">IIB")  # first index u32 | count u32 | final u8; count x size u64 follow
+ONE_FRAME = 0x10  # flag on a sealed GET's op: its body (model, digests) is in the same frame
+ONE_FRAME_BYTES = (16 << 10) - 64  # the most a ONE_FRAME request's plaintext may be
 TLS_RECORD_HANDSHAKE = 0x16  # the first byte of a TLS ClientHello
 ARENA_REPLY = struct.Struct(">BQ")
 LOCAL_GET = struct.Struct(">IB")

@@ -113,6 +113,18 @@ class SealedChannel:
         header = w.REQUEST.pack(op | (w.TRACED if trace else 0), len(encoded), len(digests))
         return [self._seal(header + (trace or b"")), self._seal(encoded + b"".join(digests) + tail)]
 
+    def _get_request(self, model: str, digests: Sequence[bytes]) -> list[bytes]:
+        """A BATCHED GET: ONE frame, header, model and digests together (ONE_FRAME),
+        where it is at most ONE_FRAME_BYTES; else the two frames of `_request`."""
+        encoded = model.encode("utf-8")
+        trace = binary_context() if self._traced else None
+        size = w.REQUEST.size + len(encoded) + w.DIGEST_BYTES * len(digests)
+        if size + (w.TRACE_CONTEXT_BYTES if trace else 0) > w.ONE_FRAME_BYTES:
+            return self._request(w.OP_GET | w.BATCHED, model, digests, b"")
+        op = w.OP_GET | w.BATCHED | w.ONE_FRAME | (w.TRACED if trace else 0)
+        header = w.REQUEST.pack(op, len(encoded), len(digests))
+        return [self._seal(b"".join([header, trace or b"", encoded, *digests]))]
+
     def _reply(self, sock: socket.socket, size: int) -> bytes:
         """The next reply header's fields after its OK status (`size` bytes); the
         server's error (a BlockStoreError) when it sent one."""
@@ -230,7 +242,7 @@ class SealedChannel:
     ) -> Iterator[memoryview]:
         """`get` with a reply header per batch (BATCHED): a batch's payloads follow its
         header back to back; kept ones are received in one call, the batch whole."""
-        self._send(sock, self._request(w.OP_GET | w.BATCHED, model, digests, b""))
+        self._send(sock, self._get_request(model, digests))
         served, final = 0, False
         while not final:
             sizes, final, early = self._batch(sock, served, len(digests) - served)

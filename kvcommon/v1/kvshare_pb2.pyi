@@ -563,7 +563,8 @@ class OpenBulkResponse(_message.Message):
     sealed_batches: _builtins.bool
     """The listener answers a sealed-channel GET flagged BATCHED (kvcommon/bulkwire.py)
     with one sealed header per batch of blocks (each block's size in it) instead of
-    one per block and one for the end: a reply from memory is one header.
+    one per block and one for the end: a reply from memory is one header. It also
+    takes a GET flagged ONE_FRAME: header, model and digests in one sealed frame.
     """
     def __init__(
         self,

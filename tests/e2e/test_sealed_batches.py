@@ -41,6 +41,7 @@ from tests.support.bulk_workers import wait_in_lmdb
 from tests.support.certs import Certs
 from tests.support.isolation import isolation_config
 from tests.support.mitm import (
+    C2S,
     CLIENT_HELLO,
     FRAME,
     S2C,
@@ -126,6 +127,16 @@ class Wire:
         header = w.REQUEST.pack(w.OP_GET | flags, len(model), len(digests))
         frames = [self.out.seal_header(header), self.out.seal_header(model + b"".join(digests))]
         self.sock.sendall(b"".join(w.sealed_frame(frame) for frame in frames))
+
+    def send_one_frame(
+        self, digests: list[bytes], flags: int, *, op: int = w.OP_GET, count: int | None = None
+    ) -> None:
+        """A request as ONE frame (header, model, digests); `count`: what the header
+        says, when not how many digests there are."""
+        model = MODEL.encode()
+        counted = len(digests) if count is None else count
+        header = w.REQUEST.pack(op | w.ONE_FRAME | flags, len(model), counted)
+        self.sock.sendall(w.sealed_frame(self.out.seal_header(header + model + b"".join(digests))))
 
     def expect(self, plain: bytes) -> None:
         """The server's next frame is `plain` sealed under the next counter, exactly."""
@@ -273,6 +284,101 @@ def test_a_client_reads_a_reply_shorter_than_it_asked_for_kept_or_not(
     assert len(mitm.connections[0].sent[S2C]) == SERVER_HELLO + 4 * reply
 
 
+def test_a_get_in_one_frame_is_admitted_from_its_header_then_read_whole(
+    tenancy: Tenancy, certs: Certs, blocks: list[Sealed]
+) -> None:
+    with launch(tenancy, certs) as running:
+        put(running, blocks)
+        digests = [b.digest for b in blocks]
+        wire = Wire.connect(running)
+        try:
+            wire.send_one_frame(digests, w.BATCHED)
+            wire.expect(batch(0, blocks, final=True))
+            wire.payloads(blocks)
+            wire.send_one_frame(digests[:1], 0)  # one frame, per-block reply
+            wire.expect(block(0, len(blocks[0].sealed)))
+            wire.payloads(blocks[:1])
+            wire.expect(block(1, 0))
+            wire.send_get(digests, w.BATCHED)  # two frames still do
+            wire.expect(batch(0, blocks, final=True))
+            wire.payloads(blocks)
+            # The header is admitted before the model and digests are looked at: a
+            # count beyond the limit is refused as such, not as a frame too short.
+            wire.send_one_frame(digests[:1], w.BATCHED, count=1 << 30)
+            frame = bulkio.recv_frame(wire.sock, 1 + TAG_BYTES, 2048)
+            plain = wire.replies.open_header(frame)
+            code, _ = w.ERROR.unpack_from(plain)
+            assert code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+            assert "max_digests_per_call" in plain[w.ERROR.size :].decode()
+            assert wire.sock.recv(1) == b""  # the request was not all answered: closed
+        finally:
+            wire.close()
+
+
+@pytest.mark.parametrize(
+    "misframed",
+    ["fewer digests than counted", "more digests than counted", "a put", "a frame after it"],
+)
+def test_a_one_frame_request_that_is_not_a_well_formed_get_closes_the_connection(
+    tenancy: Tenancy, certs: Certs, blocks: list[Sealed], misframed: str
+) -> None:
+    with launch(tenancy, certs) as running:
+        put(running, blocks)
+        digests = [b.digest for b in blocks]
+        # Positive control: the same connection's first request, well formed.
+        wire = Wire.connect(running)
+        try:
+            wire.send_one_frame(digests, w.BATCHED)
+            wire.expect(batch(0, blocks, final=True))
+            wire.payloads(blocks)
+            if misframed == "fewer digests than counted":
+                wire.send_one_frame(digests[:2], w.BATCHED, count=3)
+            elif misframed == "more digests than counted":
+                wire.send_one_frame(digests, w.BATCHED, count=2)
+            elif misframed == "a put":
+                wire.send_one_frame(digests, 0, op=w.OP_PUT)
+            else:  # a second request sent before the first was answered
+                model = MODEL.encode()
+                header = w.REQUEST.pack(w.OP_GET | w.ONE_FRAME, len(model), 1)
+                frames = [wire.out.seal_header(header + model + d) for d in digests[:2]]
+                wire.sock.sendall(b"".join(w.sealed_frame(f) for f in frames))
+            assert wire.sock.recv(1) == b""  # closed, nothing served
+        finally:
+            wire.close()
+
+
+def test_a_get_too_long_for_one_frame_is_sent_in_two(
+    tenancy: Tenancy, certs: Certs, mitm: Mitm, blocks: list[Sealed]
+) -> None:
+    asked = [*(b.digest for b in blocks), *(os.urandom(32) for _ in range(600))]
+    body = len(MODEL.encode()) + w.DIGEST_BYTES * len(asked)
+    assert w.REQUEST.size + body > w.ONE_FRAME_BYTES
+    seen: dict[str, list[int]] = {C2S: [], S2C: []}
+
+    def measure(direction: str, index: int, segment: bytes) -> list[bytes]:
+        seen[direction].append(len(segment))
+        return [segment]
+
+    sizes = [len(b.sealed) for b in blocks]
+    reply: Plan = [SERVER_HELLO, FRAME, *sizes]
+    with start_behind(mitm, tenancy, certs) as running:
+        put(running, blocks)
+        mitm.attacks = [Attack(c2s=[CLIENT_HELLO, FRAME, FRAME], s2c=reply, tamper=measure)]
+        with running.client(
+            "a", transport="bulk-tcp", sealed_channel=True, timeout_s=TIMEOUT_S
+        ) as client:
+            assert client.get("alpha", MODEL, asked) == [b.sealed for b in blocks]
+            assert client.get("alpha", MODEL, asked[:3]) == [b.sealed for b in blocks]
+            assert client.transport_stats.bulk_fallbacks == 0
+    frame = w.FRAME.size + TAG_BYTES
+    # The long GET: its header, then its body; its reply one batch header.
+    assert seen[C2S] == [CLIENT_HELLO, frame + w.REQUEST.size, frame + body]
+    assert seen[S2C] == [SERVER_HELLO, header_frame(3), *sizes]
+    # Then the short GET: one frame, header, model and digests together.
+    one = frame + w.REQUEST.size + len(MODEL.encode()) + 3 * w.DIGEST_BYTES
+    assert len(mitm.connections[0].sent[C2S]) == sum(seen[C2S]) + one
+
+
 # -- the agent through a relay: headers authenticated, payloads opened ---------------------
 
 
@@ -295,10 +401,10 @@ def assert_exact(restored: torch.Tensor, blocks: list[Sealed], count: int) -> No
 
 
 def one_batch(blocks: list[Sealed]) -> Attack:
-    """A GET of `blocks`, all in memory: segments of the reply 0 the server's hello, 1
-    the batch's header, 2 + i payload i."""
+    """A GET of `blocks`, all in memory: the request one frame; segments of the reply 0
+    the server's hello, 1 the batch's header, 2 + i payload i."""
     sizes = [len(b.sealed) for b in blocks]
-    return Attack(c2s=[CLIENT_HELLO, FRAME, FRAME], s2c=[SERVER_HELLO, FRAME, *sizes])
+    return Attack(c2s=[CLIENT_HELLO, FRAME], s2c=[SERVER_HELLO, FRAME, *sizes])
 
 
 # Where a batch header's fields lie in its segment: the frame's length (4 bytes), then
@@ -357,7 +463,7 @@ def test_a_replayed_batch_header_fails_and_the_call_falls_back_to_grpc(
             held.append(segment)
         return [held[0]] if (direction, index) == (S2C, 5) else [segment]
 
-    frames: Plan = [CLIENT_HELLO, FRAME, FRAME, FRAME, FRAME]
+    frames: Plan = [CLIENT_HELLO, FRAME, FRAME]  # two GETs, one frame each
     with start_behind(mitm, tenancy, certs) as running:
         put(running, blocks)
         digests, payloads = [b.digest for b in blocks], [b.sealed for b in blocks]
@@ -417,7 +523,7 @@ def test_a_reply_of_two_batches_altered_on_the_way_is_refused_or_a_miss(
         with running.client("a", transport="grpc", timeout_s=TIMEOUT_S) as reader:
             assert reader.get("alpha", MODEL, [blocks[0].digest]) == [blocks[0].sealed]
         reply: Plan = [SERVER_HELLO, FRAME, sizes[0], FRAME, *sizes[1:]]
-        mitm.attacks = [Attack(c2s=[CLIENT_HELLO, FRAME, FRAME], s2c=reply, tamper=tamper)]
+        mitm.attacks = [Attack(c2s=[CLIENT_HELLO, FRAME], s2c=reply, tamper=tamper)]
         restored, client = agent_restore(running, blocks)
         assert_exact(restored, blocks, restored_blocks)
         assert client.transport_stats.bulk_fallbacks == fallbacks

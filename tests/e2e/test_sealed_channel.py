@@ -113,10 +113,10 @@ def size(blocks: list[Sealed]) -> int:
 
 def get_plan(blocks: int, size: int) -> Attack:
     """A GET of `blocks` present blocks of `size` bytes, all in memory, as the agent
-    asks for it (bulkwire.BATCHED): the client's hello and its two frames (header,
-    body); the server's hello, the batch's one header, the payloads back to back.
-    Segments of the reply: 0 hello, 1 the header, 2 + i payload i."""
-    return Attack(c2s=[CLIENT_HELLO, FRAME, FRAME], s2c=[SERVER_HELLO, FRAME, *[size] * blocks])
+    asks for it (bulkwire.BATCHED, ONE_FRAME): the client's hello and its one frame
+    (header, model and digests); the server's hello, the batch's one header, the
+    payloads back to back. Segments of the reply: 0 hello, 1 the header, 2 + i payload i."""
+    return Attack(c2s=[CLIENT_HELLO, FRAME], s2c=[SERVER_HELLO, FRAME, *[size] * blocks])
 
 
 # -- positive control ------------------------------------------------------------------
@@ -251,8 +251,8 @@ def test_a_tampered_request_frame_is_refused_and_the_restore_is_still_exact(
 ) -> None:
     stored(store, blocks)
     attack = get_plan(3, size(blocks))
-    # The body frame: model and digests (byte 4 + 8: inside the first digest).
-    attack.tamper = lambda d, i, seg: [flip(seg, -16 - 32 * 3 + 8) if (d, i) == (C2S, 2) else seg]
+    # The request's one frame: header, model and digests (inside the first digest).
+    attack.tamper = lambda d, i, seg: [flip(seg, -16 - 32 * 3 + 8) if (d, i) == (C2S, 1) else seg]
     mitm.attacks = [attack]
     restored, agent = restore(store, blocks)
     assert agent.client.transport_stats.bulk_fallbacks == 1

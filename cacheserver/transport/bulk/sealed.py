@@ -24,7 +24,10 @@ secret and the ticket each direction gets its own key (policy.bulkchannel), and:
 
 A request's two frames (header, body) that are both in the socket already are taken in
 one receive after a peek (`_take_request`), as the ready loop takes a plain request;
-otherwise each is read as it comes. Any frame that fails its check raises
+otherwise each is read as it comes. A GET flagged ONE_FRAME (a client that OpenBulk told
+`sealed_batches`) is one frame, header and body together, of at most ONE_FRAME_BYTES:
+the header is admitted before the model and digests are read from it, and they must be
+exactly as long as the header says. Any frame that fails its check raises
 `ChannelBroken` and the connection closes.
 Admission, the read loop and the store calls are the request core's, as on every
 transport; this module only frames.
@@ -51,7 +54,10 @@ log = logging.getLogger(__name__)
 TAKE_BYTES = 16 << 10  # a request's two frames, peeked and taken whole up to this size
 # As a plain int: or-ing the socket module's flag enums costs ~0.5 us a request.
 _PEEK_NOW = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)
-_HEADER_FRAME = (w.REQUEST.size + TAG_BYTES, w.REQUEST.size + w.TRACE_CONTEXT_BYTES + TAG_BYTES)
+# A request's first frame: its header, or (ONE_FRAME) the whole request.
+_FIRST_FRAME = (w.REQUEST.size + TAG_BYTES, w.ONE_FRAME_BYTES + TAG_BYTES)
+assert w.FRAME.size + _FIRST_FRAME[1] <= TAKE_BYTES  # a ONE_FRAME request is taken whole
+_GET_FLAGS = w.TRACED | w.BATCHED | w.ONE_FRAME
 
 
 class SealedHello:
@@ -110,6 +116,7 @@ class SealedHandler(BulkHandler):
         self._take = bytearray(TAKE_BYTES)  # where a whole request's frames are taken
         self._frames: deque[memoryview] = deque()  # taken, not opened yet
         self._batched = False  # the current GET's reply: a header per batch (BATCHED)
+        self._body: bytes | None = None  # a ONE_FRAME request's model and digests
 
     def _open(self, min_size: int, max_size: int) -> bytes:
         """The next header from the client, opened, of `min_size` to `max_size` bytes."""
@@ -124,11 +131,13 @@ class SealedHandler(BulkHandler):
             raise self._broken() from None
 
     def _take_request(self) -> None:
-        """A request's header and body frames, taken off the socket in one receive when
-        a peek finds both whole there already (one system call and a peek where reading
-        each length, then each frame, took four); `_open` reads them from here. When
-        they are not all there, nothing is taken: each is read as it comes. The body is
-        still opened only after the header was admitted, as on every transport."""
+        """A request's frames, taken off the socket in one receive when a peek finds
+        them whole there already (one system call and a peek where reading each length,
+        then each frame, took four); `_open` reads them from here. The first frame is
+        taken when it is whole (a ONE_FRAME request is no more), the second (a body)
+        with it when it is whole too; what is not all there is read as it comes. A body
+        is still opened, or read, only after the header was admitted, as on every
+        transport."""
         self._frames.clear()
         try:
             got = self._conn.recv_into(self._take, TAKE_BYTES, _PEEK_NOW)
@@ -138,38 +147,57 @@ class SealedHandler(BulkHandler):
         if got < w.FRAME.size:
             return
         (first,) = w.FRAME.unpack_from(peeked)
-        body_at = w.FRAME.size + first
-        if not _HEADER_FRAME[0] <= first <= _HEADER_FRAME[1] or got < body_at + w.FRAME.size:
+        end = body_at = w.FRAME.size + first
+        if not _FIRST_FRAME[0] <= first <= _FIRST_FRAME[1] or got < body_at:
             return  # an impossible length is refused by recv_frame, as ever
-        (second,) = w.FRAME.unpack_from(peeked, body_at)
-        end = body_at + w.FRAME.size + second
-        if end > got:
-            return
+        if got >= body_at + w.FRAME.size:
+            (second,) = w.FRAME.unpack_from(peeked, body_at)
+            if body_at + w.FRAME.size + second <= got:
+                end = body_at + w.FRAME.size + second
         if self._conn.recv_into(self._take, end, socket.MSG_DONTWAIT) != end:
             raise w.ConnectionClosed("the peeked request was not all in the socket")
         taken = memoryview(self._take)
-        self._frames.extend([taken[w.FRAME.size : body_at], taken[body_at + w.FRAME.size : end]])
+        self._frames.append(taken[w.FRAME.size : body_at])
+        if end > body_at:
+            self._frames.append(taken[body_at + w.FRAME.size : end])
 
     def _broken(self) -> w.ChannelBroken:
         return _authentication_failed(self._grant.principal.name)
 
     def recv_request(self) -> tuple[int, int, int, bytes | None]:
+        """The next request's header (module docstring). A ONE_FRAME GET's model and
+        digests, which came in the same frame, wait in `_body` until the header was
+        admitted (`_recv`), as a body frame waits in the socket."""
         self._take_request()
-        header = self._open(w.REQUEST.size, w.REQUEST.size + w.TRACE_CONTEXT_BYTES)
+        self._body = None
+        header = self._open(w.REQUEST.size, w.ONE_FRAME_BYTES)
         op, model_len, count = w.REQUEST.unpack_from(header)
         traced = bool(op & w.TRACED)
-        if len(header) != w.REQUEST.size + (w.TRACE_CONTEXT_BYTES if traced else 0):
+        head = w.REQUEST.size + (w.TRACE_CONTEXT_BYTES if traced else 0)
+        if op & w.ONE_FRAME:
+            if op & ~_GET_FLAGS != w.OP_GET or len(header) < head or self._frames:
+                raise w.ChannelBroken("a sealed one-frame request that is not a GET's")
+            self._body = header[head:]
+        elif len(header) != head:
             raise w.ChannelBroken("a sealed request header of the wrong length")
-        trace = header[w.REQUEST.size :] if traced else None
+        trace = header[w.REQUEST.size : head] if traced else None
         self._batched = bool(op & w.BATCHED)  # kept for the reply (a GET's; others ignore it)
-        return op & ~(w.TRACED | w.BATCHED), model_len, count, trace
+        return op & ~_GET_FLAGS, model_len, count, trace
 
     def send_error(self, error: KvshareError) -> None:
         """The error frame of a failed request, sealed (this framing's one place for it)."""
         self._send_header(self._frame(w.error_frame(error)))
 
     def _recv(self, size: int) -> memoryview:
-        return memoryview(self._open(size, size))
+        """A request's body of `size` bytes (its admitted header says how many): the
+        next frame, opened, or what a ONE_FRAME request carried after its header."""
+        body = self._body
+        if body is None:
+            return memoryview(self._open(size, size))
+        self._body = None
+        if len(body) != size:
+            raise w.ChannelBroken("a sealed one-frame request of the wrong length")
+        return memoryview(body)
 
     def _frame(self, header: bytes) -> bytes:
         try:

@@ -23,6 +23,11 @@ save's send buffer, a restore's staging), which saves the fresh allocation (and,
 writes the plaintext there before it checks the tag (cryptography's `decrypt_into`
 does), so a block that fails to open has that region zeroed before `SealError` is
 raised: nothing unverified is left to be taken for a block.
+
+`opening` opens a block as its bytes arrive (`BlockOpening`: `feed` each piece in
+order, then `finish`), so a reader decrypts what came while the rest is still on the
+wire. The same rule holds: `finish` is the only way to the plaintext, and it zeroes
+the region and raises `SealError` unless every check passed.
 """
 
 from __future__ import annotations
@@ -37,6 +42,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers import (
+    AEADDecryptionContext,
+    Cipher,
+    algorithms,
+    modes,
+)
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from kvcommon.encoding import enc
@@ -171,7 +182,11 @@ def associated_data(tenant: str, model: str, digest: bytes, version: int) -> byt
 
 
 def _subkey(data_key: bytes, nonce: bytes) -> AESGCM:
-    return AESGCM(hmac.digest(data_key, enc(SUBKEY_LABEL, nonce[:12]), "sha256"))
+    return AESGCM(_subkey_bytes(data_key, nonce))
+
+
+def _subkey_bytes(data_key: bytes, nonce: bytes) -> bytes:
+    return hmac.digest(data_key, enc(SUBKEY_LABEL, nonce[:12]), "sha256")
 
 
 class BlockSealer:
@@ -273,6 +288,14 @@ class BlockSealer:
             raise SealError("block cannot be opened") from None
         return target
 
+    def opening(
+        self, tenant: str, model: str, digest: bytes, sealed_bytes: int, out: bytearray | memoryview
+    ) -> BlockOpening:
+        """Open a sealed block of `sealed_bytes` into `out` as its bytes arrive: feed
+        each piece, in order, to the returned `BlockOpening`, then `finish` it. The
+        same checks as `open_into`, the same result and the same error."""
+        return BlockOpening(self.keyring, tenant, model, digest, sealed_bytes, out)
+
     def _opening(
         self, tenant: str, model: str, digest: bytes, sealed: bytes | memoryview
     ) -> tuple[AESGCM, bytes, memoryview, bytes]:
@@ -287,6 +310,98 @@ class BlockSealer:
         ad = associated_data(tenant, model, digest, version)
         body = memoryview(sealed).cast("B")[HEADER_BYTES:]
         return _subkey(key, nonce), nonce[12:], body, ad
+
+
+class BlockOpening:
+    """One sealed block opened as it arrives (`BlockSealer.opening`).
+
+    `feed` takes the block's bytes in order, in pieces of any size: its header first
+    (the key version and nonce, from which the subkey is made), then the ciphertext,
+    decrypted into `out` as it comes, then the tag. Nothing is raised while feeding, so
+    a reader keeps its framing whatever the bytes say: a header that names no key of the
+    tenant, a plaintext longer than `out`, or more bytes than announced only make
+    `finish` fail. `finish` checks the tag and returns the plaintext's view of `out`;
+    on any failure it zeroes what was written there and raises `SealError`."""
+
+    def __init__(
+        self,
+        keyring: Keyring,
+        tenant: str,
+        model: str,
+        digest: bytes,
+        sealed_bytes: int,
+        out: bytearray | memoryview,
+    ) -> None:
+        target = memoryview(out).cast("B")
+        if target.readonly:
+            raise ValueError("out is read-only; pass a writable buffer to open into")
+        self._keyring = keyring
+        self._tenant, self._model, self._digest = tenant, model, digest
+        self._size = sealed_bytes - HEADER_BYTES - TAG_BYTES  # the plaintext's
+        self._ok = 0 <= self._size <= target.nbytes
+        self._out = target[: max(self._size, 0)]
+        self._head = bytearray()
+        self._tag = bytearray()
+        self._at = 0  # bytes fed so far
+        self._written = 0  # plaintext bytes written into `out`
+        self._decryptor: AEADDecryptionContext | None = None
+
+    def feed(self, piece: bytes | bytearray | memoryview) -> None:
+        """The block's next bytes."""
+        data = memoryview(piece).cast("B")
+        start, self._at = self._at, self._at + data.nbytes
+        if not self._ok:
+            return
+        body_end = HEADER_BYTES + self._size
+        if start < HEADER_BYTES:
+            take = min(HEADER_BYTES - start, data.nbytes)
+            self._head += data[:take]
+            data, start = data[take:], start + take
+            if len(self._head) == HEADER_BYTES:
+                self._begin()
+                if not self._ok:
+                    return
+        if data.nbytes and start < body_end:
+            take = min(body_end - start, data.nbytes)
+            self._decrypt(data[:take])
+            data = data[take:]
+        self._tag += data  # past the ciphertext: the tag (anything beyond fails `finish`)
+
+    def finish(self) -> memoryview:
+        """The plaintext's view of `out`, or SealError (the view zeroed)."""
+        whole = self._at == HEADER_BYTES + max(self._size, 0) + TAG_BYTES
+        if self._ok and whole and self._decryptor is not None:
+            try:
+                self._decryptor.finalize_with_tag(bytes(self._tag))
+                return self._out
+            except InvalidTag:
+                pass
+        self._out[: self._written] = bytes(self._written)
+        raise SealError("block cannot be opened")
+
+    def _begin(self) -> None:
+        magic, fmt, version, nonce = _HEADER.unpack(self._head)
+        key = self._keyring.key(self._tenant, version)
+        if magic != MAGIC or fmt != FORMAT or key is None:
+            self._ok = False
+            return
+        ad = associated_data(self._tenant, self._model, self._digest, version)
+        mode = modes.GCM(nonce[12:])
+        self._decryptor = Cipher(algorithms.AES(_subkey_bytes(key, nonce)), mode).decryptor()
+        self._decryptor.authenticate_additional_data(ad)
+
+    def _decrypt(self, ciphertext: memoryview) -> None:
+        """Decrypt into `out` where it goes. cryptography documents `update_into` as
+        needing a cipher block's room (15 bytes) past the piece: where `out` has none
+        left (the block's last piece), the piece is decrypted into a fresh buffer and
+        copied."""
+        assert self._decryptor is not None, "the header came first"
+        at, size = self._written, ciphertext.nbytes
+        if self._out.nbytes - at >= size + 15:
+            self._decryptor.update_into(ciphertext, self._out[at:])
+        else:
+            self._out[at : at + size] = self._decryptor.update(ciphertext)
+        self._written = at + size
 
 
 def sealed_bytes(plaintext_bytes: int) -> int:

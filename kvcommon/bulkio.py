@@ -270,6 +270,24 @@ def recv_some(sock: socket.socket, view: memoryview, deadline: Timer | None = No
     return received
 
 
+def recv_fed(
+    sock: socket.socket,
+    view: memoryview,
+    feed: Callable[[memoryview], None],
+    deadline: Timer | None = None,
+) -> None:
+    """Fill `view` from `sock`, calling `feed` with each piece as soon as it is in (what
+    had arrived, at most FEED_CHUNK_BYTES a piece), in order: a reader works on a
+    block's first bytes (opens them) while the rest is still on the wire. A client's
+    `recv_exact_fed`: no tail, and any socket."""
+    got = 0
+    while got < view.nbytes:
+        piece = view[got : got + FEED_CHUNK_BYTES]
+        received = recv_some(sock, piece, deadline)
+        feed(piece[:received])
+        got += received
+
+
 def _waits_in_kernel(sock: socket.socket) -> bool:
     """A blocking plain socket: its timeouts are the kernel's (`kernel_timeouts`), so
     arming a `Deadline` costs two setsockopt calls and restoring it two more. A TLS

@@ -47,7 +47,7 @@ from replica_agent.bulk_samehost import can_use_local, connect_local, put_arena,
 from replica_agent.deadline import CallDeadline
 from replica_agent.errors import store_error
 from replica_agent.grpc_calls import Ticket
-from replica_agent.transport import Payload, UseGrpc
+from replica_agent.transport import Payload, PieceSink, UseGrpc, fed_whole
 
 OpenTicket = Callable[[str, CallDeadline], Ticket]  # tenant, the call's deadline -> a ticket
 
@@ -179,17 +179,21 @@ class BulkChannel:
         *,
         keep: bool,
         deadline: CallDeadline | None = None,
+        pieces: PieceSink | None = None,
     ) -> Iterator[memoryview]:
-        """The leading present payloads, each as soon as it arrived (module docstring)."""
+        """The leading present payloads, each as soon as it arrived (module docstring);
+        `pieces` as `Transport.read`: fed as they arrive on the sealed channel, else
+        whole."""
         _check_framable(model, digests)
         if deadline is None:  # `_deadline` written out: every GET comes through here
             deadline = CallDeadline(self._timeout_s)
         conn = self._connection(tenant, deadline)
         conn.buffers.reset()
         if conn.sealed is not None:
-            return self._read_sealed(tenant, conn, model, digests, keep=keep)
+            return self._read_sealed(tenant, conn, model, digests, keep=keep, pieces=pieces)
         if conn.arena is None:
-            return read_streamed(conn, model, digests, keep=keep, drop=self._dropper(tenant))
+            streamed = read_streamed(conn, model, digests, keep=keep, drop=self._dropper(tenant))
+            return streamed if pieces is None else fed_whole(streamed, pieces)
 
         def over_tcp(rest: Sequence[bytes]) -> Iterator[memoryview]:
             tcp = self._connection(tenant, deadline, tcp=True)
@@ -197,17 +201,26 @@ class BulkChannel:
             drop = self._dropper(tenant, tcp=True)
             return read_streamed(tcp, model, rest, keep=keep, drop=drop)
 
-        return read_arena(
+        local = read_arena(
             conn, model, digests, keep=keep, drop=self._dropper(tenant), over_tcp=over_tcp
         )
+        return local if pieces is None else fed_whole(local, pieces)
 
     def _read_sealed(
-        self, tenant: str, conn: Connection, model: str, digests: Sequence[bytes], *, keep: bool
+        self,
+        tenant: str,
+        conn: Connection,
+        model: str,
+        digests: Sequence[bytes],
+        *,
+        keep: bool,
+        pieces: PieceSink | None,
     ) -> Iterator[memoryview]:
         assert conn.sealed is not None
         finished = False
         try:
-            yield from conn.sealed.get(conn.sock, conn.buffers, model, digests, keep=keep)
+            sealed = conn.sealed
+            yield from sealed.get(conn.sock, conn.buffers, model, digests, keep=keep, pieces=pieces)
             finished = True
         finally:
             if not finished:

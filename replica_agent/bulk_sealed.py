@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import socket
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from kvcommon import bulkio
 from kvcommon import bulkwire as w
@@ -39,7 +39,7 @@ from replica_agent.bulk_buffers import Buffers
 from replica_agent.deadline import SocketTimer
 from replica_agent.errors import store_error
 from replica_agent.grpc_calls import MAX_BLOCK_BYTES
-from replica_agent.transport import Payload
+from replica_agent.transport import Payload, PieceSink
 
 # A reply header's plaintext is a status byte and its fields, or an error frame
 # (status, length u16, up to MAX_MESSAGE_CHARS bytes of message).
@@ -199,12 +199,15 @@ class SealedChannel:
         digests: Sequence[bytes],
         *,
         keep: bool,
+        pieces: PieceSink | None = None,
     ) -> Iterator[memoryview]:
         """The leading present blocks, each as it arrives (sealed: the caller opens it).
-        Returns normally only after the reply's authenticated end."""
+        Returns normally only after the reply's authenticated end. `pieces`: each
+        block's bytes are fed there as they arrive (the caller opens a block while the
+        rest of it is on the wire), before the block is yielded."""
         if self._batched:
-            return self._get_batched(sock, buffers, model, digests, keep=keep)
-        return self._get_blocks(sock, buffers, model, digests, keep=keep)
+            return self._get_batched(sock, buffers, model, digests, keep=keep, pieces=pieces)
+        return self._get_blocks(sock, buffers, model, digests, keep=keep, pieces=pieces)
 
     def _get_blocks(
         self,
@@ -214,6 +217,7 @@ class SealedChannel:
         digests: Sequence[bytes],
         *,
         keep: bool,
+        pieces: PieceSink | None,
     ) -> Iterator[memoryview]:
         """`get` with a reply header per block and one for the end (a server from
         before BATCHED)."""
@@ -227,7 +231,11 @@ class SealedChannel:
             if size > MAX_BLOCK_BYTES:
                 raise store_error("DATA_LOSS", f"the server announced a {size}-byte block")
             view = buffers.take(size, keep=keep)
-            bulkio.recv_exact(sock, view, self._timer)
+            feed = None if pieces is None else pieces(index, size)
+            if feed is None:
+                bulkio.recv_exact(sock, view, self._timer)
+            else:
+                bulkio.recv_fed(sock, view, feed, self._timer)
             yield view
         raise w.ChannelBroken("the server sent more blocks than were asked for")
 
@@ -239,14 +247,22 @@ class SealedChannel:
         digests: Sequence[bytes],
         *,
         keep: bool,
+        pieces: PieceSink | None,
     ) -> Iterator[memoryview]:
         """`get` with a reply header per batch (BATCHED): a batch's payloads follow its
-        header back to back; kept ones are received in one call, the batch whole."""
+        header back to back; kept ones are received in one call, the batch whole,
+        unless they are fed to `pieces` as they arrive."""
         self._send(sock, self._get_request(model, digests))
         served, final = 0, False
         while not final:
             sizes, final, early = self._batch(sock, served, len(digests) - served)
-            served += len(sizes)
+            first, served = served, served + len(sizes)
+            if pieces is not None:
+                for index, size in enumerate(sizes, first):
+                    view = buffers.take(size, keep=keep)
+                    early = _receive_fed(sock, view, early, pieces(index, size), self._timer)
+                    yield view
+                continue
             if keep:
                 views = [buffers.take(size, keep=True) for size in sizes]
                 _receive(sock, views, early, self._timer)
@@ -300,6 +316,26 @@ def _receive(
     if views:
         bulkio.recv_exact_parts(sock, views, timer)
     return early
+
+
+def _receive_fed(
+    sock: socket.socket,
+    view: memoryview,
+    early: memoryview,
+    feed: Callable[[memoryview], None] | None,
+    timer: SocketTimer,
+) -> memoryview:
+    """`_receive` of one block, fed to `feed` as its bytes arrive (None: received
+    whole); what is left of `early`."""
+    if feed is None:
+        return _receive(sock, [view], early, timer)
+    used = min(early.nbytes, view.nbytes)
+    if used:
+        view[:used] = early[:used]
+        feed(view[:used])
+    if used < view.nbytes:
+        bulkio.recv_fed(sock, view[used:], feed, timer)
+    return early[used:]
 
 
 def _error(plain: bytes) -> tuple[int, str]:

@@ -49,7 +49,7 @@ from replica_agent.errors import BlockStoreError
 from replica_agent.fallback import ClientStats, Fallback
 from replica_agent.grpc_calls import GrpcCalls
 from replica_agent.targets import balancing_options, grpc_target
-from replica_agent.transport import Payload, View
+from replica_agent.transport import Payload, PieceSink, View
 
 DEFAULT_FRAME_BYTES = 4 << 20
 MAX_MESSAGE_BYTES = 64 << 20
@@ -203,17 +203,36 @@ class BlockClient:
         views = self._transport.read(tenant, model, digests, keep=True, deadline=deadline)
         return list(map(bytes, views))
 
-    def get_views(self, tenant: str, model: str, digests: Sequence[bytes]) -> list[View]:
+    def get_views(
+        self,
+        tenant: str,
+        model: str,
+        digests: Sequence[bytes],
+        *,
+        pieces: PieceSink | None = None,
+    ) -> list[View]:
         """Like `get`, without copies where the bulk channel is used: the views stay
-        valid until this thread's next call on this client. Decode them at once."""
+        valid until this thread's next call on this client. Decode them at once.
+        `pieces`: each block's bytes are fed there as they arrive, before it is
+        returned (open sealed blocks with `BlockSealer.opening` while the rest of the
+        reply is on the wire; replica_agent.transport.PieceSink)."""
         deadline = CallDeadline(self._grpc.timeout_s)
-        return list(self._transport.read(tenant, model, digests, keep=True, deadline=deadline))
+        read = self._transport.read
+        return list(read(tenant, model, digests, keep=True, deadline=deadline, pieces=pieces))
 
-    def iter_views(self, tenant: str, model: str, digests: Sequence[bytes]) -> Iterator[View]:
+    def iter_views(
+        self,
+        tenant: str,
+        model: str,
+        digests: Sequence[bytes],
+        *,
+        pieces: PieceSink | None = None,
+    ) -> Iterator[View]:
         """The leading present payloads one at a time, each valid until the next is
-        requested: the restore path's zero-copy iterator."""
+        requested: the restore path's zero-copy iterator. `pieces`: as `get_views`."""
         deadline = CallDeadline(self._grpc.timeout_s)
-        return self._transport.read(tenant, model, digests, keep=False, deadline=deadline)
+        read = self._transport.read
+        return read(tenant, model, digests, keep=False, deadline=deadline, pieces=pieces)
 
     def put(
         self, tenant: str, model: str, digests: Sequence[bytes], payloads: Sequence[Payload]

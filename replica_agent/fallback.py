@@ -44,7 +44,14 @@ from kvcommon import bulkwire as w
 from kvcommon.v1 import kvshare_pb2 as pb
 from replica_agent.deadline import CallDeadline
 from replica_agent.errors import BlockStoreError, store_error
-from replica_agent.transport import NoBulkListener, Payload, Transport, UseGrpc, View
+from replica_agent.transport import (
+    NoBulkListener,
+    Payload,
+    PieceSink,
+    Transport,
+    UseGrpc,
+    View,
+)
 
 log = logging.getLogger(__name__)
 
@@ -147,22 +154,28 @@ class Fallback:
         *,
         keep: bool,
         deadline: CallDeadline,
+        pieces: PieceSink | None = None,
     ) -> Iterator[View]:
         """The leading present payloads. The bulk channel's first block (or its end) is
         received here, where a broken connection can still fall back; the rest as the
-        caller asks."""
+        caller asks. `pieces`: as `Transport.read` (a block a broken bulk read had
+        started is fed again from its start, over gRPC)."""
         # `_bulk_now` written out, and no helper for the first block: the hot path.
         bulk = self._bulk
         if bulk is not None and self.bulk_backoff.allowed():
             try:
-                rest = bulk.read(tenant, model, digests, keep=keep, deadline=deadline)
+                rest = bulk.read(
+                    tenant, model, digests, keep=keep, deadline=deadline, pieces=pieces
+                )
                 first = next(rest, None)
             except PATH_FAILURES as error:
                 self._bulk_failed(error, deadline)
             else:
                 self.bulk_backoff.succeeded()
                 return _then(first, rest, deadline)
-        fallback = self._grpc.read(tenant, model, digests, keep=keep, deadline=deadline)
+        fallback = self._grpc.read(
+            tenant, model, digests, keep=keep, deadline=deadline, pieces=pieces
+        )
         return self._forgiving(fallback)
 
     def put(

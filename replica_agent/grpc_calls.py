@@ -25,7 +25,7 @@ from kvcommon.v1 import kvshare_pb2 as pb
 from kvcommon.v1 import kvshare_pb2_grpc as pb_grpc
 from replica_agent.deadline import CallDeadline
 from replica_agent.errors import from_rpc_error, store_error
-from replica_agent.transport import NoBulkListener, Payload
+from replica_agent.transport import NoBulkListener, Payload, PieceSink, fed_whole
 
 # No kvshare block comes near this (the server's max_block_bytes defaults to 128 MiB; a
 # 256-token block of a 70B model is 80 MiB): bigger is a broken or hostile server, whose
@@ -138,17 +138,18 @@ class GrpcCalls:
         *,
         keep: bool = True,
         deadline: CallDeadline | None = None,
+        pieces: PieceSink | None = None,
     ) -> Iterator[bytes]:
         """The leading present payloads, each yielded as soon as its last byte arrives,
         so a caller can copy block i to the device while block i+1 is on the wire.
-        Each is fresh bytes, kept whatever `keep` says."""
+        Each is fresh bytes, kept whatever `keep` says; fed whole to `pieces` first."""
         request = pb.GetRequest(
             tenant=tenant, model=model, digests=digests, max_frame_bytes=self.frame_bytes
         )
         timeout = self._timeout_s(deadline)
         call = self._stub.Get(request, timeout=timeout, metadata=self._auth() + outgoing_metadata())
         try:
-            yield from _assembled(call)
+            yield from fed_whole(_assembled(call), pieces)
         except grpc.RpcError as error:
             raise from_rpc_error(error) from None
         finally:

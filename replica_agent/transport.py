@@ -22,14 +22,20 @@ raises what the fallback rule handles (fallback.PATH_FAILURES): an `OSError` or
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import Protocol
+from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol, TypeVar
 
 from kvcommon.v1 import kvshare_pb2 as pb
 from replica_agent.deadline import CallDeadline
 
 Payload = bytes | bytearray | memoryview
 View = bytes | memoryview  # a block as read: bytes (gRPC) or a view of a reused buffer
+# Where a read's blocks are fed as their bytes arrive (`Transport.read`'s `pieces`):
+# called with a block's index and size before any of its bytes, it returns what takes
+# them, piece by piece, in order, or None for a block the reader takes whole (a small
+# one: feeding costs more than it saves). Called again for an index whose read started
+# over (the bulk channel broke and the call went over gRPC): the pieces start over too.
+PieceSink = Callable[[int, int], Callable[[memoryview], None] | None]
 
 
 class UseGrpc(Exception):
@@ -57,10 +63,13 @@ class Transport(Protocol):
         *,
         keep: bool,
         deadline: CallDeadline,
+        pieces: PieceSink | None = None,
     ) -> Iterator[View]:
         """The leading present payloads, each as soon as it arrived. `keep` False: a
         view may be valid only until the next one is asked for; True: until this
-        thread's next call."""
+        thread's next call. `pieces`: every block's bytes are fed there before the
+        block is yielded, as they arrive where the transport receives a block in
+        pieces (the sealed channel), else whole (`fed_whole`)."""
         ...
 
     def put(
@@ -77,3 +86,19 @@ class Transport(Protocol):
     def delete(self, request: pb.DeleteRequest, deadline: CallDeadline) -> int: ...
 
     def stats(self, deadline: CallDeadline) -> pb.StatsResponse: ...
+
+
+B = TypeVar("B", bytes, memoryview)
+
+
+def fed_whole(blocks: Iterator[B], pieces: PieceSink | None) -> Iterator[B]:
+    """`blocks`, each fed whole to `pieces` before it is yielded: how a transport that
+    has a block only once all of it arrived honours `pieces`."""
+    if pieces is None:
+        yield from blocks
+        return
+    for index, block in enumerate(blocks):
+        feed = pieces(index, len(block))
+        if feed is not None:
+            feed(memoryview(block))
+        yield block

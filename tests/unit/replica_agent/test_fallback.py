@@ -12,7 +12,7 @@ from kvcommon.v1 import kvshare_pb2 as pb
 from replica_agent.deadline import CallDeadline
 from replica_agent.errors import BlockStoreError, store_error
 from replica_agent.fallback import ClientStats, Fallback
-from replica_agent.transport import NoBulkListener, Payload, UseGrpc, View
+from replica_agent.transport import NoBulkListener, Payload, PieceSink, UseGrpc, View
 
 MODEL = "m"
 DIGESTS = [b"d" * 32]
@@ -48,6 +48,7 @@ class Scripted:
         *,
         keep: bool,
         deadline: CallDeadline,
+        pieces: PieceSink | None = None,
     ) -> Iterator[View]:
         self._answer()
         yield self.name.encode()

@@ -69,9 +69,6 @@ SEALED_HELLO_METHOD = "kvshare.bulk/SealedHello"
 # the most client processes a cell can have without falling back to gRPC; the bench's
 # server gives the principal as many same-host arenas.
 MAX_BULK_CONNECTIONS = 64
-# Sealed blocks from this size up are opened piece by piece as they arrive
-# (BlockSealer.opening); smaller ones arrive in about one piece anyway.
-STREAM_OPEN_MIN_BYTES = 512 << 10
 
 
 @dataclass(frozen=True)
@@ -146,35 +143,16 @@ class KvshareClient:
 
     def get(self, keys: Sequence[bytes]) -> Sequence[Any]:
         # Views into the client's reused buffer, as the agent decodes them (no copy).
+        found: Sequence[Any] = self._client.get_views(self._tenant, self._model, list(keys))
         if self._sealer is None:
-            return list(self._client.get_views(self._tenant, self._model, list(keys)))
-        # Sealed: a large block is opened as its bytes arrive, while the rest is on the
-        # wire, into a buffer kept for its index (by index: a read that started over, a
-        # fallback to gRPC, opens afresh); a small one once it is in, as the agent does.
-        from policy.sealing import HEADER_BYTES, TAG_BYTES
+            return found
+        from policy.sealing import opened_bytes
 
-        openings: dict[int, Any] = {}
-
-        def opening(index: int, sealed_bytes: int) -> Any:
-            if sealed_bytes < STREAM_OPEN_MIN_BYTES:
-                openings.pop(index, None)
-                return None
-            out = self._opening.one(index, max(sealed_bytes - HEADER_BYTES - TAG_BYTES, 0))
-            block = self._sealer.opening(self._tenant, self._model, keys[index], sealed_bytes, out)
-            openings[index] = block
-            return block.feed
-
-        found = self._client.get_views(self._tenant, self._model, list(keys), pieces=opening)
-        opened = []
-        for index, sealed in enumerate(found):
-            streamed = openings.get(index)
-            if streamed is not None:
-                opened.append(streamed.finish())
-            else:
-                out = self._opening.one(index, max(len(sealed) - HEADER_BYTES - TAG_BYTES, 0))
-                key = keys[index]
-                opened.append(self._sealer.open_into(self._tenant, self._model, key, sealed, out))
-        return opened
+        outs = self._opening.take([opened_bytes(sealed) for sealed in found])
+        return [
+            self._sealer.open_into(self._tenant, self._model, key, sealed, out)
+            for key, sealed, out in zip(keys, found, outs, strict=False)
+        ]
 
     def close(self) -> None:
         self._client.close()
@@ -188,15 +166,12 @@ class _Kept:
         self._buffers: list[bytearray] = []
 
     def take(self, sizes: Sequence[int]) -> list[memoryview]:
-        return [self.one(index, size) for index, size in enumerate(sizes)]
-
-    def one(self, index: int, size: int) -> memoryview:
-        """Block `index`'s buffer, at least `size` bytes."""
-        while len(self._buffers) <= index:
+        while len(self._buffers) < len(sizes):
             self._buffers.append(bytearray())
-        if len(self._buffers[index]) < size:
-            self._buffers[index] = bytearray(size)
-        return memoryview(self._buffers[index])[:size]
+        for index, size in enumerate(sizes):
+            if len(self._buffers[index]) < size:
+                self._buffers[index] = bytearray(size)
+        return [memoryview(self._buffers[i])[:size] for i, size in enumerate(sizes)]
 
 
 class KvshareSystem:

@@ -193,7 +193,7 @@ class BulkChannel:
             return self._read_sealed(tenant, conn, model, digests, keep=keep, pieces=pieces)
         if conn.arena is None:
             streamed = read_streamed(conn, model, digests, keep=keep, drop=self._dropper(tenant))
-            return streamed if pieces is None else fed_whole(streamed, pieces)
+            return fed_whole(streamed, pieces)
 
         def over_tcp(rest: Sequence[bytes]) -> Iterator[memoryview]:
             tcp = self._connection(tenant, deadline, tcp=True)
@@ -204,7 +204,7 @@ class BulkChannel:
         local = read_arena(
             conn, model, digests, keep=keep, drop=self._dropper(tenant), over_tcp=over_tcp
         )
-        return local if pieces is None else fed_whole(local, pieces)
+        return fed_whole(local, pieces)
 
     def _read_sealed(
         self,

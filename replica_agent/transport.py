@@ -93,10 +93,12 @@ B = TypeVar("B", bytes, memoryview)
 
 def fed_whole(blocks: Iterator[B], pieces: PieceSink | None) -> Iterator[B]:
     """`blocks`, each fed whole to `pieces` before it is yielded: how a transport that
-    has a block only once all of it arrived honours `pieces`."""
-    if pieces is None:
-        yield from blocks
-        return
+    has a block only once all of it arrived honours `pieces`. Without `pieces`,
+    `blocks` itself (no generator between a read and its caller)."""
+    return blocks if pieces is None else _fed_whole(blocks, pieces)
+
+
+def _fed_whole(blocks: Iterator[B], pieces: PieceSink) -> Iterator[B]:
     for index, block in enumerate(blocks):
         feed = pieces(index, len(block))
         if feed is not None:

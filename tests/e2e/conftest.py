@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.mitm import Mitm
 from tests.support.servers import Running, launch, write_config
 
 
@@ -22,3 +23,12 @@ def server(tmp_path: Path) -> Iterator[Running]:
     )
     with launch(tenancy) as running:
         yield running
+
+
+@pytest.fixture
+def mitm() -> Iterator[Mitm]:
+    """A relay on loopback where the network is (tests.support.mitm), for the sealed
+    channel's tests; closed after the test."""
+    relay = Mitm()
+    yield relay
+    relay.close()

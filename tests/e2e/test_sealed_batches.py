@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,13 +62,6 @@ HEADER = 1 + w.BATCH.size  # a batch header's plaintext before its sizes
 @pytest.fixture
 def tenancy(tmp_path: Path, certs: Certs) -> Tenancy:
     return require_sealed(isolation_config(tmp_path, certs))
-
-
-@pytest.fixture
-def mitm() -> Iterator[Mitm]:
-    relay = Mitm()
-    yield relay
-    relay.close()
 
 
 @pytest.fixture

@@ -30,13 +30,6 @@ SEALER = BlockSealer(CURRENT)
 
 
 @pytest.fixture
-def mitm() -> Iterator[Mitm]:
-    relay = Mitm()
-    yield relay
-    relay.close()
-
-
-@pytest.fixture
 def store(tmp_path: Path, certs: Certs, mitm: Mitm) -> Iterator[Running]:
     running = start_behind(mitm, require_sealed(isolation_config(tmp_path, certs)), certs)
     yield running

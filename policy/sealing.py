@@ -303,13 +303,26 @@ class BlockSealer:
         or SealError when its header does not name a key of the tenant."""
         if len(sealed) < HEADER_BYTES + TAG_BYTES:
             raise SealError("block cannot be opened")
-        magic, fmt, version, nonce = _HEADER.unpack_from(sealed)
-        key = self.keyring.key(tenant, version)
-        if magic != MAGIC or fmt != FORMAT or key is None:
+        named = _header_key(self.keyring, tenant, sealed)
+        if named is None:
             raise SealError("block cannot be opened")
+        key, version, nonce = named
         ad = associated_data(tenant, model, digest, version)
         body = memoryview(sealed).cast("B")[HEADER_BYTES:]
         return _subkey(key, nonce), nonce[12:], body, ad
+
+
+def _header_key(
+    keyring: Keyring, tenant: str, sealed: bytes | bytearray | memoryview
+) -> tuple[bytes, int, bytes] | None:
+    """The tenant's key the sealed header at the start of `sealed` names, its version
+    and the block's nonce; None when the header is not this format's or names no key
+    of the tenant (what `open` and `BlockOpening` refuse alike)."""
+    magic, fmt, version, nonce = _HEADER.unpack_from(sealed)
+    key = keyring.key(tenant, version)
+    if magic != MAGIC or fmt != FORMAT or key is None:
+        return None
+    return key, version, nonce
 
 
 class BlockOpening:
@@ -380,11 +393,11 @@ class BlockOpening:
         raise SealError("block cannot be opened")
 
     def _begin(self) -> None:
-        magic, fmt, version, nonce = _HEADER.unpack(self._head)
-        key = self._keyring.key(self._tenant, version)
-        if magic != MAGIC or fmt != FORMAT or key is None:
+        named = _header_key(self._keyring, self._tenant, self._head)
+        if named is None:
             self._ok = False
             return
+        key, version, nonce = named
         ad = associated_data(self._tenant, self._model, self._digest, version)
         mode = modes.GCM(nonce[12:])
         self._decryptor = Cipher(algorithms.AES(_subkey_bytes(key, nonce)), mode).decryptor()
